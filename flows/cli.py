@@ -1,0 +1,118 @@
+"""The ``capo`` command line: setup, rounds, single stages, SQL over the catalog.
+
+    capo setup                       convert embedded models, ingest GSM8K (idempotent)
+    capo round --round 1             run one round here, without Prefect (same stages)
+    capo stage critique --round 1    one stage (what the flows start in child processes)
+    capo sql "SELECT ..."            query the DuckDB catalog read-only
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="CAPO: LLM-as-GenPRM credit assignment for RL on math.")
+
+DEFAULT_CONFIG = "configs/default.yaml"
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _cfg(config: Optional[str], overrides: Optional[list[str]]):
+    from pipeline.config import load_config
+
+    return load_config(config, overrides or [])
+
+
+@app.command()
+def setup(
+    config: str = typer.Option(DEFAULT_CONFIG, help="config whose models and prompts to prepare"),
+    models: Optional[list[str]] = typer.Option(None, "--model", help="extra embedded model names to convert"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value overrides"),
+) -> None:
+    """Convert the config's embedded models to HF checkpoints and ingest its prompt tables."""
+    _setup_logging()
+    from pipeline.stages import prompts_path, resolve_model
+
+    cfg = _cfg(config, overrides)
+    out = {"policy": resolve_model(cfg.rollout.policy, cfg)}
+    if cfg.critique.enabled:
+        out["critic"] = resolve_model(cfg.critique.critic, cfg)
+    for m in models or []:
+        out[m] = resolve_model(m, cfg)
+    out["train_prompts"] = str(prompts_path(cfg))
+    typer.echo(json.dumps(out, indent=1))
+
+
+@app.command("round")
+def round_cmd(
+    round: int = typer.Option(1, "--round", "-r", help="round number (1 samples from the starting policy)"),
+    config: str = typer.Option(DEFAULT_CONFIG, help="YAML config"),
+    force: Optional[list[str]] = typer.Option(None, help="stage(s) to recompute even when current"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value overrides"),
+) -> None:
+    """Run one round (every stage, skipping finished ones) without Prefect."""
+    _setup_logging()
+    from flows.runner import run_stage
+    from pipeline.stages import STAGES
+    from pipeline.storage import refresh_catalog
+
+    cfg = _cfg(config, overrides)
+    for name in STAGES:
+        run_stage(name, cfg, round, force=name in (force or []))
+    typer.echo(f"catalog: {refresh_catalog(Path(cfg.runs_dir), Path(cfg.data_dir))}")
+
+
+@app.command()
+def stage(
+    name: str = typer.Argument(..., help="rollout | verify | segment | critique | vote | reward | train"),
+    round: int = typer.Option(1, "--round", "-r"),
+    config: str = typer.Option(DEFAULT_CONFIG),
+    force: bool = typer.Option(False, help="recompute even when current"),
+    overrides: Optional[list[str]] = typer.Argument(None),
+) -> None:
+    """Run a single stage in this process."""
+    _setup_logging()
+    from flows.runner import RESULT_TAG, stage_function
+
+    res = stage_function(name)(_cfg(config, overrides), round, force=force)
+    print(RESULT_TAG + json.dumps(dataclasses.asdict(res)), flush=True)
+
+
+@app.command()
+def sql(
+    query: str = typer.Argument(..., help="SQL over the catalog views (rollouts, critiques, ...)"),
+    runs_dir: str = typer.Option("runs", help="directory holding catalog.duckdb"),
+    max_rows: int = typer.Option(50, help="rows to print"),
+) -> None:
+    """Run SQL on the DuckDB catalog, opened read-only (safe while a round is running)."""
+    import duckdb
+
+    path = Path(runs_dir) / "catalog.duckdb"
+    if not path.exists():
+        raise typer.BadParameter(f"no catalog at {path}; run a round first (or `capo catalog`)")
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        con.sql(query).show(max_rows=max_rows, max_width=200)
+    finally:
+        con.close()
+
+
+@app.command()
+def catalog(runs_dir: str = "runs", data_dir: str = "data") -> None:
+    """Rebuild the DuckDB catalog views over every run's tables."""
+    from pipeline.storage import refresh_catalog
+
+    typer.echo(str(refresh_catalog(Path(runs_dir), Path(data_dir))))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,120 @@
+"""Run one stage of a round: in this process (light stages) or in a child process (heavy ones).
+
+Heavy stages (rollout, critique, train) load models; running each in its own process returns its
+memory when it ends and keeps vLLM's engine out of the orchestrator. Whether a stage is current is
+checked here first, in-process, so resuming a finished round never starts a child process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from pipeline import storage
+from pipeline.config import CAPOConfig, section_hash
+from pipeline.stages import HEAVY_STAGES, STAGES, StageResult, round_paths, stage_key
+
+RESULT_TAG = "CAPO_STAGE_RESULT "
+_OUTPUT = {"rollout": "rollouts", "verify": "outcomes", "segment": "steps", "critique": "critiques",
+           "vote": "step_verdicts", "reward": "token_rewards", "train": "checkpoint"}
+
+
+def stage_function(name: str):
+    """The function that computes stage ``name`` (imported lazily: models load only when needed)."""
+    if name in ("rollout", "critique"):
+        from pipeline import stage_generate as m
+
+        return getattr(m, f"{name}_stage")
+    if name in ("verify", "segment", "vote", "reward"):
+        from pipeline import stage_score as m
+
+        return getattr(m, f"{name}_stage")
+    if name == "train":
+        from train.trainer import train_stage
+
+        return train_stage
+    raise ValueError(f"unknown stage {name!r}; valid: {list(STAGES)}")
+
+
+def check_current(name: str, cfg: CAPOConfig, round_idx: int) -> storage.Currency:
+    """Is stage ``name`` of the round current? (cheap: manifests and file stats only)."""
+    out = round_paths(cfg, round_idx)[_OUTPUT[name]]
+    cur = storage.is_current(out, stage_key(name, cfg, round_idx))
+    if cur.current and name == "train":
+        metrics = storage.is_current(round_paths(cfg, round_idx)["train_metrics"], stage_key(name, cfg, round_idx))
+        if not metrics.current:
+            return metrics
+    return cur
+
+
+def write_resolved_config(cfg: CAPOConfig, round_idx: int) -> Path:
+    """The resolved config as YAML in the round dir, named by its hash (what child processes read)."""
+    path = round_paths(cfg, round_idx)["round_dir"] / f".config-{section_hash(cfg)}.yaml"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        os.replace(tmp, path)
+    return path
+
+
+def run_stage(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger | None = None,
+              force: bool = False) -> StageResult:
+    """Run stage ``name`` of round ``round_idx`` unless it is current; return what happened.
+
+    Raises:
+        RuntimeError: a child process failed (its exit code and last output lines are in the message).
+    """
+    logger = logger or logging.getLogger("capo.flows")
+    if name == "critique" and not cfg.critique.enabled or name == "vote" and not cfg.critique.enabled:
+        res = StageResult(name, "", True, "critique.enabled is false (GRPO baseline): no critic")
+        logger.info(res.line())
+        return res
+    if not force:
+        cur = check_current(name, cfg, round_idx)
+        if cur.current:
+            res = StageResult(name, str(round_paths(cfg, round_idx)[_OUTPUT[name]]), True, cur.reason)
+            logger.info(res.line())
+            return res
+    if name not in HEAVY_STAGES:
+        return stage_function(name)(cfg, round_idx, force=force)
+    return _run_child(name, cfg, round_idx, logger, force)
+
+
+def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger, force: bool) -> StageResult:
+    conf = write_resolved_config(cfg, round_idx)
+    if name == "train" and cfg.train.launcher:
+        cmd = [*cfg.train.launcher, "-m", "train.trainer", "--config", str(conf), "--round", str(round_idx)]
+    else:
+        cmd = [sys.executable, "-m", "flows.cli", "stage", name, "--config", str(conf), "--round", str(round_idx)]
+    if force:
+        cmd.append("--force")
+    logger.info("[%s] starting child process: %s", name, " ".join(cmd))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=Path(__file__).resolve().parent.parent)
+    tail: list[str] = []
+    result = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        if line.startswith(RESULT_TAG):
+            result = StageResult(**json.loads(line[len(RESULT_TAG):]))
+            continue
+        for part in line.split("\r"):
+            if part.strip():
+                logger.info("[%s] %s", name, part.strip())
+                tail = (tail + [part])[-20:]
+    code = proc.wait()
+    if code != 0:
+        raise RuntimeError(f"stage {name!r} of round {round_idx} failed (exit code {code}); last output:\n" + "\n".join(tail))
+    if result is None:
+        result = StageResult(name, "", False, "child process finished (no result line)")
+    logger.info(result.line())
+    return result

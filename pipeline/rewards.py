@@ -1,0 +1,187 @@
+"""Per-token rewards and group-normalized advantages (pure numpy).
+
+CAPO (arXiv 2508.02298) §3 "asymmetric reward shaping": each token gets the outcome reward
+scaled by ``C`` (W_whole) minus a process penalty ``P`` (W_process) times its step's voted
+weight, ``R[i, t] = C * r_v[i] - P * w[i, step(t)]`` (DESIGN.md §1 item 7). Advantages are
+normalized over ALL tokens of ALL responses of a prompt's group, never over per-response sums
+(DESIGN.md §1 item 8).
+
+Flat layout: the tokens of B responses are concatenated into (N,) arrays; ``offsets`` (B+1,)
+int64 are the row boundaries (as in a pyarrow list array): response ``b`` owns tokens
+``offsets[b]:offsets[b+1]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _check_offsets(offsets: np.ndarray, n_rows: int | None, n_tokens: int | None) -> np.ndarray:
+    """(B+1,) int64 offsets, checked: starts at 0, non-decreasing, matches the sizes given."""
+    off = np.asarray(offsets, dtype=np.int64)
+    if off.ndim != 1 or off.size == 0 or off[0] != 0 or np.any(np.diff(off) < 0):
+        raise ValueError(
+            f"offsets must be 1-D (B+1,), start at 0 and never decrease; got {off.tolist()[:8]}"
+        )
+    if n_rows is not None and off.size != n_rows + 1:
+        raise ValueError(f"offsets has {off.size} entries; expected B+1 = {n_rows + 1}")
+    if n_tokens is not None and off[-1] != n_tokens:
+        raise ValueError(f"offsets[-1] = {int(off[-1])} but there are {n_tokens} tokens")
+    return off
+
+
+def check_reward_weights(C: float, P: float) -> None:
+    """Check the reward weights keep the paper's ordering (CAPO §3; DESIGN.md §1 item 7).
+
+    With ``C > P`` a right answer with a flawed step (``C - P``) still beats a wrong answer with
+    clean steps (0). Kept apart from ``token_rewards`` so callers (the config) decide to enforce.
+
+    Raises:
+        ValueError: ``C`` or ``P`` negative, or ``P > 0`` and ``C <= P``.
+    """
+    if C < 0 or P < 0:
+        raise ValueError(f"reward weights must be >= 0, got C={C}, P={P}")
+    if P > 0 and C <= P:
+        raise ValueError(
+            f"C={C} <= P={P}: keep C > P so a right answer with a flawed step still beats a "
+            "wrong answer with clean steps (paper default C=2, P=1)"
+        )
+
+
+def broadcast_to_tokens(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Repeat one value per response over that response's tokens.
+
+    Args:
+        values: (B,) any dtype.
+        offsets: (B+1,) int64 row boundaries.
+
+    Returns:
+        (N,) with ``values.dtype``, ``N = offsets[-1]``.
+    """
+    values_B = np.asarray(values)
+    off = _check_offsets(offsets, n_rows=len(values_B), n_tokens=None)
+    return np.repeat(values_B, np.diff(off))
+
+
+def token_rewards(
+    outcome: np.ndarray, token_weight: np.ndarray, offsets: np.ndarray, C: float, P: float
+) -> np.ndarray:
+    """Per-token reward ``R = C * r_v[response] - P * w_token`` (CAPO §3; DESIGN.md §1 item 7).
+
+    With C=2, P=1: right answer + right step 2, right + wrong step 1, wrong + right step 0,
+    wrong + wrong step -1. ``P = 0`` gives plain outcome rewards ``C * r_v``.
+
+    Args:
+        outcome: (B,) verifier reward ``r_v`` per response, in [0, 1] (0 or 1 from the rule
+            verifier).
+        token_weight: (N,) voted weight in [0, 1] of the step owning each token.
+        offsets: (B+1,) int64 row boundaries.
+        C: outcome weight (W_whole), >= 0.
+        P: process penalty weight (W_process), >= 0. ``check_reward_weights`` enforces C > P.
+
+    Returns:
+        (N,) float32 rewards, in ``[C*r_v - P, C*r_v]``.
+
+    Raises:
+        ValueError: bad offsets, ``C`` or ``P`` negative, ``outcome`` or ``token_weight``
+            outside [0, 1].
+    """
+    outcome_B = np.asarray(outcome, dtype=np.float64)
+    weight_N = np.asarray(token_weight, dtype=np.float64)
+    off = _check_offsets(offsets, n_rows=len(outcome_B), n_tokens=len(weight_N))
+    if C < 0 or P < 0:
+        raise ValueError(f"reward weights must be >= 0, got C={C}, P={P}")
+    for name, arr in (("outcome", outcome_B), ("token_weight", weight_N)):
+        if arr.size and not (np.all(arr >= 0) and np.all(arr <= 1)):
+            raise ValueError(f"{name} must lie in [0, 1], got range [{arr.min()}, {arr.max()}]")
+    outcome_N = np.repeat(outcome_B, np.diff(off))  # (N,)
+    return (C * outcome_N - P * weight_N).astype(np.float32)
+
+
+def _group_normalize(
+    values_N: np.ndarray, group_N: np.ndarray, scale_by_std: bool, eps: float
+) -> np.ndarray:
+    """(x - mean_g) / (std_g + eps) over all entries of each group; std with ddof=1 and 0 for a
+    group with < 2 entries. float64 accumulation, float32 out."""
+    _, dense_N = np.unique(group_N, return_inverse=True)
+    dense_N = dense_N.reshape(-1)
+    count_G = np.bincount(dense_N).astype(np.float64)
+    mean_G = np.bincount(dense_N, weights=values_N) / np.maximum(count_G, 1.0)
+    centered_N = values_N - mean_G[dense_N]
+    if not scale_by_std:
+        return centered_N.astype(np.float32)
+    sq_dev_G = np.bincount(dense_N, weights=centered_N * centered_N)
+    var_G = np.where(count_G >= 2, sq_dev_G / np.maximum(count_G - 1.0, 1.0), 0.0)
+    std_G = np.sqrt(var_G)
+    return (centered_N / (std_G[dense_N] + eps)).astype(np.float32)
+
+
+def group_token_advantages(
+    rewards: np.ndarray,
+    offsets: np.ndarray,
+    group_ids: np.ndarray,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> np.ndarray:
+    """Token-level group-normalized advantage (CAPO §3; DESIGN.md §1 item 8).
+
+    ``A[i, t] = (R[i, t] - mean_g(R)) / (std_g(R) + eps)``, where the mean and std run over ALL
+    tokens of ALL responses in response ``i``'s group ``g`` (std with Bessel's correction,
+    ddof=1, like ``torch.std``; 0 for a group with < 2 tokens). A response's rewards are never
+    summed first: that would erase the per-step credit. ``scale_by_std=False`` skips the
+    division (Dr.GRPO).
+
+    Args:
+        rewards: (N,) token rewards (``token_rewards``).
+        offsets: (B+1,) int64 row boundaries.
+        group_ids: (B,) int, the prompt group of each response (any labels).
+        scale_by_std: divide by ``std_g + eps``.
+        eps: added to the std, > 0 avoids division by zero.
+
+    Returns:
+        (N,) float32 advantages.
+
+    Raises:
+        ValueError: bad offsets, or ``group_ids`` not of length B.
+    """
+    rewards_N = np.asarray(rewards, dtype=np.float64)
+    groups_B = np.asarray(group_ids)
+    off = _check_offsets(offsets, n_rows=None, n_tokens=len(rewards_N))
+    if groups_B.shape != (off.size - 1,):
+        raise ValueError(f"group_ids has shape {groups_B.shape}; expected (B,) = ({off.size - 1},)")
+    group_N = np.repeat(groups_B, np.diff(off))  # (N,)
+    return _group_normalize(rewards_N, group_N, scale_by_std, eps)
+
+
+def grpo_sequence_advantages(
+    outcome_reward: np.ndarray,
+    group_ids: np.ndarray,
+    scale_by_std: bool = True,
+    eps: float = 1e-4,
+) -> np.ndarray:
+    """Standard GRPO advantage, one per response (the GRPO-Rule / GenORM baselines).
+
+    ``A_i = (r_i - mean_g(r)) / (std_g(r) + eps)`` with ddof=1 and eps 1e-4, as in TRL's
+    GRPOTrainer (``rewards.view(-1, G).mean(1)``, ``.std(1)``). Unlike TRL, a group of one gives
+    advantage 0 rather than NaN (``torch.std`` of one value is NaN). Broadcast to tokens with
+    ``broadcast_to_tokens``.
+
+    Args:
+        outcome_reward: (B,) reward per response.
+        group_ids: (B,) int, the prompt group of each response.
+        scale_by_std: divide by ``std_g + eps`` (False: Dr.GRPO).
+        eps: added to the std.
+
+    Returns:
+        (B,) float32 advantages.
+
+    Raises:
+        ValueError: ``outcome_reward`` and ``group_ids`` differ in shape or are not 1-D.
+    """
+    reward_B = np.asarray(outcome_reward, dtype=np.float64)
+    groups_B = np.asarray(group_ids)
+    if reward_B.ndim != 1 or groups_B.shape != reward_B.shape:
+        raise ValueError(
+            f"outcome_reward {reward_B.shape} and group_ids {groups_B.shape} must both be (B,)"
+        )
+    return _group_normalize(reward_B, groups_B, scale_by_std, eps)

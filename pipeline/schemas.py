@@ -1,0 +1,159 @@
+"""The tables stages hand to each other: one explicit ``pyarrow.schema`` each (single source).
+
+Every stage writes exactly these columns and every reader checks them with :func:`check_schema`.
+Per-token arrays are list columns (one row per response) so a round of 1e7 tokens stays a few
+hundred MB and DuckDB can still ``UNNEST`` them. Ids are strings, counts int32, rewards float32.
+
+Layout of one run (``<runs_dir>/<run_id>/``)::
+
+    round_001/rollouts.parquet        one row per response
+    round_001/outcomes.parquet        one row per response (math-verify result)
+    round_001/steps.parquet           one row per step
+    round_001/critiques.parquet       one row per critique (N per response)
+    round_001/step_verdicts.parquet   one row per step x voting rule
+    round_001/variants/<variant>/token_rewards.parquet   one row per response
+    round_001/variants/<variant>/train_metrics.parquet   one row per optimizer step x metric
+    round_001/variants/<variant>/checkpoint/             next policy (save_pretrained)
+
+Each ``X.parquet`` has a ``X.manifest.json`` beside it (see :mod:`pipeline.storage`).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from pipeline.prompts import PROMPTS_SCHEMA
+
+_RUN = [pa.field("run_id", pa.string(), nullable=False), pa.field("round", pa.int32(), nullable=False)]
+
+ROLLOUTS_SCHEMA = pa.schema(
+    _RUN
+    + [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("sample_idx", pa.int32(), nullable=False),
+        pa.field("policy", pa.string()),  # checkpoint path or model id that sampled it
+        pa.field("prompt_token_ids", pa.list_(pa.int32())),  # chat-templated prompt
+        pa.field("response_text", pa.string()),
+        pa.field("response_token_ids", pa.list_(pa.int32())),  # includes EOS when it stopped
+        pa.field("rollout_logprobs", pa.list_(pa.float32())),  # sampler's log-prob per token, nats
+        pa.field("finish_reason", pa.string()),  # stop | length
+        pa.field("num_tokens", pa.int32()),
+    ]
+)
+
+OUTCOMES_SCHEMA = pa.schema(
+    _RUN
+    + [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("gold_answer", pa.string()),
+        pa.field("extracted_answer", pa.string()),  # what math-verify parsed from the response
+        pa.field("outcome_correct", pa.bool_(), nullable=False),  # r_v
+        pa.field("verify_status", pa.string()),  # ok | no_answer | timeout | error:<type>
+    ]
+)
+
+STEPS_SCHEMA = pa.schema(
+    _RUN
+    + [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("step_idx", pa.int32(), nullable=False),
+        pa.field("n_steps", pa.int32()),
+        pa.field("char_start", pa.int32()),  # character offsets in response_text, end exclusive
+        pa.field("char_end", pa.int32()),
+        pa.field("token_start", pa.int32()),  # index into response_token_ids, end exclusive
+        pa.field("token_end", pa.int32()),
+        pa.field("step_text", pa.string()),
+        pa.field("empty_response", pa.bool_()),
+    ]
+)
+
+CRITIQUES_SCHEMA = pa.schema(
+    _RUN
+    + [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("critique_idx", pa.int32(), nullable=False),
+        pa.field("critic_model", pa.string()),
+        pa.field("template_version", pa.string()),
+        pa.field("include_gold_answer", pa.bool_()),
+        pa.field("n_steps", pa.int32()),
+        pa.field("raw_text", pa.string()),
+        pa.field("wrong_steps", pa.list_(pa.int32())),  # null unless parse_status == ok
+        pa.field("parse_status", pa.string(), nullable=False),
+        pa.field("critic_tokens", pa.int32()),  # generated tokens
+        pa.field("finish_reason", pa.string()),
+    ]
+)
+
+STEP_VERDICTS_SCHEMA = pa.schema(
+    _RUN
+    + [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("step_idx", pa.int32(), nullable=False),
+        pa.field("rule", pa.string(), nullable=False),
+        pa.field("n_valid", pa.int32()),
+        pa.field("n_flagged", pa.int32()),
+        pa.field("weight", pa.float32()),  # w_s in [0, 1]
+    ]
+)
+
+TOKEN_REWARDS_SCHEMA = pa.schema(
+    _RUN
+    + [
+        pa.field("variant", pa.string(), nullable=False),
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("outcome_correct", pa.bool_()),
+        pa.field("rule", pa.string()),
+        pa.field("n_valid_critiques", pa.int32()),
+        pa.field("rewards", pa.list_(pa.float32())),  # R[t] = C*r_v - P*w[step(t)]
+        pa.field("advantages", pa.list_(pa.float32())),  # A[t]
+        pa.field("reward_config_hash", pa.string()),
+    ]
+)
+
+TRAIN_METRICS_SCHEMA = pa.schema(
+    _RUN
+    + [
+        pa.field("variant", pa.string(), nullable=False),
+        pa.field("step", pa.int32(), nullable=False),  # optimizer step within the round
+        pa.field("name", pa.string(), nullable=False),
+        pa.field("value", pa.float64()),
+    ]
+)
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "prompts": PROMPTS_SCHEMA,
+    "rollouts": ROLLOUTS_SCHEMA,
+    "outcomes": OUTCOMES_SCHEMA,
+    "steps": STEPS_SCHEMA,
+    "critiques": CRITIQUES_SCHEMA,
+    "step_verdicts": STEP_VERDICTS_SCHEMA,
+    "token_rewards": TOKEN_REWARDS_SCHEMA,
+    "train_metrics": TRAIN_METRICS_SCHEMA,
+}
+
+ROUND_TABLES = ("rollouts", "outcomes", "steps", "critiques", "step_verdicts")
+VARIANT_TABLES = ("token_rewards", "train_metrics")
+
+
+def check_schema(table: pa.Table, name: str, source: str = "") -> pa.Table:
+    """Check that ``table`` has the columns and types of table ``name``; return it in schema order.
+
+    Raises:
+        KeyError: unknown table name (lists the valid ones).
+        ValueError: a missing column or a column of another type (names both).
+    """
+    if name not in SCHEMAS:
+        raise KeyError(f"unknown table {name!r}; valid: {sorted(SCHEMAS)}")
+    schema = SCHEMAS[name]
+    where = f" in {source}" if source else ""
+    missing = [f.name for f in schema if f.name not in table.column_names]
+    if missing:
+        raise ValueError(f"table {name!r}{where} lacks columns {missing}; expected {schema.names}")
+    for f in schema:
+        got = table.schema.field(f.name).type
+        if got != f.type:
+            raise ValueError(f"table {name!r}{where}: column {f.name!r} is {got}, expected {f.type}")
+    return table.select(schema.names)

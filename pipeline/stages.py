@@ -1,0 +1,203 @@
+"""The stages of a CAPO round, each a function from files to files (DESIGN §2).
+
+    rollout -> verify -> segment -> critique -> vote -> reward -> train -> catalog
+
+Every stage computes a *key* (the config sections it depends on, the fingerprints of its input
+tables, model ids, template version, code version is recorded but not keyed) and skips itself when
+its output is current under that key (:func:`pipeline.storage.is_current`). Heavy stages (rollout,
+critique, train) are run by the flows in their own processes through ``capo stage NAME``; the
+functions here do not care who calls them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline import storage
+from pipeline.config import CAPOConfig, section_hash
+from pipeline.schemas import SCHEMAS
+
+log = logging.getLogger("capo.stages")
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What a stage did: ``skipped`` with the reason, or ran and wrote ``rows`` rows."""
+
+    stage: str
+    path: str
+    skipped: bool
+    reason: str
+    rows: int | None = None
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        verb = "skipped" if self.skipped else f"wrote {self.rows} rows in {self.seconds:.1f}s"
+        return f"[{self.stage}] {verb}: {self.reason}"
+
+
+# ------------------------------------------------------------------------------------------- paths
+def round_paths(cfg: CAPOConfig, round_idx: int) -> dict[str, Path]:
+    """Every output path of round ``round_idx`` of ``cfg``'s run (and ``cfg.variant``)."""
+    rd = cfg.round_dir(round_idx)
+    vd = rd / "variants" / cfg.variant
+    paths = {name: rd / f"{name}.parquet" for name in ("rollouts", "outcomes", "steps", "critiques", "step_verdicts")}
+    paths.update(token_rewards=vd / "token_rewards.parquet", train_metrics=vd / "train_metrics.parquet",
+                 checkpoint=vd / "checkpoint", round_dir=rd, variant_dir=vd)
+    return paths
+
+
+def input_fp(path: Path) -> str:
+    """Fingerprint of a committed input table, from its manifest.
+
+    Raises:
+        FileNotFoundError: the input has not been committed (names the table).
+    """
+    man = storage.read_manifest(path)
+    if man is None or not path.exists():
+        raise FileNotFoundError(f"input {path} is missing or was never committed; run its stage first")
+    return man["fingerprint"]
+
+
+def _run(stage: str, out: Path, name: str, key: dict, compute, force: bool = False) -> StageResult:
+    cur = storage.is_current(out, key)
+    if cur.current and not force:
+        res = StageResult(stage, str(out), True, cur.reason)
+        log.info(res.line())
+        return res
+    log.info("[%s] running: %s", stage, cur.reason)
+    t0 = time.perf_counter()
+    table, extra = compute()
+    secs = time.perf_counter() - t0
+    man = storage.write_table(table, out, name, stage=stage, key=key,
+                              extra={"elapsed_s": round(secs, 3), **(extra or {})})
+    res = StageResult(stage, str(out), False, cur.reason, man["rows"], secs)
+    log.info(res.line())
+    return res
+
+
+# ---------------------------------------------------------------------------------- policy/prompts
+def data_root(cfg: CAPOConfig) -> Path:
+    return Path(cfg.data_dir).resolve()
+
+
+def resolve_model(name_or_path: str, cfg: CAPOConfig, dtype: str = "bfloat16") -> str:
+    """Embedded model name -> its converted checkpoint dir; anything else is returned unchanged."""
+    from pipeline.assets import EMBEDDED_MODELS, ensure_model
+
+    if name_or_path in EMBEDDED_MODELS:
+        return str(ensure_model(name_or_path, root=data_root(cfg) / "models", dtype=dtype))
+    return name_or_path
+
+
+def model_fingerprint(model: str) -> str:
+    p = Path(model)
+    return storage.dir_fingerprint(p) if p.is_dir() else f"id:{model}"
+
+
+def policy_for_round(cfg: CAPOConfig, round_idx: int) -> str:
+    """Round 1 samples from ``rollout.policy``; round k > 1 from round k-1's checkpoint.
+
+    Raises:
+        FileNotFoundError: round k-1 has not written its checkpoint.
+    """
+    if round_idx == 1:
+        return resolve_model(cfg.rollout.policy, cfg)
+    prev = round_paths(cfg, round_idx - 1)["checkpoint"]
+    if storage.read_manifest(prev) is None:
+        raise FileNotFoundError(
+            f"round {round_idx} samples from round {round_idx - 1}'s checkpoint {prev}, which does not "
+            f"exist yet: run round {round_idx - 1} first (capo round --round {round_idx - 1})")
+    return str(prev)
+
+
+def prompts_path(cfg: CAPOConfig) -> Path:
+    """The prompt table of ``data.train_prompts`` (embedded GSM8K is ingested on first use)."""
+    from pipeline.prompts import ensure_embedded_prompts, ingest_prompts
+
+    src, split = cfg.data.train_prompts, cfg.data.train_split
+    root = data_root(cfg) / "prompts"
+    if src == "gsm8k":
+        return ensure_embedded_prompts(root)[f"gsm8k_{split}"]
+    out = root / f"{Path(src).stem if Path(src).exists() else src.replace('/', '_')}_{split}.parquet"
+    if not out.exists():
+        ingest_prompts(src, split, out)
+    return out
+
+
+def select_prompt_indices(n_prompts: int, per_round: int, round_idx: int, seed: int) -> np.ndarray:
+    """Indices of the prompts of round ``round_idx`` (1-based).
+
+    A seeded permutation per epoch; rounds take consecutive slices, so prompts do not repeat until
+    the training set is used up, then a new epoch (a new permutation) starts.
+    """
+    if per_round > n_prompts:
+        raise ValueError(f"data.prompts_per_round={per_round} exceeds the {n_prompts} prompts available")
+    start, stop = (round_idx - 1) * per_round, round_idx * per_round
+    out = []
+    for pos in range(start, stop):
+        epoch, off = divmod(pos, n_prompts)
+        perm = np.random.default_rng([seed, epoch]).permutation(n_prompts)
+        out.append(perm[off])
+    return np.asarray(out, dtype=np.int64)
+
+
+# -------------------------------------------------------------------------------------------- keys
+def stage_key(stage: str, cfg: CAPOConfig, round_idx: int) -> dict:
+    """The key of ``stage`` (what its output depends on). Inputs must already be committed."""
+    p = round_paths(cfg, round_idx)
+    c = cfg.model_dump(mode="json")
+    if stage == "rollout":
+        policy = policy_for_round(cfg, round_idx)
+        return {"round": round_idx, "seed": cfg.seed, "data": c["data"], "rollout": c["rollout"],
+                "policy": model_fingerprint(policy), "prompts": storage.file_sha256(prompts_path(cfg))}
+    if stage == "verify":
+        from importlib.metadata import version
+
+        return {"rollouts": input_fp(p["rollouts"]), "prompts": storage.file_sha256(prompts_path(cfg)),
+                "verifier": f"math-verify=={version('math-verify')}"}
+    if stage == "segment":
+        return {"rollouts": input_fp(p["rollouts"]), "steps": c["steps"]}
+    if stage == "critique":
+        from pipeline.critique import TEMPLATE_VERSION
+
+        crit = {k: v for k, v in c["critique"].items() if k != "batch_rollouts"}
+        return {"steps": input_fp(p["steps"]), "rollouts": input_fp(p["rollouts"]), "critique": crit,
+                "template_version": TEMPLATE_VERSION, "prompts": storage.file_sha256(prompts_path(cfg)),
+                "critic": model_fingerprint(resolve_model(cfg.critique.critic, cfg))}
+    if stage == "vote":
+        return {"steps": input_fp(p["steps"]), "critiques": input_fp(p["critiques"]),
+                "majority_threshold": cfg.vote.majority_threshold}
+    if stage == "reward":
+        ins = {"rollouts": input_fp(p["rollouts"]), "outcomes": input_fp(p["outcomes"])}
+        if cfg.critique.enabled:
+            ins.update(steps=input_fp(p["steps"]), step_verdicts=input_fp(p["step_verdicts"]))
+        return {**ins, "critique_enabled": cfg.critique.enabled, "vote": c["vote"], "reward": c["reward"],
+                "variant": cfg.variant}
+    if stage == "train":
+        return {"rollouts": input_fp(p["rollouts"]), "token_rewards": input_fp(p["token_rewards"]),
+                "train": {k: v for k, v in c["train"].items() if k != "launcher"},
+                "policy": model_fingerprint(policy_for_round(cfg, round_idx)), "seed": cfg.seed}
+    raise ValueError(f"unknown stage {stage!r}; valid: {list(STAGES)}")
+
+
+STAGES = ("rollout", "verify", "segment", "critique", "vote", "reward", "train")
+HEAVY_STAGES = ("rollout", "critique", "train")
+
+
+def config_provenance(cfg: CAPOConfig) -> dict:
+    return {"config_hash": section_hash(cfg), "resolved_config": cfg.model_dump(mode="json")}
+
+
+def _with_prov(cfg: CAPOConfig, extra: dict | None = None) -> dict:
+    return {**config_provenance(cfg), **(extra or {})}
+
+
+def empty_table(name: str) -> pa.Table:
+    return SCHEMAS[name].empty_table()

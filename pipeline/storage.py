@@ -1,0 +1,317 @@
+"""Parquet tables, manifests and the DuckDB catalog: all I/O of stage outputs lives here.
+
+A stage output ``X.parquet`` is committed in two atomic steps: the table is written to a
+temporary file and renamed into place, then ``X.manifest.json`` (what produced it) is written the
+same way. The manifest is the commit marker: a table without a manifest, or whose manifest
+records another key or another file fingerprint, is not current and its stage runs again.
+Whatever a re-run replaces is moved to ``superseded/`` beside it, never silently overwritten.
+
+Correctness of resume therefore comes from the files, not from an orchestrator's cache.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.schemas import SCHEMAS, check_schema
+
+log = logging.getLogger("capo.storage")
+
+MANIFEST_SUFFIX = ".manifest.json"
+
+
+# ------------------------------------------------------------------------------------ fingerprints
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    """sha256 hex digest of a file's bytes (streams 4 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def dir_fingerprint(path: Path) -> str:
+    """Cheap fingerprint of a directory (checkpoint): sha256 over (relative path, size) of every
+    file plus the bytes of every file under 1 MiB (configs, tokenizer, index)."""
+    h = hashlib.sha256()
+    for p in sorted(q for q in path.rglob("*") if q.is_file()):
+        size = p.stat().st_size
+        h.update(f"{p.relative_to(path)}:{size}\n".encode())
+        if size < (1 << 20):
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def fingerprint(path: Path) -> str:
+    """Fingerprint of a stage output: file sha256 or :func:`dir_fingerprint`."""
+    return dir_fingerprint(path) if path.is_dir() else file_sha256(path)
+
+
+def key_hash(key: dict) -> str:
+    """sha256 (16 hex chars) of a stage key, JSON with sorted keys."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+_CODE_VERSION: str | None = None
+
+
+def code_version() -> str:
+    """``capo <version>+g<commit>[-dirty]`` of the running code (git when available)."""
+    global _CODE_VERSION
+    if _CODE_VERSION is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            ver = version("capo")
+        except PackageNotFoundError:
+            ver = "0+unknown"
+        repo = Path(__file__).resolve().parent.parent
+        try:
+            sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"],
+                                 capture_output=True, text=True, timeout=5).stdout.strip()
+            dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            ver += f"+g{sha}" + ("-dirty" if dirty else "") if sha else ""
+        except (OSError, subprocess.SubprocessError):
+            pass
+        _CODE_VERSION = ver
+    return _CODE_VERSION
+
+
+# --------------------------------------------------------------------------------------- manifests
+def manifest_path(path: Path) -> Path:
+    return path.with_name(path.name + MANIFEST_SUFFIX) if path.suffix else path.parent / (path.name + MANIFEST_SUFFIX)
+
+
+def read_manifest(path: Path) -> dict | None:
+    """The manifest of stage output ``path``, or None when there is none (or it is unreadable)."""
+    mp = manifest_path(path)
+    if not mp.is_file():
+        return None
+    try:
+        return json.loads(mp.read_text())
+    except json.JSONDecodeError:
+        log.warning("manifest %s is not valid JSON; treating %s as not current", mp, path.name)
+        return None
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Currency:
+    """Whether a stage output can be reused, and why (logged by the flows)."""
+
+    current: bool
+    reason: str
+
+
+def is_current(path: Path, key: dict) -> Currency:
+    """Is stage output ``path`` present, committed, unmodified, and produced under ``key``?"""
+    if not path.exists():
+        return Currency(False, f"{path.name} does not exist")
+    man = read_manifest(path)
+    if man is None:
+        return Currency(False, f"{path.name} has no manifest (stage was interrupted before commit)")
+    if man.get("key_hash") != key_hash(key):
+        changed = sorted(k for k in set(key) | set(man.get("key", {}))
+                         if json.dumps(key.get(k), sort_keys=True, default=str)
+                         != json.dumps(man.get("key", {}).get(k), sort_keys=True, default=str))
+        return Currency(False, f"{path.name} was produced under another key (changed: {changed})")
+    st = path.stat()
+    if not path.is_dir() and (st.st_size, st.st_mtime_ns) == (man.get("size"), man.get("mtime_ns")):
+        return Currency(True, f"{path.name} is current (key {man['key_hash']}, {man.get('rows')} rows)")
+    if fingerprint(path) != man.get("fingerprint"):
+        return Currency(False, f"{path.name} was modified after its manifest was written")
+    return Currency(True, f"{path.name} is current (key {man['key_hash']}, {man.get('rows')} rows)")
+
+
+def supersede(path: Path) -> Path | None:
+    """Move an existing output (and its manifest) to ``superseded/`` beside it; return where."""
+    if not path.exists():
+        mp = manifest_path(path)
+        if mp.exists():
+            mp.unlink()
+        return None
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    dest_dir = path.parent / "superseded"
+    dest_dir.mkdir(exist_ok=True)
+    dest = dest_dir / f"{path.stem}-{stamp}{path.suffix}"
+    shutil.move(str(path), dest)
+    mp = manifest_path(path)
+    if mp.exists():
+        shutil.move(str(mp), manifest_path(dest))
+    log.warning("moved the earlier %s to %s (it was produced under another key)", path.name, dest)
+    return dest
+
+
+def commit_manifest(path: Path, *, stage: str, key: dict, rows: int | None, extra: dict | None = None) -> dict:
+    """Write the manifest of an output that is already in place at ``path``; return it."""
+    st = path.stat()
+    man = {
+        "table": path.stem if not path.is_dir() else path.name,
+        "stage": stage,
+        "path": str(path),
+        "rows": rows,
+        "key": key,
+        "key_hash": key_hash(key),
+        "fingerprint": fingerprint(path),
+        "size": None if path.is_dir() else st.st_size,
+        "mtime_ns": None if path.is_dir() else st.st_mtime_ns,
+        "code_version": code_version(),
+        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+        **(extra or {}),
+    }
+    _atomic_write_text(manifest_path(path), json.dumps(man, indent=1, sort_keys=False, default=str))
+    return man
+
+
+# ------------------------------------------------------------------------------------------ tables
+def write_table(table: pa.Table, path: Path, name: str, *, stage: str, key: dict, extra: dict | None = None) -> dict:
+    """Check ``table`` against schema ``name``, write it atomically to ``path``, commit its manifest.
+
+    An existing output at ``path`` is moved to ``superseded/`` first (never overwritten).
+
+    Returns:
+        The manifest written.
+    Raises:
+        ValueError: the table does not match the schema (see :func:`pipeline.schemas.check_schema`).
+    """
+    table = check_schema(table, name).cast(SCHEMAS[name])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or manifest_path(path).exists():
+        supersede(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return commit_manifest(path, stage=stage, key=key, rows=table.num_rows, extra=extra)
+
+
+def read_table(path: Path, name: str) -> pa.Table:
+    """Read table ``name`` from ``path`` and check its schema.
+
+    Raises:
+        FileNotFoundError: no such file (names the stage that writes it).
+        ValueError: schema mismatch.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"table {name!r} not found at {path}; run the stage that writes it first")
+    return check_schema(pq.read_table(path), name, str(path))
+
+
+def write_part(table: pa.Table, parts_dir: Path, part_idx: int, name: str, meta: dict) -> Path:
+    """Write one resumable shard of a long stage: ``part-XXXXX.parquet`` plus a JSON sidecar.
+
+    The sidecar (written after the shard) is the shard's commit marker.
+    """
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    path = parts_dir / f"part-{part_idx:05d}.parquet"
+    table = check_schema(table, name).cast(SCHEMAS[name])
+    fd, tmp = tempfile.mkstemp(dir=parts_dir, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, path)
+    _atomic_write_text(path.with_suffix(".json"), json.dumps({**meta, "rows": table.num_rows}))
+    return path
+
+
+def read_parts(parts_dir: Path, name: str, meta_key: Any) -> list[pa.Table]:
+    """Committed shards in ``parts_dir`` whose sidecar has ``key == meta_key`` (others are removed)."""
+    out = []
+    if not parts_dir.is_dir():
+        return out
+    for p in sorted(parts_dir.glob("part-*.parquet")):
+        side = p.with_suffix(".json")
+        meta = json.loads(side.read_text()) if side.is_file() else None
+        if meta is None or meta.get("key") != meta_key:
+            p.unlink()
+            side.unlink(missing_ok=True)
+            continue
+        out.append(check_schema(pq.read_table(p), name, str(p)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------- catalog
+CATALOG_NAME = "catalog.duckdb"
+CATALOG_STORAGE_VERSION = "v1.2.0"
+"""Storage version of the catalog file, so the PyPI ``duckdb-cli`` (1.5.x) can open it too."""
+
+_GLOBS = {
+    "rollouts": "*/round_*/rollouts.parquet",
+    "outcomes": "*/round_*/outcomes.parquet",
+    "steps": "*/round_*/steps.parquet",
+    "critiques": "*/round_*/critiques.parquet",
+    "step_verdicts": "*/round_*/step_verdicts.parquet",
+    "token_rewards": "*/round_*/variants/*/token_rewards.parquet",
+    "train_metrics": "*/round_*/variants/*/train_metrics.parquet",
+}
+
+
+def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
+    """(Re)build ``<runs_dir>/catalog.duckdb``: one view per table over every run and round.
+
+    Views use absolute paths (DuckDB resolves relative ones against the reader's directory). The
+    file is built under a temporary name and renamed into place, so a user holding the old catalog
+    open read-only is never blocked and never sees a half-built one.
+    """
+    import duckdb
+
+    runs_dir = Path(runs_dir).resolve()
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    dest = runs_dir / CATALOG_NAME
+    tmp = runs_dir / f".{CATALOG_NAME}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    con = duckdb.connect()
+    try:
+        con.execute(f"ATTACH '{tmp}' AS cat (STORAGE_VERSION '{CATALOG_STORAGE_VERSION}')")
+        views = dict(_GLOBS)
+        sources = {name: str(runs_dir / pattern) for name, pattern in views.items()}
+        if data_dir is not None:
+            sources["prompts"] = str(Path(data_dir).resolve() / "prompts" / "*.parquet")
+        for name, glob in sources.items():
+            has_files = any(Path("/").glob(glob.lstrip("/")))
+            if not has_files:
+                continue
+            con.execute(
+                f"CREATE OR REPLACE VIEW cat.{name} AS SELECT * FROM "
+                f"read_parquet('{glob}', union_by_name = true)"
+            )
+        man_glob = str(runs_dir / "*" / "round_*" / "**" / f"*{MANIFEST_SUFFIX}")
+        if any(runs_dir.glob(f"*/round_*/**/*{MANIFEST_SUFFIX}")):
+            con.execute(
+                "CREATE OR REPLACE VIEW cat.manifests AS SELECT table, stage, path, rows, key_hash, "
+                "code_version, created_at, elapsed_s, fingerprint FROM "
+                f"read_json('{man_glob}', union_by_name = true, format = 'auto')"
+            )
+        con.execute("DETACH cat")
+    finally:
+        con.close()
+    os.replace(tmp, dest)
+    wal = runs_dir / f".{CATALOG_NAME}.{os.getpid()}.tmp.wal"
+    wal.unlink(missing_ok=True)
+    return dest

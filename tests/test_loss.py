@@ -1,0 +1,212 @@
+"""PPO clipped loss (train/loss.py), values and gradients worked by hand."""
+
+import math
+
+import pytest
+import torch
+
+from train.loss import LOSS_AGG_MODES, LossInputs, agg_loss, compute_loss, ppo_clip_loss
+
+
+def one_token(ratio: float, adv: float, **kw):
+    """Loss of a single masked token with the given ratio and advantage."""
+    logp = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 1, dtype=torch.float64)
+    out = ppo_clip_loss(logp, old, torch.tensor([[adv]], dtype=torch.float64),
+                        torch.ones(1, 1, dtype=torch.bool), **kw)
+    out.loss.backward()
+    return out, logp.grad.item()
+
+
+@pytest.mark.parametrize(
+    "ratio,adv,expected_pg,clipped,expected_grad",
+    [
+        # A > 0, ratio above 1 + 0.2: min(1.5*1, 1.2*1) = 1.2 -> clipped, no gradient
+        (1.5, 1.0, -min(1.5 * 1.0, 1.2 * 1.0), True, 0.0),
+        # A < 0, ratio above range: min(1.5*-1, 1.2*-1) = -1.5 -> unclipped; d(-A r)/dlogp = -A r
+        (1.5, -1.0, -min(1.5 * -1.0, 1.2 * -1.0), False, -(-1.0) * 1.5),
+        # A > 0, ratio below 1 - 0.2: min(0.5*1, 0.8*1) = 0.5 -> unclipped
+        (0.5, 1.0, -min(0.5 * 1.0, 0.8 * 1.0), False, -1.0 * 0.5),
+        # A < 0, ratio below range: min(0.5*-1, 0.8*-1) = -0.8 -> clipped, no gradient
+        (0.5, -1.0, -min(0.5 * -1.0, 0.8 * -1.0), True, 0.0),
+        # inside the range both branches agree
+        (1.1, 2.0, -(1.1 * 2.0), False, -2.0 * 1.1),
+        (0.9, -2.0, -(0.9 * -2.0), False, 2.0 * 0.9),
+    ],
+)
+def test_clip_cases(ratio, adv, expected_pg, clipped, expected_grad):
+    out, grad = one_token(ratio, adv)
+    assert out.loss.item() == pytest.approx(expected_pg)
+    assert out.pg_loss.item() == pytest.approx(expected_pg)
+    assert out.clip_frac.item() == (1.0 if clipped else 0.0)
+    assert out.ratio_mean.item() == pytest.approx(ratio)
+    assert out.approx_kl.item() == pytest.approx(0.5 * math.log(ratio) ** 2)
+    assert grad == pytest.approx(expected_grad)
+
+
+def test_sign_of_the_loss_follows_the_advantage():
+    assert one_token(1.0, 3.0)[0].loss.item() == pytest.approx(-3.0)
+    assert one_token(1.0, -3.0)[0].loss.item() == pytest.approx(3.0)
+
+
+def test_asymmetric_clip():
+    # clip_high 0.28: ratio 1.25 with A > 0 is inside the range, ratio 1.3 is clipped to 1.28
+    assert one_token(1.25, 1.0, clip_high=0.28)[0].loss.item() == pytest.approx(-1.25)
+    assert one_token(1.3, 1.0, clip_high=0.28)[0].loss.item() == pytest.approx(-1.28)
+    # clip_low 0.1: ratio 0.85 with A < 0 is clipped to 0.9 -> loss 0.9
+    assert one_token(0.85, -1.0, clip_low=0.1)[0].loss.item() == pytest.approx(0.9)
+
+
+def test_clip_frac_and_metrics_over_tokens():
+    ratios = torch.tensor([[1.5, 1.5, 0.5, 0.5]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
+    out = ppo_clip_loss(ratios.log(), torch.zeros_like(ratios), adv, torch.ones(1, 4))
+    assert out.clip_frac.item() == pytest.approx(2 / 4)  # tokens 0 and 3 take the clipped branch
+    assert out.loss.item() == pytest.approx((-1.2 + 1.5 - 0.5 + 0.8) / 4)
+    assert out.ratio_mean.item() == pytest.approx((1.5 + 1.5 + 0.5 + 0.5) / 4)
+    assert out.approx_kl.item() == pytest.approx(
+        0.5 * (2 * math.log(1.5) ** 2 + 2 * math.log(0.5) ** 2) / 4
+    )
+
+
+# --- aggregation -------------------------------------------------------------------------------
+
+# ratio 1 everywhere, so pg = -A on masked tokens
+ADV = torch.tensor([[1.0, 2.0, 99.0], [4.0, 99.0, 99.0], [99.0, 99.0, 99.0]], dtype=torch.float64)
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+
+
+def agg(mode, rows=3):
+    logp = torch.zeros(rows, 3, dtype=torch.float64, requires_grad=True)
+    out = ppo_clip_loss(logp, torch.zeros(rows, 3, dtype=torch.float64), ADV[:rows], MASK[:rows],
+                        loss_agg_mode=mode)
+    out.loss.backward()
+    return out.loss.item(), logp.grad
+
+
+@pytest.mark.parametrize("rows", [2, 3])  # 3 adds an all-empty row
+def test_aggregation_modes_by_hand(rows):
+    loss, grad = agg("token-mean", rows)
+    assert loss == pytest.approx((-1 - 2 - 4) / 3)
+    assert grad[0, 0].item() == pytest.approx(-1 / 3)  # d(-A r / 3)/dlogp at r = 1
+    loss, grad = agg("seq-mean-token-mean", rows)  # the empty row is not a sequence here
+    assert loss == pytest.approx(((-1 - 2) / 2 + (-4) / 1) / 2)
+    assert grad[1, 0].item() == pytest.approx(-4 / 1 / 2)
+    loss, grad = agg("seq-mean-token-sum-norm", rows)  # constant B * T normalizer
+    assert loss == pytest.approx((-1 - 2 - 4) / (rows * 3))
+    assert grad[0, 1].item() == pytest.approx(-2 / (rows * 3))
+    for mode in LOSS_AGG_MODES:
+        _, grad = agg(mode, rows)
+        assert torch.all(grad[~MASK[:rows]] == 0)  # padding gets no gradient
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_all_empty_mask_is_zero_with_grad(mode):
+    logp = torch.zeros(2, 3, requires_grad=True)
+    out = ppo_clip_loss(logp, torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3),
+                        loss_agg_mode=mode, ref_logprobs=torch.zeros(2, 3), kl_coef=0.1)
+    assert out.loss.item() == 0.0 and out.loss.requires_grad
+    out.loss.backward()
+    assert torch.all(logp.grad == 0)
+    for value in (out.clip_frac, out.approx_kl, out.kl_ref, out.ratio_mean):
+        assert not torch.isnan(value)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_padding_holding_inf_gives_no_nan(mode):
+    logp = torch.tensor([[-0.5, -float("inf")], [-1.0, float("nan")]], requires_grad=True)
+    old = torch.tensor([[-0.7, -float("inf")], [-1.0, 0.0]])
+    mask = torch.tensor([[1, 0], [1, 0]])
+    out = ppo_clip_loss(logp, old, torch.tensor([[1.0, float("nan")], [-1.0, 5.0]]), mask,
+                        loss_agg_mode=mode, ref_logprobs=old, kl_coef=0.01)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.all(torch.isfinite(logp.grad))
+    assert torch.all(logp.grad[:, 1] == 0)
+
+
+def test_agg_loss_unknown_mode_lists_valid_ones():
+    with pytest.raises(ValueError, match="'seq-sum'.*token-mean.*seq-mean-token-sum-norm"):
+        agg_loss(torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool), "seq-sum")
+    with pytest.raises(ValueError, match="'seq-sum'"):
+        ppo_clip_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
+                      loss_agg_mode="seq-sum")
+
+
+# --- KL to the reference ---------------------------------------------------------------------
+
+
+def test_k3_kl_by_hand():
+    # ref - logp = ln 2 -> k3 = e^{ln 2} - ln 2 - 1 = 1 - ln 2; ratio 1, A = 0.5 -> pg = -0.5
+    logp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.0 + math.log(2.0)]], dtype=torch.float64)
+    out = ppo_clip_loss(logp, logp.detach().clone(), torch.tensor([[0.5]], dtype=torch.float64),
+                        torch.ones(1, 1), ref_logprobs=ref, kl_coef=0.1)
+    assert out.kl_ref.item() == pytest.approx(1 - math.log(2.0))
+    assert out.loss.item() == pytest.approx(-0.5 + 0.1 * (1 - math.log(2.0)))
+    out.loss.backward()
+    # d/dlogp [-A r] = -0.5; d/dlogp k3 = -e^{d} + 1 = -2 + 1 = -1 -> times 0.1
+    assert logp.grad.item() == pytest.approx(-0.5 + 0.1 * (-2.0 + 1.0))
+
+
+def test_kl_is_a_metric_only_with_zero_coef_and_zero_without_ref():
+    logp = torch.zeros(1, 2, dtype=torch.float64)
+    ref = torch.full((1, 2), math.log(2.0), dtype=torch.float64)
+    adv = torch.ones(1, 2, dtype=torch.float64)
+    out = ppo_clip_loss(logp, logp, adv, torch.ones(1, 2), ref_logprobs=ref)
+    assert out.kl_ref.item() == pytest.approx(1 - math.log(2.0))
+    assert out.loss.item() == pytest.approx(-1.0)
+    assert ppo_clip_loss(logp, logp, adv, torch.ones(1, 2)).kl_ref.item() == 0.0
+
+
+def test_argument_validation():
+    z = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        ppo_clip_loss(z, z, z, z, kl_coef=0.1)
+    with pytest.raises(ValueError, match=r"advantages has shape \(1, 3\)"):
+        ppo_clip_loss(z, z, torch.zeros(1, 3), z)
+    with pytest.raises(ValueError, match="clip_low"):
+        ppo_clip_loss(z, z, z, z, clip_low=1.0)
+
+
+def test_compute_loss_matches_ppo_clip_loss():
+    g = torch.Generator().manual_seed(0)
+    logp, old, adv = (torch.randn(3, 5, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(3, 5, generator=g) > 0.3
+    a = compute_loss(LossInputs(logp, old, adv, mask), loss_agg_mode="seq-mean-token-mean")
+    b = ppo_clip_loss(logp, old, adv, mask, loss_agg_mode="seq-mean-token-mean")
+    assert a.loss.item() == b.loss.item()
+
+
+def naive_loss(logp, old, adv, mask, mode, eps=0.2):
+    """Reference: per-token Python loops."""
+    B, T = len(logp), len(logp[0])
+    per_seq, total, count = [], 0.0, 0
+    for b in range(B):
+        seq_total, seq_count = 0.0, 0
+        for t in range(T):
+            if mask[b][t]:
+                r = math.exp(logp[b][t] - old[b][t])
+                pg = -min(r * adv[b][t], min(max(r, 1 - eps), 1 + eps) * adv[b][t])
+                seq_total, seq_count = seq_total + pg, seq_count + 1
+        total, count = total + seq_total, count + seq_count
+        if seq_count:
+            per_seq.append(seq_total / seq_count)
+    if mode == "token-mean":
+        return total / max(count, 1)
+    if mode == "seq-mean-token-mean":
+        return sum(per_seq) / max(len(per_seq), 1)
+    return total / (B * T)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_vectorized_matches_naive_loop(seed, mode):
+    g = torch.Generator().manual_seed(seed)
+    B, T = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g))
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    logp = old + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, T, generator=g) > 0.4
+    got = ppo_clip_loss(logp, old, adv, mask, loss_agg_mode=mode).loss.item()
+    want = naive_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), mode)
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-12)

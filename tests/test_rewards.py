@@ -1,0 +1,202 @@
+"""Token rewards and group-normalized advantages (pipeline/rewards.py)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipeline.rewards import (
+    broadcast_to_tokens,
+    check_reward_weights,
+    group_token_advantages,
+    grpo_sequence_advantages,
+    token_rewards,
+)
+
+# --- token_rewards ----------------------------------------------------------------------------
+
+
+def test_reward_table_c2_p1():
+    # four one-token responses: (right, clean), (right, flawed), (wrong, clean), (wrong, flawed)
+    outcome = np.array([1, 1, 0, 0])
+    weight = np.array([0.0, 1.0, 0.0, 1.0])
+    offsets = np.array([0, 1, 2, 3, 4])
+    rewards = token_rewards(outcome, weight, offsets, C=2.0, P=1.0)
+    assert rewards.dtype == np.float32
+    assert rewards.tolist() == [2 * 1 - 1 * 0, 2 * 1 - 1 * 1, 2 * 0 - 1 * 0, 2 * 0 - 1 * 1]
+    assert rewards.tolist() == [2, 1, 0, -1]
+
+
+def test_rewards_follow_response_boundaries_and_soft_weights():
+    outcome = np.array([1, 0])
+    weight = np.array([0.0, 0.75, 0.75, 0.5, 0.0])  # response 0: 3 tokens, response 1: 2
+    rewards = token_rewards(outcome, weight, np.array([0, 3, 5]), C=2.0, P=1.0)
+    np.testing.assert_allclose(rewards, [2 - 0, 2 - 0.75, 2 - 0.75, 0 - 0.5, 0 - 0])
+
+
+def test_p_zero_is_plain_outcome_reward():
+    outcome = np.array([1, 0, 1])
+    weight = np.array([1.0, 0.5, 1.0, 0.0])
+    rewards = token_rewards(outcome, weight, np.array([0, 2, 3, 4]), C=3.0, P=0.0)
+    assert rewards.tolist() == [3 * 1, 3 * 1, 3 * 0, 3 * 1]
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 1), st.lists(st.floats(0, 1), max_size=6)), max_size=6),
+    st.floats(0, 10),
+    st.floats(0, 10),
+)
+def test_reward_bounds(rows, C, P):
+    outcome = np.array([r for r, _ in rows], dtype=np.int64)
+    weight = np.array([w for _, ws in rows for w in ws], dtype=np.float64)
+    offsets = np.concatenate([[0], np.cumsum([len(ws) for _, ws in rows])]).astype(np.int64)
+    rewards = token_rewards(outcome, weight, offsets, C, P).astype(np.float64)
+    r_v = np.repeat(outcome, np.diff(offsets))
+    tol = 1e-5 * (1 + C + P)
+    assert np.all(C * r_v - P - tol <= rewards) and np.all(rewards <= C * r_v + tol)
+
+
+def test_token_rewards_validation():
+    with pytest.raises(ValueError, match="offsets"):
+        token_rewards(np.array([1]), np.array([0.0, 0.0]), np.array([0, 1]), 2.0, 1.0)
+    with pytest.raises(ValueError, match="token_weight must lie in"):
+        token_rewards(np.array([1]), np.array([1.5]), np.array([0, 1]), 2.0, 1.0)
+    with pytest.raises(ValueError, match="P=-1"):
+        token_rewards(np.array([1]), np.array([0.0]), np.array([0, 1]), 2.0, -1.0)
+
+
+def test_check_reward_weights():
+    check_reward_weights(2.0, 1.0)
+    check_reward_weights(1.0, 0.0)
+    for C, P in ((1.0, 1.0), (1.0, 2.0)):
+        with pytest.raises(ValueError, match="keep C > P"):
+            check_reward_weights(C, P)
+
+
+# --- group_token_advantages -------------------------------------------------------------------
+
+
+def test_advantages_by_hand_two_responses_one_group():
+    # response 0 right, step weights per token [0, 1] -> R = [2, 1]
+    # response 1 wrong, weights [0, 0, 1]            -> R = [0, 0, -1]
+    rewards = np.array([2.0, 1.0, 0.0, 0.0, -1.0])
+    mean = (2 + 1 + 0 + 0 - 1) / 5  # 0.4
+    sq_dev = (2 - mean) ** 2 + (1 - mean) ** 2 + 2 * (0 - mean) ** 2 + (-1 - mean) ** 2
+    std = math.sqrt(sq_dev / (5 - 1))
+    assert std == pytest.approx(math.sqrt(5.2 / 4))
+    eps = 1e-6
+    adv = group_token_advantages(rewards, np.array([0, 2, 5]), np.array([7, 7]), eps=eps)
+    assert adv.dtype == np.float32
+    expected = [(2 - 0.4) / (std + eps), (1 - 0.4) / (std + eps), (0 - 0.4) / (std + eps),
+                (0 - 0.4) / (std + eps), (-1 - 0.4) / (std + eps)]
+    np.testing.assert_allclose(adv, expected, rtol=1e-6)
+    # no std scaling (Dr.GRPO): just centered
+    centered = group_token_advantages(rewards, np.array([0, 2, 5]), np.array([7, 7]), False)
+    np.testing.assert_allclose(centered, [1.6, 0.6, -0.4, -0.4, -1.4], rtol=1e-6)
+
+
+def test_advantages_keep_groups_apart():
+    # group "a": one response [2, 2, 1]; group "b": one response with one token [0]
+    rewards = np.array([2.0, 2.0, 1.0, 0.0])
+    adv = group_token_advantages(rewards, np.array([0, 3, 4]), np.array(["a", "b"]), eps=1e-6)
+    mean_a = 5 / 3
+    std_a = math.sqrt(((2 - mean_a) ** 2 * 2 + (1 - mean_a) ** 2) / 2)
+    np.testing.assert_allclose(
+        adv[:3], [(2 - mean_a) / (std_a + 1e-6)] * 2 + [(1 - mean_a) / (std_a + 1e-6)], rtol=1e-6
+    )
+    assert adv[3] == 0.0  # a group with one token: std 0, advantage (0 - 0) / eps = 0
+
+
+def test_group_of_one_response_and_constant_rewards_give_zero():
+    adv = group_token_advantages(np.array([1.0, 1.0, 1.0]), np.array([0, 3]), np.array([0]))
+    assert adv.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_empty_responses_are_allowed():
+    adv = group_token_advantages(np.array([1.0, 0.0]), np.array([0, 0, 1, 1, 2]), np.zeros(4))
+    np.testing.assert_allclose(adv, [0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6)])
+
+
+def naive_token_advantages(rewards, offsets, group_ids, scale_by_std, eps):
+    """Reference: for each token, gather every token of its group with plain Python loops."""
+    out = []
+    for b in range(len(offsets) - 1):
+        pool = []
+        for other in range(len(offsets) - 1):
+            if group_ids[other] == group_ids[b]:
+                pool.extend(rewards[offsets[other] : offsets[other + 1]])
+        mean = sum(pool) / len(pool)
+        n = len(pool)
+        std = math.sqrt(sum((x - mean) ** 2 for x in pool) / (n - 1)) if n > 1 else 0.0
+        for t in range(offsets[b], offsets[b + 1]):
+            out.append((rewards[t] - mean) / (std + eps) if scale_by_std else rewards[t] - mean)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_vectorized_matches_naive_loop(seed, scale_by_std):
+    rng = np.random.default_rng(seed)
+    n_groups, group_size = rng.integers(1, 5), rng.integers(1, 6)
+    B = n_groups * group_size
+    lengths = rng.integers(0, 9, size=B)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    group_ids = rng.permutation(np.repeat(np.arange(n_groups) * 10 + 3, group_size))
+    outcome = rng.integers(0, 2, size=B)
+    weight = rng.choice([0.0, 0.25, 1.0], size=offsets[-1])
+    rewards = token_rewards(outcome, weight, offsets, C=2.0, P=1.0)
+    got = group_token_advantages(rewards, offsets, group_ids, scale_by_std, eps=1e-6)
+    want = naive_token_advantages(
+        rewards.astype(np.float64), offsets, group_ids, scale_by_std, eps=1e-6
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_group_ids_shape_checked():
+    with pytest.raises(ValueError, match=r"expected \(B,\) = \(2,\)"):
+        group_token_advantages(np.zeros(3), np.array([0, 1, 3]), np.array([0, 0, 0]))
+
+
+# --- grpo_sequence_advantages / broadcast -----------------------------------------------------
+
+
+def trl_grpo_advantages(rewards: torch.Tensor, G: int, scale: bool) -> torch.Tensor:
+    """TRL GRPOTrainer's formula, written out."""
+    mean_grouped = rewards.view(-1, G).mean(dim=1).repeat_interleave(G, dim=0)
+    std_grouped = rewards.view(-1, G).std(dim=1).repeat_interleave(G, dim=0)
+    advantages = rewards - mean_grouped
+    if scale:
+        advantages = advantages / (std_grouped + 1e-4)
+    return advantages
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_grpo_matches_trl(seed, scale_by_std):
+    rng = np.random.default_rng(seed)
+    G, n_prompts = int(rng.integers(2, 9)), int(rng.integers(1, 5))
+    r = rng.integers(0, 2, size=G * n_prompts).astype(np.float32)
+    group_ids = np.repeat(np.arange(n_prompts), G)
+    ours = grpo_sequence_advantages(r, group_ids, scale_by_std=scale_by_std)
+    trl = trl_grpo_advantages(torch.from_numpy(r), G, scale_by_std).numpy()
+    np.testing.assert_allclose(ours, trl, rtol=1e-5, atol=1e-6)
+
+
+def test_grpo_by_hand():
+    # one group: rewards [1, 0, 0, 0]; mean 1/4; std = sqrt((0.75^2 + 3 * 0.25^2) / 3)
+    std = math.sqrt((0.75**2 + 3 * 0.25**2) / 3)  # = 0.5
+    adv = grpo_sequence_advantages(np.array([1, 0, 0, 0]), np.zeros(4, dtype=int))
+    np.testing.assert_allclose(adv, [0.75 / (std + 1e-4)] + [-0.25 / (std + 1e-4)] * 3, rtol=1e-6)
+    # a group of one: 0 (TRL would give NaN from torch.std of one value)
+    assert grpo_sequence_advantages(np.array([1.0]), np.array([0])).tolist() == [0.0]
+
+
+def test_broadcast_to_tokens():
+    out = broadcast_to_tokens(np.array([0.5, -1.0, 2.0], dtype=np.float32), np.array([0, 2, 2, 5]))
+    assert out.tolist() == [0.5, 0.5, 2.0, 2.0, 2.0]
+    assert out.dtype == np.float32
+    with pytest.raises(ValueError, match="B\\+1"):
+        broadcast_to_tokens(np.array([1.0]), np.array([0, 1, 2]))

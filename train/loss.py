@@ -1,0 +1,205 @@
+"""PPO clipped surrogate on per-token advantages (pure torch: tensors in, tensors out).
+
+CAPO (arXiv 2508.02298) §3 trains with a PPO-style clipped objective on per-token advantages;
+DESIGN.md §1 item 9 fixes the details: ratio against the policy that generated the round, clip
+epsilon 0.2 (low/high separately), optional k3 KL to a frozen reference, and an explicit loss
+aggregation mode (verl ``core_algos.agg_loss`` semantics), since per-token rewards make the
+normalizer matter.
+
+Shapes: B sequences (rows) by T padded token positions. Log-probs are in nats. ``mask`` marks
+the response tokens that count; padded positions may hold anything (even -inf): they are
+replaced by 0 before any arithmetic, so they never produce NaN values or gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch of the PPO update, all (B, T).
+
+    Attributes:
+        logprobs: log-prob (nats) of each response token under the policy being trained
+            (requires grad).
+        old_logprobs: log-prob under the policy that generated the round (no grad).
+        advantages: per-token advantage (``pipeline.rewards``).
+        mask: bool/float, 1 where the token is a response token that counts.
+        ref_logprobs: log-prob under the frozen reference, or None (no KL term).
+    """
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    mask: Tensor
+    ref_logprobs: Tensor | None = None
+
+
+@dataclass
+class LossOutputs:
+    """Result of the PPO loss; every field is a 0-dim tensor.
+
+    Attributes:
+        loss: ``pg_loss + kl_coef * kl_ref`` with grad; backpropagate this.
+        pg_loss: aggregated clipped policy-gradient loss (detached).
+        clip_frac: share of masked tokens where the clipped branch was taken (detached).
+        approx_kl: token mean over masked tokens of ``0.5 * (logp - old_logp)^2``, the
+            quadratic estimate of KL(old || new) (detached).
+        kl_ref: aggregated k3 estimate of KL(policy || reference), 0 when no reference
+            (detached).
+        ratio_mean: token mean of ``exp(logp - old_logp)`` over masked tokens (detached).
+    """
+
+    loss: Tensor
+    pg_loss: Tensor
+    clip_frac: Tensor
+    approx_kl: Tensor
+    kl_ref: Tensor
+    ratio_mean: Tensor
+
+
+def agg_loss(loss_mat: Tensor, mask: Tensor, loss_agg_mode: str) -> Tensor:
+    """Aggregate a (B, T) per-token loss to a scalar (verl ``core_algos.agg_loss`` semantics).
+
+    * ``token-mean``: ``sum(loss * mask) / sum(mask)``;
+    * ``seq-mean-token-mean``: mean over sequences with >= 1 masked token of each sequence's
+      token mean;
+    * ``seq-mean-token-sum-norm``: ``sum(loss * mask) / (B * T)``, B the number of rows and T
+      the padded length (``loss_mat.shape``): a constant normalizer (Dr.GRPO).
+
+    An all-empty mask gives 0.0 (still attached to the graph), never NaN.
+
+    Args:
+        loss_mat: (B, T) per-token values; already 0 where ``mask`` is 0.
+        mask: (B, T) bool.
+        loss_agg_mode: one of ``LOSS_AGG_MODES``.
+
+    Raises:
+        ValueError: unknown ``loss_agg_mode`` (lists the valid ones).
+    """
+    mask_f = mask.to(loss_mat.dtype)
+    masked = loss_mat * mask_f
+    if loss_agg_mode == "token-mean":
+        return masked.sum() / mask_f.sum().clamp(min=1.0)
+    if loss_agg_mode == "seq-mean-token-mean":
+        tokens_B = mask_f.sum(dim=-1)  # (B,)
+        seq_mean_B = masked.sum(dim=-1) / tokens_B.clamp(min=1.0)  # (B,)
+        n_seqs = (tokens_B > 0).to(loss_mat.dtype).sum()
+        return seq_mean_B.sum() / n_seqs.clamp(min=1.0)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        return masked.sum() / max(loss_mat.shape[0] * loss_mat.shape[-1], 1)
+    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes: {LOSS_AGG_MODES}")
+
+
+def _masked_token_mean(values: Tensor, mask_f: Tensor) -> Tensor:
+    return (values * mask_f).sum() / mask_f.sum().clamp(min=1.0)
+
+
+def ppo_clip_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    loss_agg_mode: str = "token-mean",
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> LossOutputs:
+    """PPO clipped surrogate on per-token advantages (Schulman et al. 2017 eq. 7; CAPO §3).
+
+    Per token: ``ratio = exp(logp - old_logp)``,
+    ``pg = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)``, aggregated by
+    ``agg_loss``. With a reference, the k3 estimator ``exp(ref - logp) - (ref - logp) - 1``
+    (Schulman's "Approximating KL divergence"), aggregated the same way and weighted by
+    ``kl_coef``, is added to the loss.
+
+    Args:
+        logprobs: (B, T) log-probs (nats) under the trained policy, with grad.
+        old_logprobs: (B, T) log-probs under the rollout policy.
+        advantages: (B, T) per-token advantages.
+        mask: (B, T) bool/float, response tokens that count.
+        clip_low: epsilon below 1, in [0, 1).
+        clip_high: epsilon above 1, >= 0.
+        loss_agg_mode: one of ``LOSS_AGG_MODES``.
+        ref_logprobs: (B, T) log-probs under the frozen reference, or None.
+        kl_coef: weight of the KL term, >= 0; > 0 needs ``ref_logprobs``.
+
+    Returns:
+        ``LossOutputs`` (scalars; only ``loss`` carries grad).
+
+    Raises:
+        ValueError: shapes differ, clip or kl values out of range, ``kl_coef > 0`` without
+            ``ref_logprobs``, unknown ``loss_agg_mode``.
+    """
+    shape = logprobs.shape
+    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask),
+                    ("ref_logprobs", ref_logprobs)):
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
+    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if kl_coef < 0.0 or (kl_coef > 0.0 and ref_logprobs is None):
+        raise ValueError(f"kl_coef={kl_coef}: must be >= 0, and > 0 needs ref_logprobs")
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes: {LOSS_AGG_MODES}")
+
+    mask_b = mask.bool()
+    mask_f = mask_b.to(logprobs.dtype)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    # Padded positions -> 0 before exp, so they give ratio 1, advantage 0 and zero gradient.
+    log_ratio = torch.where(mask_b, logprobs - old_logprobs.detach(), zero)  # (B, T)
+    adv = torch.where(mask_b, advantages.detach().to(logprobs.dtype), zero)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    pg_mat = torch.maximum(pg_unclipped, pg_clipped)  # = -min(ratio*A, clip(ratio)*A)
+    pg_loss = agg_loss(pg_mat, mask_b, loss_agg_mode)
+
+    if ref_logprobs is not None:
+        delta = torch.where(mask_b, ref_logprobs.detach() - logprobs, zero)  # (B, T)
+        kl_mat = torch.exp(delta) - delta - 1.0  # k3 >= 0
+        kl_ref = agg_loss(kl_mat, mask_b, loss_agg_mode)
+    else:
+        kl_ref = zero
+    loss = pg_loss + kl_coef * kl_ref if kl_coef > 0.0 else pg_loss
+
+    with torch.no_grad():
+        clip_frac = _masked_token_mean((pg_clipped > pg_unclipped).to(logprobs.dtype), mask_f)
+        approx_kl = _masked_token_mean(0.5 * log_ratio.square(), mask_f)
+        ratio_mean = _masked_token_mean(ratio, mask_f)
+    return LossOutputs(
+        loss=loss,
+        pg_loss=pg_loss.detach(),
+        clip_frac=clip_frac,
+        approx_kl=approx_kl,
+        kl_ref=kl_ref.detach(),
+        ratio_mean=ratio_mean,
+    )
+
+
+def compute_loss(
+    inputs: LossInputs,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    loss_agg_mode: str = "token-mean",
+    kl_coef: float = 0.0,
+) -> LossOutputs:
+    """``ppo_clip_loss`` on a ``LossInputs`` bundle (prime-rl style entry point)."""
+    return ppo_clip_loss(
+        inputs.logprobs,
+        inputs.old_logprobs,
+        inputs.advantages,
+        inputs.mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        loss_agg_mode=loss_agg_mode,
+        ref_logprobs=inputs.ref_logprobs,
+        kl_coef=kl_coef,
+    )
