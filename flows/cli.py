@@ -23,7 +23,11 @@ DEFAULT_CONFIG = "configs/default.yaml"
 
 
 def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    import os
+
+    child = os.environ.get("CAPO_CHILD") == "1"  # a stage child: the parent adds time and stage
+    fmt = "%(message)s" if child else "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr)
 
 
 def _cfg(config: Optional[str], overrides: Optional[list[str]]):

@@ -96,7 +96,7 @@ def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logge
     if force:
         cmd.append("--force")
     logger.info("[%s] starting child process: %s", name, " ".join(cmd))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CAPO_CHILD": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=Path(__file__).resolve().parent.parent)
     tail: list[str] = []

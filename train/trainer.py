@@ -136,7 +136,7 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
                     w *= mb["mask"].size(1) / t_global  # agg used the micro-batch's own T
                 accelerator.backward(out.loss * w)
                 for k in agg:
-                    agg[k] += float(getattr(out, k)) * w
+                    agg[k] += float(getattr(out, k).detach()) * w
             grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), tc.max_grad_norm))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
