@@ -133,6 +133,7 @@ def install_package(dist: str, version: str, target: Path) -> importlib.metadata
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private
         cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--no-cache-dir",
                "--disable-pip-version-check", "--quiet", "--target", str(tmp), f"{dist}=={version}"]
         logger.info("pip install %s==%s -> %s", dist, version, target)

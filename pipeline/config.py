@@ -120,7 +120,8 @@ class CritiqueConfig(_Strict):
     include_gold_answer: bool = True
     """Show the gold answer to the critic (paper default; off is its ablation)."""
     sampling: SamplingConfig = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=320)
-    engine: EngineConfig = VLLMEngineConfig()
+    engine: EngineConfig = VLLMEngineConfig(max_model_len=4096, kv_cache_gib=3.0)
+    """A longer context than the policy's: the critic's prompt holds the problem and the whole response."""
     batch_rollouts: int = Field(16, ge=1)
     """Rollouts per resumable critique shard (a killed stage restarts at the first unfinished shard)."""
 
@@ -239,10 +240,14 @@ def parse_overrides(overrides: list[str] | None) -> dict:
 
 
 def _deep_merge(base: dict, extra: dict) -> dict:
+    """``extra`` over ``base``, section by section. A section that switches a tagged union to
+    another ``type`` (``critique.engine.type=openai``) replaces the old one: the old variant's
+    fields would be unknown to the new one."""
     out = dict(base)
     for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
+        old = out.get(k)
+        if isinstance(v, dict) and isinstance(old, dict) and v.get("type", old.get("type")) == old.get("type"):
+            out[k] = _deep_merge(old, v)
         else:
             out[k] = v
     return out

@@ -271,6 +271,10 @@ _GLOBS = {
     "train_metrics": "*/round_*/variants/*/train_metrics.parquet",
 }
 
+_MANIFEST_COLUMNS = {"table": "VARCHAR", "stage": "VARCHAR", "path": "VARCHAR", "rows": "BIGINT",
+                     "key_hash": "VARCHAR", "code_version": "VARCHAR", "created_at": "TIMESTAMPTZ",
+                     "elapsed_s": "DOUBLE", "fingerprint": "VARCHAR"}
+
 
 def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
     """(Re)build ``<runs_dir>/catalog.duckdb``: one view per table over every run and round.
@@ -303,10 +307,14 @@ def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
             )
         man_glob = str(runs_dir / "*" / "round_*" / "**" / f"*{MANIFEST_SUFFIX}")
         if any(runs_dir.glob(f"*/round_*/**/*{MANIFEST_SUFFIX}")):
+            # Explicit columns: a manifest lacking one (e.g. no elapsed_s) reads as NULL instead of
+            # failing the bind; superseded outputs' manifests are left out like their tables.
+            types = ", ".join(f"'{c}': '{t}'" for c, t in _MANIFEST_COLUMNS.items())
+            names = ", ".join(f'"{c}"' for c in _MANIFEST_COLUMNS)
             con.execute(
-                "CREATE OR REPLACE VIEW cat.manifests AS SELECT \"table\", stage, path, rows, key_hash, "
-                "code_version, created_at, elapsed_s, fingerprint FROM "
-                f"read_json('{man_glob}', union_by_name = true, format = 'auto')"
+                f"CREATE OR REPLACE VIEW cat.manifests AS SELECT {names} "
+                f"FROM read_json('{man_glob}', columns = {{{types}}}, format = 'auto', filename = true) "
+                "WHERE filename NOT LIKE '%/superseded/%'"
             )
         con.execute("DETACH cat")
     finally:

@@ -1,0 +1,149 @@
+"""Run configuration: YAML defaults, dotted overrides, validation, section hashes (pipeline/config.py)."""
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from pipeline.config import (
+    CAPOConfig,
+    TransformersEngineConfig,
+    dump_config,
+    load_config,
+    parse_overrides,
+    section_hash,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT = REPO / "configs" / "default.yaml"
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def test_default_yaml_loads_and_matches_embedded_defaults():
+    cfg = load_config(DEFAULT)
+    assert cfg.rollout.policy == "qwen2.5-coder-0.5b-instruct"
+    assert (cfg.rollout.group_size, cfg.critique.num_critiques) == (4, 4)
+    assert (cfg.reward.correct_weight, cfg.reward.process_weight) == (2.0, 1.0)
+    assert cfg.vote.rule == "intersection" and cfg.steps.mode == "blank_line"
+    assert cfg.critique.engine.type == "vllm" and cfg.critique.engine.max_model_len == 4096
+    # one source of defaults: the YAML and the pydantic field defaults agree
+    assert load_config(DEFAULT) == load_config(None) == CAPOConfig()
+
+
+def test_tiny_yaml_loads():
+    cfg = load_config(TINY)
+    assert cfg.run_id == "tiny"
+    assert cfg.rollout.policy == cfg.critique.critic == "smollm2-135m-instruct"
+    assert (cfg.rollout.group_size, cfg.critique.num_critiques, cfg.data.prompts_per_round) == (2, 2, 2)
+    assert cfg.rollout.engine.dtype == "float32" and cfg.rollout.sampling.max_tokens == 48
+    assert cfg.train.save_dtype == "float32"
+
+
+def test_overrides_parse_to_typed_values():
+    assert parse_overrides(["vote.rule=union", "critique.num_critiques=8", "critique.enabled=false",
+                            "train.launcher=[accelerate, launch]"]) == {
+        "vote": {"rule": "union"},
+        "critique": {"num_critiques": 8, "enabled": False},
+        "train": {"launcher": ["accelerate", "launch"]},
+    }
+    cfg = load_config(DEFAULT, ["vote.rule=union", "critique.num_critiques=8", "reward.process_weight=0.5"])
+    assert cfg.vote.rule == "union"
+    assert cfg.critique.num_critiques == 8 and isinstance(cfg.critique.num_critiques, int)
+    assert cfg.reward.process_weight == 0.5
+    assert cfg.critique.critic == "qwen2.5-coder-1.5b-instruct"  # untouched siblings survive the merge
+    assert load_config(DEFAULT, {"vote": {"rule": "majority"}}).vote.rule == "majority"
+
+
+def test_override_without_equals_sign_is_rejected():
+    with pytest.raises(ValueError, match="section.key=value"):
+        parse_overrides(["vote.rule"])
+
+
+def test_bad_choice_lists_the_valid_ones():
+    with pytest.raises(ValidationError) as err:
+        load_config(DEFAULT, ["vote.rule=bogus"])
+    msg = str(err.value)
+    assert "vote.rule" in msg and "bogus" in msg
+    for valid in ("intersection", "union", "majority", "average"):
+        assert valid in msg
+
+
+def test_bad_number_is_rejected():
+    with pytest.raises(ValidationError, match="num_critiques"):
+        load_config(DEFAULT, ["critique.num_critiques=0"])
+    with pytest.raises(ValidationError, match="group_size"):
+        load_config(DEFAULT, ["rollout.group_size=four"])
+
+
+def test_unknown_key_is_rejected():
+    with pytest.raises(ValidationError, match="num_critics"):
+        load_config(DEFAULT, ["critique.num_critics=8"])
+    with pytest.raises(ValidationError, match="votes"):
+        load_config(DEFAULT, ["votes.rule=union"])
+
+
+def test_c_must_exceed_p():
+    with pytest.raises(ValidationError) as err:
+        load_config(DEFAULT, ["reward.correct_weight=1", "reward.process_weight=1"])
+    msg = str(err.value)
+    assert "C=1.0" in msg and "P=1.0" in msg
+    with pytest.raises(ValidationError, match="C=1.0"):
+        load_config(DEFAULT, ["reward.process_weight=1.5", "reward.correct_weight=1"])
+    # P = 0 (no process reward) allows any C; C > P is fine
+    assert load_config(DEFAULT, ["reward.process_weight=0", "reward.correct_weight=0.5"]).reward.process_weight == 0
+    assert load_config(DEFAULT, ["reward.process_weight=1.9"]).reward.process_weight == 1.9
+
+
+def test_switching_engine_type_by_override_drops_the_old_variants_fields():
+    # default.yaml gives the critic vLLM fields (max_model_len, kv_cache_gib) that a transformers
+    # or openai engine does not have; switching the type must not merge them in.
+    cfg = load_config(DEFAULT, ["critique.engine.type=transformers"])
+    assert cfg.critique.engine == TransformersEngineConfig()
+    assert cfg.rollout.engine.type == "vllm"
+    cfg = load_config(DEFAULT, ["critique.engine.type=openai", "critique.engine.max_concurrency=4"])
+    assert cfg.critique.engine.type == "openai" and cfg.critique.engine.max_concurrency == 4
+    # same type: fields merge as usual
+    cfg = load_config(DEFAULT, ["critique.engine.max_num_seqs=4"])
+    assert (cfg.critique.engine.max_num_seqs, cfg.critique.engine.max_model_len) == (4, 4096)
+    with pytest.raises(ValidationError, match="batch_size"):
+        load_config(DEFAULT, ["critique.engine.batch_size=4"])  # a transformers field on a vllm engine
+
+
+def test_section_hash_changes_only_with_its_section():
+    base = load_config(DEFAULT)
+    union = load_config(DEFAULT, ["vote.rule=union"])
+    assert section_hash(base, "critique") == section_hash(union, "critique")
+    assert section_hash(base, "rollout", "steps") == section_hash(union, "rollout", "steps")
+    assert section_hash(base, "vote") != section_hash(union, "vote")
+    assert section_hash(base, "critique", "vote") != section_hash(union, "critique", "vote")
+    assert section_hash(base) != section_hash(union)
+    assert section_hash(base, "vote") == section_hash(load_config(DEFAULT), "vote")  # deterministic
+    assert len(section_hash(base)) == 16
+    n8 = load_config(DEFAULT, ["critique.num_critiques=8"])
+    assert section_hash(base, "critique") != section_hash(n8, "critique")
+    assert section_hash(base, "vote", "reward") == section_hash(n8, "vote", "reward")
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config(TINY, ["vote.rule=average"])
+    f = tmp_path / "resolved.yaml"
+    f.write_text(dump_config(cfg))
+    assert load_config(f) == cfg
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="default.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_config(bad)
+
+
+def test_paths_and_round_dir(tmp_path):
+    cfg = CAPOConfig(runs_dir=str(tmp_path / "runs"), run_id="exp1")
+    assert cfg.round_dir(3) == tmp_path / "runs" / "exp1" / "round_003"
+    with pytest.raises(ValueError, match=">= 1"):
+        cfg.round_dir(0)
+    with pytest.raises(ValidationError, match="run_id"):
+        CAPOConfig(run_id="../escape")

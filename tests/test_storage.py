@@ -1,0 +1,233 @@
+"""Stage outputs on disk: commit/currency, superseding, shards and the DuckDB catalog (pipeline/storage.py)."""
+
+import json
+import os
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import storage
+from pipeline.schemas import SCHEMAS
+
+
+def _outcomes(n: int = 3, answer: str = "5", run_id: str = "r1") -> pa.Table:
+    rows = [{"run_id": run_id, "round": 1, "rollout_id": f"ro-{i}", "prompt_id": "p-0", "gold_answer": "5",
+             "extracted_answer": answer, "outcome_correct": answer == "5", "verify_status": "ok"} for i in range(n)]
+    return pa.Table.from_pylist(rows, schema=SCHEMAS["outcomes"])
+
+
+def _rollouts(n: int, run_id: str = "r1", round_idx: int = 1) -> pa.Table:
+    rows = [{"run_id": run_id, "round": round_idx, "rollout_id": f"ro-{i}", "prompt_id": "p-0", "sample_idx": i,
+             "policy": "m", "prompt_token_ids": [1, 2], "response_text": "x", "response_token_ids": [3, 4, 5],
+             "rollout_logprobs": [-0.1, -0.2, -0.3], "finish_reason": "stop", "num_tokens": 3} for i in range(n)]
+    return pa.Table.from_pylist(rows, schema=SCHEMAS["rollouts"])
+
+
+KEY = {"rollouts": "abc", "vote": {"rule": "intersection"}, "n": 4}
+
+
+# ------------------------------------------------------------------------------------ currency
+def test_written_table_is_current_under_same_key(tmp_path):
+    out = tmp_path / "round_001" / "outcomes.parquet"
+    man = storage.write_table(_outcomes(), out, "outcomes", stage="verify", key=KEY)
+    assert man["rows"] == 3 and man["key"] == KEY and man["stage"] == "verify"
+    assert json.loads(storage.manifest_path(out).read_text())["key_hash"] == storage.key_hash(KEY)
+    cur = storage.is_current(out, dict(KEY))
+    assert cur.current, cur.reason
+    assert storage.read_table(out, "outcomes").equals(_outcomes())
+
+
+def test_changed_key_is_not_current_and_reason_names_the_key(tmp_path):
+    out = tmp_path / "outcomes.parquet"
+    storage.write_table(_outcomes(), out, "outcomes", stage="verify", key=KEY)
+    cur = storage.is_current(out, {**KEY, "vote": {"rule": "union"}})
+    assert not cur.current
+    assert "'vote'" in cur.reason
+    assert "'rollouts'" not in cur.reason and "'n'" not in cur.reason
+    added = storage.is_current(out, {**KEY, "extra": 1})  # a new key entry counts as a change too
+    assert not added.current and "'extra'" in added.reason
+
+
+def test_missing_manifest_means_interrupted_stage(tmp_path):
+    out = tmp_path / "outcomes.parquet"
+    storage.write_table(_outcomes(), out, "outcomes", stage="verify", key=KEY)
+    storage.manifest_path(out).unlink()  # killed between the table rename and the manifest commit
+    cur = storage.is_current(out, KEY)
+    assert not cur.current and "manifest" in cur.reason
+    missing = storage.is_current(tmp_path / "nothing.parquet", KEY)
+    assert not missing.current and "does not exist" in missing.reason
+
+
+def test_file_modified_after_commit_with_same_size_is_not_current(tmp_path):
+    out = tmp_path / "outcomes.parquet"
+    storage.write_table(_outcomes(answer="5"), out, "outcomes", stage="verify", key=KEY)
+    size, mtime_ns = out.stat().st_size, out.stat().st_mtime_ns
+    # Same schema and row count, other values: a parquet of exactly the same size, other bytes.
+    other = tmp_path / "other.parquet"
+    pq.write_table(_outcomes(answer="7"), other, compression="zstd")
+    assert other.stat().st_size == size, "test needs a same-size rewrite"
+    new_bytes = other.read_bytes()
+    assert new_bytes != out.read_bytes()
+    out.write_bytes(new_bytes)
+    os.utime(out, ns=(mtime_ns + 2_000_000_000, mtime_ns + 2_000_000_000))
+    cur = storage.is_current(out, KEY)
+    assert not cur.current and "modified" in cur.reason
+
+
+def test_touched_but_unchanged_file_stays_current(tmp_path):
+    out = tmp_path / "outcomes.parquet"
+    storage.write_table(_outcomes(), out, "outcomes", stage="verify", key=KEY)
+    st = out.stat()
+    os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    assert storage.is_current(out, KEY).current  # falls back to the fingerprint, which matches
+
+
+def test_rewrite_moves_old_output_to_superseded(tmp_path):
+    out = tmp_path / "round_001" / "outcomes.parquet"
+    storage.write_table(_outcomes(answer="5"), out, "outcomes", stage="verify", key={"v": 1})
+    storage.write_table(_outcomes(answer="7"), out, "outcomes", stage="verify", key={"v": 2})
+    sup = out.parent / "superseded"
+    olds = sorted(sup.glob("outcomes-*.parquet"))
+    assert len(olds) == 1
+    assert pq.read_table(olds[0]).column("extracted_answer").to_pylist() == ["5"] * 3  # nothing lost
+    old_man = json.loads(storage.manifest_path(olds[0]).read_text())
+    assert old_man["key"] == {"v": 1}
+    assert storage.is_current(out, {"v": 2}).current
+    assert pq.read_table(out).column("extracted_answer").to_pylist() == ["7"] * 3
+    # an uncommitted leftover (table without manifest) is also kept, not overwritten
+    storage.manifest_path(out).unlink()
+    storage.write_table(_outcomes(answer="9"), out, "outcomes", stage="verify", key={"v": 3})
+    assert len(list(sup.glob("outcomes-*.parquet"))) == 2
+    assert len(list(sup.glob(f"*{storage.MANIFEST_SUFFIX}"))) == 1
+
+
+def test_schema_mismatch_names_the_column(tmp_path):
+    t = _outcomes()
+    bad_type = t.set_column(t.schema.get_field_index("round"), "round", pa.array([1, 1, 1], pa.int64()))
+    with pytest.raises(ValueError, match="'round'"):
+        storage.write_table(bad_type, tmp_path / "o.parquet", "outcomes", stage="verify", key=KEY)
+    missing = t.drop_columns(["verify_status"])
+    with pytest.raises(ValueError, match="verify_status"):
+        storage.write_table(missing, tmp_path / "o.parquet", "outcomes", stage="verify", key=KEY)
+    assert not (tmp_path / "o.parquet").exists()
+    pq.write_table(bad_type, tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match="'round'"):
+        storage.read_table(tmp_path / "b.parquet", "outcomes")
+    with pytest.raises(FileNotFoundError, match="outcomes"):
+        storage.read_table(tmp_path / "absent.parquet", "outcomes")
+
+
+# -------------------------------------------------------------------------------------- shards
+def test_read_parts_keeps_committed_shards_of_this_key_only(tmp_path):
+    parts = tmp_path / "critiques.parts"
+    storage.write_part(_outcomes(2, run_id="a"), parts, 0, "outcomes", {"key": "K"})
+    storage.write_part(_outcomes(1, run_id="b"), parts, 1, "outcomes", {"key": "OTHER"})
+    storage.write_part(_outcomes(3, run_id="c"), parts, 2, "outcomes", {"key": "K"})
+    storage.write_part(_outcomes(4, run_id="d"), parts, 3, "outcomes", {"key": "K"})
+    (parts / "part-00003.json").unlink()  # killed before the sidecar: uncommitted
+    assert json.loads((parts / "part-00000.json").read_text()) == {"key": "K", "rows": 2}
+    got = storage.read_parts(parts, "outcomes", "K")
+    assert [t.column("run_id")[0].as_py() for t in got] == ["a", "c"]
+    assert [t.num_rows for t in got] == [2, 3]
+    assert sorted(p.name for p in parts.iterdir()) == ["part-00000.json", "part-00000.parquet",
+                                                       "part-00002.json", "part-00002.parquet"]
+    assert storage.read_parts(tmp_path / "none", "outcomes", "K") == []
+
+
+# ------------------------------------------------------------------------------------- catalog
+def _populate_runs(runs, data):
+    storage.write_table(_rollouts(3), runs / "r1" / "round_001" / "rollouts.parquet", "rollouts", stage="rollout", key={})
+    storage.write_table(_rollouts(2, round_idx=2), runs / "r1" / "round_002" / "rollouts.parquet", "rollouts",
+                        stage="rollout", key={})
+    storage.write_table(_rollouts(4, "r2"), runs / "r2" / "round_001" / "rollouts.parquet", "rollouts",
+                        stage="rollout", key={}, extra={"elapsed_s": 1.5})
+    storage.write_table(_outcomes(3), runs / "r1" / "round_001" / "outcomes.parquet", "outcomes", stage="verify", key={"v": 1})
+    storage.write_table(_outcomes(3), runs / "r1" / "round_001" / "outcomes.parquet", "outcomes", stage="verify", key={"v": 2})
+    (data / "prompts").mkdir(parents=True)
+    prompts = pa.Table.from_pylist([{"prompt_id": f"p-{i}", "source": "s", "split": "train", "question": "q",
+                                     "gold_answer": "1", "gold_solution": None} for i in range(5)], schema=SCHEMAS["prompts"])
+    pq.write_table(prompts, data / "prompts" / "s_train.parquet")
+
+
+def test_catalog_views_are_absolute_and_read_only_queryable(tmp_path, monkeypatch):
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    _populate_runs(runs, data)
+    monkeypatch.chdir(tmp_path)
+    cat = storage.refresh_catalog(runs.relative_to(tmp_path), data.relative_to(tmp_path))
+    assert cat == runs.resolve() / storage.CATALOG_NAME
+    assert [p.name for p in runs.iterdir() if p.name.startswith(".")] == []  # no temp file left
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # views must not depend on the reader's directory
+    con = duckdb.connect(str(cat), read_only=True)
+    try:
+        q = lambda sql: con.execute(sql).fetchall()  # noqa: E731
+        assert q("SELECT count(*) FROM rollouts") == [(3 + 2 + 4,)]
+        assert q("SELECT run_id, round, count(*) FROM rollouts GROUP BY ALL ORDER BY ALL") == [
+            ("r1", 1, 3), ("r1", 2, 2), ("r2", 1, 4)]
+        assert q("SELECT count(*) FROM outcomes") == [(3,)]  # the superseded copy is not in the view
+        assert q("SELECT count(*) FROM prompts") == [(5,)]
+        assert q("SELECT sum(len(response_token_ids)) FROM rollouts") == [(27,)]
+        views = {r[0] for r in q("SELECT view_name FROM duckdb_views() WHERE NOT internal")}
+        assert {"rollouts", "outcomes", "prompts", "manifests"} <= views and "critiques" not in views
+        # one manifest per committed output; superseded ones left out; missing elapsed_s is NULL
+        mans = q("SELECT \"table\", rows, elapsed_s FROM manifests ORDER BY path")
+        assert sorted(mans, key=str) == sorted([("outcomes", 3, None), ("rollouts", 3, None), ("rollouts", 2, None),
+                                                ("rollouts", 4, 1.5)], key=str)
+        with pytest.raises(duckdb.Error):
+            con.execute("CREATE TABLE t AS SELECT 1")
+    finally:
+        con.close()
+
+
+def test_catalog_refresh_while_a_reader_holds_it_open(tmp_path):
+    runs = tmp_path / "runs"
+    storage.write_table(_rollouts(3), runs / "r1" / "round_001" / "rollouts.parquet", "rollouts", stage="rollout", key={})
+    cat = storage.refresh_catalog(runs)
+    reader = duckdb.connect(str(cat), read_only=True)
+    try:
+        assert reader.execute("SELECT count(*) FROM rollouts").fetchall() == [(3,)]
+        storage.write_table(_rollouts(2), runs / "r1" / "round_002" / "rollouts.parquet", "rollouts", stage="rollout", key={})
+        storage.refresh_catalog(runs)  # must not be blocked by the open reader
+        with duckdb.connect(str(cat), read_only=True) as fresh:
+            assert fresh.execute("SELECT count(*) FROM rollouts").fetchall() == [(5,)]
+    finally:
+        reader.close()
+
+
+def test_empty_runs_dir_gives_an_empty_catalog(tmp_path):
+    cat = storage.refresh_catalog(tmp_path / "runs")
+    with duckdb.connect(str(cat), read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM duckdb_views() WHERE NOT internal").fetchall() == [(0,)]
+
+
+# -------------------------------------------------------------------------------- fingerprints
+def test_dir_fingerprint_sees_small_file_changes(tmp_path):
+    ck = tmp_path / "checkpoint"
+    (ck / "sub").mkdir(parents=True)
+    (ck / "config.json").write_text('{"a": 1}')
+    (ck / "sub" / "tok.json").write_text("abc")
+    fp0 = storage.dir_fingerprint(ck)
+    assert storage.dir_fingerprint(ck) == fp0 == storage.fingerprint(ck)
+    (ck / "config.json").write_text('{"a": 2}')  # same size, other bytes
+    fp1 = storage.dir_fingerprint(ck)
+    assert fp1 != fp0
+    (ck / "sub" / "tok.json").rename(ck / "sub" / "tok2.json")
+    fp2 = storage.dir_fingerprint(ck)
+    assert fp2 not in (fp0, fp1)
+    (ck / "new.bin").write_bytes(b"")
+    assert storage.dir_fingerprint(ck) != fp2
+
+
+def test_directory_output_commit_and_currency(tmp_path):
+    ck = tmp_path / "variants" / "v" / "checkpoint"
+    ck.mkdir(parents=True)
+    (ck / "config.json").write_text("{}")
+    man = storage.commit_manifest(ck, stage="train", key=KEY, rows=None)
+    assert storage.manifest_path(ck) == ck.parent / "checkpoint.manifest.json"
+    assert man["size"] is None and man["table"] == "checkpoint"
+    assert storage.is_current(ck, KEY).current
+    (ck / "config.json").write_text("{ }")
+    assert not storage.is_current(ck, KEY).current
