@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -87,6 +88,23 @@ def run_stage(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger
     return _run_child(name, cfg, round_idx, logger, force)
 
 
+def _lines(fd: int):
+    """Yield (text, is_progress_redraw) for each \\n- or \\r-terminated piece of a child's output."""
+    buf = b""
+    while chunk := os.read(fd, 65536):
+        buf += chunk
+        while True:
+            cut = min((i for i in (buf.find(b"\n"), buf.find(b"\r")) if i >= 0), default=-1)
+            if cut < 0:
+                break
+            piece, sep, buf = buf[:cut], buf[cut:cut + 1], buf[cut + 1:]
+            text = piece.decode("utf-8", errors="replace").strip()
+            if text:
+                yield text, sep == b"\r"
+    if buf.strip():
+        yield buf.decode("utf-8", errors="replace").strip(), False
+
+
 def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger, force: bool) -> StageResult:
     conf = write_resolved_config(cfg, round_idx)
     if name == "train" and cfg.train.launcher:
@@ -97,20 +115,23 @@ def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logge
         cmd.append("--force")
     logger.info("[%s] starting child process: %s", name, " ".join(cmd))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CAPO_CHILD": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             cwd=Path(__file__).resolve().parent.parent)
     tail: list[str] = []
     result = None
+    last_progress = 0.0
     assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.rstrip("\n")
+    for line, is_progress in _lines(proc.stdout.fileno()):
         if line.startswith(RESULT_TAG):
             result = StageResult(**json.loads(line[len(RESULT_TAG):]))
             continue
-        for part in line.split("\r"):
-            if part.strip():
-                logger.info("[%s] %s", name, part.strip())
-                tail = (tail + [part])[-20:]
+        # progress bars redraw with \r: log them at most every 10 s, and the final state
+        now = time.monotonic()
+        if is_progress and now - last_progress < 10 and "100%" not in line:
+            continue
+        last_progress = now if is_progress else last_progress
+        logger.info("[%s] %s", name, line)
+        tail = (tail + [line])[-20:]
     code = proc.wait()
     if code != 0:
         raise RuntimeError(f"stage {name!r} of round {round_idx} failed (exit code {code}); last output:\n" + "\n".join(tail))

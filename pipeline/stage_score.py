@@ -37,7 +37,10 @@ def verify_answer(gold: str, response: str) -> tuple[str | None, bool, str]:
     from math_verify import parse, verify
 
     try:
-        gold_parsed = parse(gold if "$" in gold or "\\" in gold else f"${gold}$")
+        # math-verify finds LaTeX only inside delimiters: a bare gold such as ``\\sqrt{2}`` or
+        # ``2\\pi`` must be wrapped too, or it parses to nothing (or to ``2``).
+        delimited = any(d in gold for d in ("$", "\\boxed", "\\(", "\\["))
+        gold_parsed = parse(gold if delimited else f"${gold}$")
         if not gold_parsed:
             return None, False, "no_gold"
         pred = parse(response)

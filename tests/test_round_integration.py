@@ -1,0 +1,187 @@
+"""A real CAPO round, end to end: SmolLM2-135M-Instruct as policy and critic through vLLM,
+math-verify, the Prefect ``capo-round`` flow, the Accelerate trainer and the DuckDB catalog.
+
+Slow (about 3 minutes on 2 CPU cores): one round, then a second run that must skip every stage,
+then a round killed in the middle of its critique stage and resumed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import load_config
+from pipeline.critique import PARSE_STATUSES
+from pipeline.stages import round_paths
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_cfg(repo: Path, data_dir: Path, runs: Path, **over):
+    ov = {"runs_dir": str(runs), "data_dir": str(data_dir), **over}
+    return load_config(repo / "configs" / "tiny.yaml", [f"{k}={v}" for k, v in ov.items()])
+
+
+@pytest.fixture(scope="module")
+def tiny_round(repo, data_dir, tmp_path_factory):
+    """Run round 1 of configs/tiny.yaml through the Prefect flow, twice; return both results."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.round import capo_round
+
+    runs = tmp_path_factory.mktemp("runs")
+    over = [f"runs_dir={runs}", f"data_dir={data_dir}"]
+    with prefect_test_harness(server_startup_timeout=120):
+        first = capo_round(round=1, config=str(repo / "configs" / "tiny.yaml"), overrides=over)
+        t0 = time.perf_counter()
+        second = capo_round(round=1, config=str(repo / "configs" / "tiny.yaml"), overrides=over)
+        second_s = time.perf_counter() - t0
+    cfg = tiny_cfg(repo, data_dir, runs)
+    return cfg, first, second, second_s
+
+
+def _t(cfg, name):
+    return pq.read_table(round_paths(cfg, 1)[name]).to_pylist()
+
+
+def test_every_table_has_the_expected_rows(tiny_round):
+    cfg, first, _, _ = tiny_round
+    assert [r["stage"] for r in first] == ["rollout", "verify", "segment", "critique", "vote", "reward", "train"]
+    assert not any(r["skipped"] for r in first)
+    G, N, P = cfg.rollout.group_size, cfg.critique.num_critiques, cfg.data.prompts_per_round
+    rollouts = _t(cfg, "rollouts")
+    assert len(rollouts) == P * G
+    assert len({r["prompt_id"] for r in rollouts}) == P
+    for r in rollouts:
+        assert r["num_tokens"] == len(r["response_token_ids"]) == len(r["rollout_logprobs"]) > 0
+        assert r["prompt_token_ids"] and r["finish_reason"] in ("stop", "length")
+        assert all(lp <= 0 for lp in r["rollout_logprobs"])
+    assert {o["rollout_id"] for o in _t(cfg, "outcomes")} == {r["rollout_id"] for r in rollouts}
+    crit = _t(cfg, "critiques")
+    assert len(crit) == P * G * N
+    assert len({(c["rollout_id"], c["critique_idx"]) for c in crit}) == len(crit)
+    for c in crit:
+        assert c["parse_status"] in PARSE_STATUSES + ("skipped_empty_response",)
+        assert (c["wrong_steps"] is not None) == (c["parse_status"] == "ok")
+        assert all(0 <= s < c["n_steps"] for s in c["wrong_steps"] or [])
+        assert c["template_version"] and c["critic_model"].endswith("smollm2-135m-instruct")
+
+
+def test_steps_partition_every_response(tiny_round):
+    cfg = tiny_round[0]
+    n_tok = {r["rollout_id"]: r["num_tokens"] for r in _t(cfg, "rollouts")}
+    by: dict[str, list] = {}
+    for s in _t(cfg, "steps"):
+        by.setdefault(s["rollout_id"], []).append(s)
+    assert set(by) == set(n_tok)
+    for rid, steps in by.items():
+        steps.sort(key=lambda s: s["step_idx"])
+        assert [s["step_idx"] for s in steps] == list(range(len(steps)))
+        assert steps[0]["token_start"] == 0 and steps[-1]["token_end"] == n_tok[rid]
+        for a, b in zip(steps, steps[1:]):
+            assert a["token_end"] == b["token_start"] and a["char_end"] <= b["char_start"]
+
+
+def test_votes_rewards_and_advantages_are_consistent(tiny_round):
+    cfg = tiny_round[0]
+    C, P = cfg.reward.correct_weight, cfg.reward.process_weight
+    w = {(v["rollout_id"], v["step_idx"], v["rule"]): v["weight"] for v in _t(cfg, "step_verdicts")}
+    for (rid, s, rule), weight in w.items():
+        if rule == "intersection":
+            assert weight <= w[(rid, s, "majority")] <= w[(rid, s, "union")]
+    correct = {o["rollout_id"]: o["outcome_correct"] for o in _t(cfg, "outcomes")}
+    steps = _t(cfg, "steps")
+    n_tok = {r["rollout_id"]: r["num_tokens"] for r in _t(cfg, "rollouts")}
+    tr = _t(cfg, "token_rewards")
+    assert len(tr) == len(n_tok)
+    groups: dict[str, list] = {}
+    for r in tr:
+        assert len(r["rewards"]) == len(r["advantages"]) == n_tok[r["rollout_id"]]
+        expected = np.zeros(n_tok[r["rollout_id"]])
+        for s in (s for s in steps if s["rollout_id"] == r["rollout_id"]):
+            expected[s["token_start"]:s["token_end"]] = C * correct[r["rollout_id"]] - P * w[(r["rollout_id"], s["step_idx"], cfg.vote.rule)]
+        np.testing.assert_allclose(r["rewards"], expected, rtol=0, atol=1e-6)
+        groups.setdefault(r["prompt_id"], []).extend(r["advantages"])
+    for adv in groups.values():
+        assert abs(np.mean(adv)) < 1e-4  # advantages are centred over all tokens of the group
+
+
+def test_training_wrote_a_new_policy(tiny_round, data_dir):
+    from safetensors.torch import load_file
+
+    cfg = tiny_round[0]
+    ckpt = round_paths(cfg, 1)["checkpoint"]
+    assert (ckpt / "config.json").is_file() and (ckpt / "tokenizer_config.json").is_file()
+    new = load_file(str(ckpt / "model.safetensors"))
+    old = load_file(str(data_dir / "models" / "smollm2-135m-instruct" / "model.safetensors"))
+    changed = [k for k in new if k in old and not np.array_equal(new[k].float().numpy(), old[k].float().numpy())]
+    names = {m["name"] for m in _t(cfg, "train_metrics")}
+    assert {"loss", "clip_frac", "approx_kl", "grad_norm"} <= names
+    if any(abs(a) > 0 for r in _t(cfg, "token_rewards") for a in r["advantages"]):
+        assert changed, "a non-zero advantage must move the weights"
+
+
+def test_second_run_skips_every_stage_quickly(tiny_round):
+    _, _, second, second_s = tiny_round
+    assert all(r["skipped"] for r in second), [r for r in second if not r["skipped"]]
+    assert all("current" in r["reason"] for r in second)
+
+
+def test_catalog_answers_sql_read_only(tiny_round, tmp_path):
+    cfg = tiny_round[0]
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # views hold absolute paths: any working directory works
+    try:
+        con = duckdb.connect(str(Path(cfg.runs_dir) / "catalog.duckdb"), read_only=True)
+        n = con.execute("SELECT count(*) FROM critiques").fetchone()[0]
+        flagged = con.execute("SELECT rule, avg(weight) FROM step_verdicts GROUP BY rule").fetchall()
+        toks = con.execute("SELECT count(*) FROM (SELECT unnest(rewards) FROM token_rewards)").fetchone()[0]
+        con.close()
+    finally:
+        os.chdir(cwd)
+    assert n == len(_t(cfg, "critiques"))
+    assert {r for r, _ in flagged} == {"intersection", "union", "majority", "average"}
+    assert toks == sum(r["num_tokens"] for r in _t(cfg, "rollouts"))
+
+
+def test_killed_mid_critique_resumes_without_lost_or_doubled_rows(tiny_round, repo, tmp_path):
+    """Copy the finished round's rollouts/outcomes/steps, kill `capo round` during the critique
+    stage once a shard is committed, run it again, and check the critiques table."""
+    src_cfg = tiny_round[0]
+    runs = tmp_path / "runs"
+    cfg = tiny_cfg(repo, Path(src_cfg.data_dir), runs, **{"critique.batch_rollouts": 1})
+    src, dst = round_paths(src_cfg, 1), round_paths(cfg, 1)
+    dst["round_dir"].mkdir(parents=True)
+    for name in ("rollouts", "outcomes", "steps"):
+        for f in (src[name], src[name].with_name(src[name].name + ".manifest.json")):
+            shutil.copy2(f, dst[name].parent / f.name)
+    cmd = [sys.executable, "-m", "flows.cli", "round", "--config", str(repo / "configs" / "tiny.yaml"),
+           "--round", "1", f"runs_dir={runs}", f"data_dir={cfg.data_dir}", "critique.batch_rollouts=1"]
+    parts = dst["critiques"].with_suffix(".parts")
+    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(parts.glob("part-*.json")):
+        assert proc.poll() is None, "the round ended before the critique stage committed a shard"
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = len(list(parts.glob("part-*.json")))
+    assert 1 <= done_before < 4 and not dst["critiques"].exists()
+    out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming" in out.stderr and "rollouts.parquet is current" in out.stderr
+    crit = pq.read_table(dst["critiques"]).to_pylist()
+    keys = [(c["rollout_id"], c["critique_idx"]) for c in crit]
+    assert len(keys) == len(set(keys)) == 4 * cfg.critique.num_critiques
+    assert not parts.exists()
+    assert round_paths(cfg, 1)["checkpoint"].is_dir()
