@@ -30,15 +30,16 @@ def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr)
 
 
-def _cfg(config: Optional[str], overrides: Optional[list[str]]):
+def _cfg(config: Optional[str], overrides: Optional[list[str]], preset: Optional[str] = None):
     from pipeline.config import load_config
 
-    return load_config(config, overrides or [])
+    return load_config(config, overrides or [], preset)
 
 
 @app.command()
 def setup(
     config: str = typer.Option(DEFAULT_CONFIG, help="config whose models and prompts to prepare"),
+    preset: Optional[str] = typer.Option(None),
     models: Optional[list[str]] = typer.Option(None, "--model", help="extra embedded model names to convert"),
     overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value overrides"),
 ) -> None:
@@ -46,7 +47,7 @@ def setup(
     _setup_logging()
     from pipeline.stages import prompts_path, resolve_model
 
-    cfg = _cfg(config, overrides)
+    cfg = _cfg(config, overrides, preset)
     out = {"policy": resolve_model(cfg.rollout.policy, cfg)}
     if cfg.critique.enabled:
         out["critic"] = resolve_model(cfg.critique.critic, cfg)
@@ -60,18 +61,23 @@ def setup(
 def round_cmd(
     round: int = typer.Option(1, "--round", "-r", help="round number (1 samples from the starting policy)"),
     config: str = typer.Option(DEFAULT_CONFIG, help="YAML config"),
+    preset: Optional[str] = typer.Option(None, help="capo-intersection | capo-union | capo-majority | capo-average | grpo | grpo-genorm"),
     force: Optional[list[str]] = typer.Option(None, help="stage(s) to recompute even when current"),
     overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value overrides"),
 ) -> None:
     """Run one round (every stage, skipping finished ones) without Prefect."""
+    import time
+
     _setup_logging()
-    from flows.runner import run_stage
+    from flows.runner import run_stage, write_round_summary
     from pipeline.stages import STAGES
     from pipeline.storage import refresh_catalog
 
-    cfg = _cfg(config, overrides)
-    for name in STAGES:
-        run_stage(name, cfg, round, force=name in (force or []))
+    t0 = time.perf_counter()
+    cfg = _cfg(config, overrides, preset)
+    results = [dataclasses.asdict(run_stage(name, cfg, round, force=name in (force or []))) for name in STAGES]
+    summary = write_round_summary(cfg, round, results, time.perf_counter() - t0)
+    typer.echo(f"round summary: {summary}")
     typer.echo(f"catalog: {refresh_catalog(Path(cfg.runs_dir), Path(cfg.data_dir))}")
 
 
@@ -80,6 +86,7 @@ def stage(
     name: str = typer.Argument(..., help="rollout | verify | segment | critique | vote | reward | train"),
     round: int = typer.Option(1, "--round", "-r"),
     config: str = typer.Option(DEFAULT_CONFIG),
+    preset: Optional[str] = typer.Option(None),
     force: bool = typer.Option(False, help="recompute even when current"),
     overrides: Optional[list[str]] = typer.Argument(None),
 ) -> None:
@@ -87,7 +94,7 @@ def stage(
     _setup_logging()
     from flows.runner import RESULT_TAG, stage_function
 
-    res = stage_function(name)(_cfg(config, overrides), round, force=force)
+    res = stage_function(name)(_cfg(config, overrides, preset), round, force=force)
     print(RESULT_TAG + json.dumps(dataclasses.asdict(res)), flush=True)
 
 

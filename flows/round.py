@@ -15,7 +15,9 @@ from typing import Optional
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.runner import run_stage
+import time
+
+from flows.runner import run_stage, write_round_summary
 from pipeline.config import load_config
 from pipeline.stages import STAGES
 from pipeline.storage import refresh_catalog
@@ -24,21 +26,24 @@ DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "defau
 
 
 @task(cache_policy=NO_CACHE, task_run_name="{name}-round-{round_idx}")
-def stage_task(name: str, config: str, overrides: list[str], round_idx: int) -> dict:
+def stage_task(name: str, config: str, overrides: list[str], round_idx: int, preset: Optional[str] = None) -> dict:
     """One stage of one round; returns what happened (skipped and why, or rows written)."""
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, preset)
     return dataclasses.asdict(run_stage(name, cfg, round_idx, logger=get_run_logger()))
 
 
 @task(cache_policy=NO_CACHE)
-def catalog_task(config: str, overrides: list[str]) -> str:
-    """Refresh the DuckDB catalog views (the flow never keeps the catalog open)."""
-    cfg = load_config(config, overrides)
+def catalog_task(config: str, overrides: list[str], round_idx: int, results: list[dict], wall_s: float,
+                 preset: Optional[str] = None) -> str:
+    """Write the round summary and refresh the DuckDB catalog (the flow never keeps it open)."""
+    cfg = load_config(config, overrides, preset)
+    write_round_summary(cfg, round_idx, results, wall_s)
     return str(refresh_catalog(Path(cfg.runs_dir), Path(cfg.data_dir)))
 
 
 @flow(name="capo-round", log_prints=True)
-def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional[list[str]] = None) -> list[dict]:
+def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional[list[str]] = None,
+               preset: Optional[str] = None) -> list[dict]:
     """Run one CAPO round: rollout, verify, segment, critique, vote, reward, train, catalog.
 
     Args:
@@ -46,11 +51,14 @@ def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional
             checkpoint.
         config: YAML config path (``configs/default.yaml``: the embedded offline defaults).
         overrides: ``section.key=value`` strings, e.g. ``["vote.rule=union", "reward.process_weight=0.5"]``.
+        preset: a name from ``configs/presets/`` (capo-intersection, capo-union, capo-majority,
+            capo-average, grpo, grpo-genorm); it also names the variant.
     """
     overrides = list(overrides or [])
-    load_config(config, overrides)  # fail before any work on a bad config
-    results = [stage_task(name, config, overrides, round) for name in STAGES]
-    catalog_task(config, overrides)
+    load_config(config, overrides, preset)  # fail before any work on a bad config
+    t0 = time.perf_counter()
+    results = [stage_task(name, config, overrides, round, preset) for name in STAGES]
+    catalog_task(config, overrides, round, results, time.perf_counter() - t0, preset)
     logger = get_run_logger()
     for r in results:
         logger.info("%s: %s", r["stage"], "skipped" if r["skipped"] else f"ran in {r['seconds']:.1f}s")
@@ -59,7 +67,7 @@ def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional
 
 @flow(name="capo-run", log_prints=True)
 def capo_run(rounds: int = 2, start_round: int = 1, config: str = DEFAULT_CONFIG,
-             overrides: Optional[list[str]] = None) -> None:
+             overrides: Optional[list[str]] = None, preset: Optional[str] = None) -> None:
     """Run rounds ``start_round .. start_round + rounds - 1`` on-policy (each from the last checkpoint)."""
     for k in range(start_round, start_round + rounds):
-        capo_round(round=k, config=config, overrides=overrides)
+        capo_round(round=k, config=config, overrides=overrides, preset=preset)

@@ -54,6 +54,14 @@ def check_current(name: str, cfg: CAPOConfig, round_idx: int) -> storage.Currenc
     return cur
 
 
+def _not_applicable(name: str, cfg: CAPOConfig) -> str | None:
+    if name in ("critique", "vote") and not cfg.critique.enabled:
+        return "critique.enabled is false (GRPO rule baseline): no critic"
+    if name == "vote" and cfg.critique.mode == "outcome":
+        return "critique.mode is outcome (GenORM baseline): no step votes"
+    return None
+
+
 def write_resolved_config(cfg: CAPOConfig, round_idx: int) -> Path:
     """The resolved config as YAML in the round dir, named by its hash (what child processes read)."""
     path = round_paths(cfg, round_idx)["round_dir"] / f".config-{section_hash(cfg)}.yaml"
@@ -73,8 +81,9 @@ def run_stage(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger
         RuntimeError: a child process failed (its exit code and last output lines are in the message).
     """
     logger = logger or logging.getLogger("capo.flows")
-    if name == "critique" and not cfg.critique.enabled or name == "vote" and not cfg.critique.enabled:
-        res = StageResult(name, "", True, "critique.enabled is false (GRPO baseline): no critic")
+    why_not = _not_applicable(name, cfg)
+    if why_not:
+        res = StageResult(name, "", True, why_not)
         logger.info(res.line())
         return res
     if not force:
@@ -139,3 +148,24 @@ def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logge
         result = StageResult(name, "", False, "child process finished (no result line)")
     logger.info(result.line())
     return result
+
+
+def write_round_summary(cfg: CAPOConfig, round_idx: int, results: list[dict], wall_s: float | None = None) -> Path:
+    """``variants/<variant>/round_summary.json``: what each stage of this invocation did.
+
+    Records per stage skipped/ran, seconds and critic calls, so "re-training a cached round made
+    zero critic calls" is a fact in a file (and in the catalog's ``manifests`` neighbours).
+    """
+    path = round_paths(cfg, round_idx)["run_summary"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    summary = {
+        "run_id": cfg.run_id, "round": round_idx, "variant": cfg.variant, "config_hash": section_hash(cfg),
+        "critic_calls": int(sum(r.get("critic_calls", 0) for r in results)),
+        "stages": results, "stage_seconds": round(sum(r.get("seconds", 0.0) for r in results), 3),
+        "wall_seconds": None if wall_s is None else round(wall_s, 3),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(summary, indent=1))
+    os.replace(tmp, path)
+    return path

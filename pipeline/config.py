@@ -97,11 +97,20 @@ class RolloutConfig(_Strict):
     """G: responses sampled per prompt (paper: 16)."""
     sampling: SamplingConfig = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=320)
     engine: EngineConfig = VLLMEngineConfig()
-    instruction: str = (
-        "Solve the problem step by step. Separate the steps with blank lines. "
-        "Put the final answer in \\boxed{} exactly once at the end."
-    )
-    """Appended to every problem; asks for exactly one ``\\boxed{}`` (verified by math-verify)."""
+    instruction: str | None = None
+    """Appended to every problem. None picks the instruction that matches ``steps.mode``
+    (:data:`DEFAULT_INSTRUCTIONS`); it always asks for exactly one ``\\boxed{}`` answer."""
+
+
+DEFAULT_INSTRUCTIONS = {
+    "blank_line": "Solve the problem step by step. Separate the steps with blank lines. "
+                  "Put the final answer in \\boxed{} exactly once at the end.",
+    "line": "Solve the problem step by step, one step per line. "
+            "Put the final answer in \\boxed{} exactly once at the end.",
+    "step_tag": "Solve the problem step by step. Start every step with a marker <step 1>, <step 2>, ... "
+                "Put the final answer in \\boxed{} exactly once at the end.",
+}
+"""Policy instruction per step-splitting mode (the ``step_tag`` mode asks for ``<step k>`` markers)."""
 
 
 class StepsConfig(_Strict):
@@ -112,6 +121,9 @@ class StepsConfig(_Strict):
 class CritiqueConfig(_Strict):
     enabled: bool = True
     """False gives the GRPO rule-outcome baseline: no critique stage, no process reward."""
+    mode: Literal["process", "outcome"] = "process"
+    """process: the GenPRM judges every step (CAPO); outcome: the critic judges only the final
+    answer N times (GenORM baseline, paper §4), a majority of its verdicts is the outcome reward."""
     critic: str = "qwen2.5-coder-1.5b-instruct"
     """The GenPRM: an embedded model name, a local checkpoint, a HF id, or the model name served
     by an ``openai`` engine."""
@@ -139,6 +151,8 @@ class RewardConfig(_Strict):
     """C = W_whole: reward of a right final answer (paper §3, asymmetric reward shaping)."""
     process_weight: float = Field(1.0, ge=0)
     """P = W_process: penalty on tokens of a step the vote marks wrong (paper ablation best P=1)."""
+    outcome: Literal["rule", "genorm"] = "rule"
+    """Where r_v comes from: the rule verifier (math-verify) or the GenORM critic's majority vote."""
     estimator: Literal["capo-token-group", "grpo"] = "capo-token-group"
     """capo-token-group: normalize token rewards over all tokens of the group (DESIGN §1.8);
     grpo: sequence-level group-normalized outcome advantage broadcast to tokens."""
@@ -155,6 +169,16 @@ class RewardConfig(_Strict):
                 "wrong answer with clean steps; e.g. C=2, P=1 (paper default)."
             )
         return self
+
+
+class LoraConfig(_Strict):
+    """LoRA adapters (Hu et al. 2021) via peft."""
+
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"])
 
 
 class TrainConfig(_Strict):
@@ -179,6 +203,8 @@ class TrainConfig(_Strict):
     save_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """dtype of the checkpoint written for the next round's engine."""
     gradient_checkpointing: bool = False
+    lora: "LoraConfig | None" = None
+    """Train LoRA adapters (peft) instead of all weights; merged into the saved checkpoint."""
     launcher: list[str] = Field(default_factory=list)
     """Command prefix that starts the trainer, e.g. ``["accelerate", "launch", "--num_processes",
     "4"]``; empty runs it with this Python in a subprocess (one process)."""
@@ -202,6 +228,25 @@ class CAPOConfig(_Strict):
     vote: VoteConfig = VoteConfig()
     reward: RewardConfig = RewardConfig()
     train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "CAPOConfig":
+        c, r = self.critique, self.reward
+        if r.outcome == "genorm" and not (c.enabled and c.mode == "outcome"):
+            raise ValueError("reward.outcome=genorm needs critique.enabled=true and critique.mode=outcome "
+                             "(the GenORM critic gives the outcome reward); valid presets: grpo-genorm")
+        if r.process_weight > 0 and not (c.enabled and c.mode == "process"):
+            raise ValueError(f"reward.process_weight={r.process_weight} needs step critiques "
+                             "(critique.enabled=true, critique.mode=process); set reward.process_weight=0 "
+                             "for the GRPO / GenORM baselines")
+        if r.estimator == "grpo" and r.process_weight > 0:
+            raise ValueError("reward.estimator=grpo is sequence-level and would ignore the process reward "
+                             f"(reward.process_weight={r.process_weight}); use capo-token-group or set it to 0")
+        return self
+
+    def instruction(self) -> str:
+        """The policy instruction in force (explicit, or the default for ``steps.mode``)."""
+        return self.rollout.instruction or DEFAULT_INSTRUCTIONS[self.steps.mode]
 
     def run_dir(self) -> Path:
         return Path(self.runs_dir).resolve() / self.run_id
@@ -253,12 +298,38 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> CAPOConfig:
-    """Load a YAML config (or the built-in defaults when ``path`` is None) and apply overrides.
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs" / "presets"
+
+
+def list_presets() -> list[str]:
+    """Names of the presets in ``configs/presets/`` (one YAML overlay each)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def load_preset(name: str) -> dict:
+    """The overlay of preset ``name`` (a partial config).
+
+    Raises:
+        ValueError: unknown preset (lists the valid ones).
+    """
+    path = PRESETS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown preset {name!r}; valid: {list_presets()}")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None,
+                preset: str | None = None) -> CAPOConfig:
+    """Load a YAML config (built-in defaults when ``path`` is None), then a preset, then overrides.
+
+    A preset (``configs/presets/<name>.yaml``) is applied over the file and names the variant
+    after itself unless the overrides name one.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        pydantic.ValidationError: an unknown key or a bad value (the message names both).
+        ValueError: unknown preset (lists the valid ones).
+        pydantic.ValidationError: an unknown key, a bad value or an impossible combination (the
+            message names them and the valid choices).
     """
     raw: dict = {}
     if path is not None:
@@ -268,6 +339,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         raw = yaml.safe_load(p.read_text()) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping, got {type(raw).__name__}")
+    if preset:
+        raw = _deep_merge(raw, {"variant": preset, **load_preset(preset)})
     extra = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
     return CAPOConfig.model_validate(_deep_merge(raw, extra))
 

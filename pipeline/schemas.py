@@ -9,8 +9,9 @@ Layout of one run (``<runs_dir>/<run_id>/``)::
     round_001/rollouts.parquet        one row per response
     round_001/outcomes.parquet        one row per response (math-verify result)
     round_001/steps.parquet           one row per step
-    round_001/critiques.parquet       one row per critique (N per response)
-    round_001/step_verdicts.parquet   one row per step x voting rule
+    round_001/critiques.parquet       one row per step critique (GenPRM, N per response)
+    round_001/genorm_critiques.parquet  one row per outcome critique (GenORM baseline)
+    round_001/variants/<variant>/step_verdicts.parquet   one row per step x voting rule
     round_001/variants/<variant>/token_rewards.parquet   one row per response
     round_001/variants/<variant>/train_metrics.parquet   one row per optimizer step x metric
     round_001/variants/<variant>/checkpoint/             next policy (save_pretrained)
@@ -74,12 +75,14 @@ CRITIQUES_SCHEMA = pa.schema(
     + [
         pa.field("rollout_id", pa.string(), nullable=False),
         pa.field("critique_idx", pa.int32(), nullable=False),
+        pa.field("mode", pa.string()),  # process (GenPRM, every step) | outcome (GenORM, final answer)
         pa.field("critic_model", pa.string()),
         pa.field("template_version", pa.string()),
         pa.field("include_gold_answer", pa.bool_()),
         pa.field("n_steps", pa.int32()),
         pa.field("raw_text", pa.string()),
-        pa.field("wrong_steps", pa.list_(pa.int32())),  # null unless parse_status == ok
+        pa.field("wrong_steps", pa.list_(pa.int32())),  # process mode: null unless parse_status == ok
+        pa.field("outcome_verdict", pa.bool_()),  # outcome mode: "final answer correct", null unless ok
         pa.field("parse_status", pa.string(), nullable=False),
         pa.field("critic_tokens", pa.int32()),  # generated tokens
         pa.field("finish_reason", pa.string()),
@@ -89,12 +92,14 @@ CRITIQUES_SCHEMA = pa.schema(
 STEP_VERDICTS_SCHEMA = pa.schema(
     _RUN
     + [
+        pa.field("variant", pa.string(), nullable=False),
         pa.field("rollout_id", pa.string(), nullable=False),
         pa.field("step_idx", pa.int32(), nullable=False),
         pa.field("rule", pa.string(), nullable=False),
         pa.field("n_valid", pa.int32()),
         pa.field("n_flagged", pa.int32()),
         pa.field("weight", pa.float32()),  # w_s in [0, 1]
+        pa.field("majority_threshold", pa.float32()),
     ]
 )
 
@@ -104,9 +109,11 @@ TOKEN_REWARDS_SCHEMA = pa.schema(
         pa.field("variant", pa.string(), nullable=False),
         pa.field("rollout_id", pa.string(), nullable=False),
         pa.field("prompt_id", pa.string(), nullable=False),
-        pa.field("outcome_correct", pa.bool_()),
+        pa.field("outcome_correct", pa.bool_()),  # rule verifier (math-verify), whatever trained
+        pa.field("outcome_reward", pa.float32()),  # r_v that trained: rule verifier or GenORM majority
         pa.field("rule", pa.string()),
         pa.field("n_valid_critiques", pa.int32()),
+        pa.field("n_penalized_tokens", pa.int32()),  # tokens whose step the vote marked wrong (w > 0)
         pa.field("rewards", pa.list_(pa.float32())),  # R[t] = C*r_v - P*w[step(t)]
         pa.field("advantages", pa.list_(pa.float32())),  # A[t]
         pa.field("reward_config_hash", pa.string()),
@@ -134,8 +141,8 @@ SCHEMAS: dict[str, pa.Schema] = {
     "train_metrics": TRAIN_METRICS_SCHEMA,
 }
 
-ROUND_TABLES = ("rollouts", "outcomes", "steps", "critiques", "step_verdicts")
-VARIANT_TABLES = ("token_rewards", "train_metrics")
+ROUND_TABLES = ("rollouts", "outcomes", "steps", "critiques")
+VARIANT_TABLES = ("step_verdicts", "token_rewards", "train_metrics")
 
 
 def check_schema(table: pa.Table, name: str, source: str = "") -> pa.Table:

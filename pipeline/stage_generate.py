@@ -56,7 +56,7 @@ def rollout_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stage
         prompts = pq.read_table(prompts_path(cfg))
         idx = select_prompt_indices(prompts.num_rows, cfg.data.prompts_per_round, round_idx, cfg.seed)
         chosen = prompts.take(pa.array(idx)).to_pylist()
-        convs = [policy_messages(r["question"], cfg.rollout.instruction) for r in chosen]
+        convs = [policy_messages(r["question"], cfg.instruction()) for r in chosen]
         engine = make_engine(policy, cfg.rollout.engine, seed=round_seed(cfg, round_idx, 1))
         gens = engine.generate(convs, cfg.rollout.group_size, cfg.rollout.sampling)
         rows = []
@@ -82,7 +82,13 @@ def rollout_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stage
 # ----------------------------------------------------------------------------------------- critique
 def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
     """N critiques per response from the critic, parsed -> ``critiques.parquet`` (resumable)."""
-    from pipeline.critique import TEMPLATE_VERSION, build_critique_messages, parse_critique
+    from pipeline.critique import (
+        TEMPLATE_VERSION,
+        build_critique_messages,
+        build_outcome_messages,
+        parse_critique,
+        parse_outcome_verdict,
+    )
 
     p = round_paths(cfg, round_idx)
     key = stage_key("critique", cfg, round_idx)
@@ -92,7 +98,8 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stag
 
     def compute():
         critic = resolve_model(cfg.critique.critic, cfg)
-        rollouts = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_id"]).to_pylist()
+        rollouts = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_id", "response_text"]).to_pylist()
+        outcome_mode = cfg.critique.mode == "outcome"
         steps = storage.read_table(p["steps"], "steps").select(["rollout_id", "step_idx", "step_text", "empty_response"])
         prompts = {r["prompt_id"]: r for r in pq.read_table(prompts_path(cfg), columns=["prompt_id", "question", "gold_answer"]).to_pylist()}
         by_rollout: dict[str, list[str]] = {}
@@ -125,7 +132,10 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stag
                 for r in live:
                     pr = prompts[r["prompt_id"]]
                     gold = pr["gold_answer"] if cfg.critique.include_gold_answer else None
-                    convs.append(build_critique_messages(pr["question"], by_rollout[r["rollout_id"]], gold))
+                    if outcome_mode:
+                        convs.append(build_outcome_messages(pr["question"], r["response_text"], gold))
+                    else:
+                        convs.append(build_critique_messages(pr["question"], by_rollout[r["rollout_id"]], gold))
                 for r, g in zip(live, engine.generate(convs, n, cfg.critique.sampling)):
                     gens[r["rollout_id"]] = g
                 stats_box["critic_calls"] += len(live)
@@ -133,15 +143,20 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stag
             for r in batch:
                 rid, n_steps = r["rollout_id"], len(by_rollout[r["rollout_id"]])
                 for k in range(n):
+                    verdict = None
                     if rid in gens:
                         s = gens[rid].samples[k]
-                        parsed = parse_critique(s.text, n_steps)
                         text, toks, fin = s.text, len(s.token_ids), s.finish_reason
-                        status, wrong = parsed.status, (list(parsed.wrong_steps) if parsed.wrong_steps is not None else None)
+                        if outcome_mode:
+                            verdict, status = parse_outcome_verdict(s.text)
+                            wrong = None
+                        else:
+                            parsed = parse_critique(s.text, n_steps)
+                            status, wrong = parsed.status, (list(parsed.wrong_steps) if parsed.wrong_steps is not None else None)
                     else:
                         text, toks, fin, status, wrong = "", 0, None, "skipped_empty_response", None
                     rows.append({"run_id": cfg.run_id, "round": round_idx, "rollout_id": rid, "critique_idx": k,
-                                 "critic_model": critic, "template_version": TEMPLATE_VERSION,
+                                 "mode": cfg.critique.mode, "outcome_verdict": verdict, "critic_model": critic, "template_version": TEMPLATE_VERSION,
                                  "include_gold_answer": cfg.critique.include_gold_answer, "n_steps": n_steps,
                                  "raw_text": text, "wrong_steps": wrong, "parse_status": status,
                                  "critic_tokens": toks, "finish_reason": fin})
@@ -163,6 +178,8 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stag
                                        "template_version": TEMPLATE_VERSION})
 
     res = _run("critique", p["critiques"], "critiques", key, compute, force)
+    if not res.skipped:
+        res = StageResult(res.stage, res.path, False, res.reason, res.rows, res.seconds, stats_box["critic_calls"])
     if not res.skipped and parts_dir.is_dir():
         for f in parts_dir.iterdir():
             f.unlink()

@@ -13,6 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline import storage
@@ -128,7 +129,9 @@ def vote_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRes
                 cols["n_flagged"] += n_flagged.tolist()
                 cols["weight"] += w.tolist()
         n = len(cols["rollout_id"])
-        table = pa.table({"run_id": [cfg.run_id] * n, "round": pa.array([round_idx] * n, pa.int32()), **cols})
+        table = pa.table({"run_id": [cfg.run_id] * n, "round": pa.array([round_idx] * n, pa.int32()),
+                          "variant": [cfg.variant] * n, **cols,
+                          "majority_threshold": pa.array([cfg.vote.majority_threshold] * n, pa.float32())})
         return table.cast(STEP_VERDICTS_SCHEMA), _with_prov(cfg)
 
     return _run("vote", p["step_verdicts"], "step_verdicts", key, compute, force)
@@ -147,10 +150,13 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
         n_tok = np.array([r["num_tokens"] for r in ro], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(n_tok)])
         r_v = np.array([1.0 if oc[r["rollout_id"]] else 0.0 for r in ro])
+        genorm_stats = {}
+        if rc.outcome == "genorm":
+            r_v, genorm_stats = _genorm_outcomes(p, ro, r_v)
         groups = np.unique([r["prompt_id"] for r in ro], return_inverse=True)[1].reshape(-1)
         w_tok = np.zeros(int(offsets[-1]), dtype=np.float32)
         n_valid = {r["rollout_id"]: 0 for r in ro}
-        if cfg.critique.enabled:
+        if cfg.critique.enabled and cfg.critique.mode == "process":
             w_tok, n_valid = _token_weights(p, ro, offsets, cfg.vote.rule)
         R = token_rewards(r_v, w_tok, offsets, rc.correct_weight, rc.process_weight)
         if rc.estimator == "grpo":
@@ -158,23 +164,43 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
         else:
             A = group_token_advantages(R, offsets, groups, rc.scale_by_std, rc.eps)
         rows = [{"run_id": cfg.run_id, "round": round_idx, "variant": cfg.variant, "rollout_id": r["rollout_id"],
-                 "prompt_id": r["prompt_id"], "outcome_correct": bool(r_v[i]), "rule": cfg.vote.rule if cfg.critique.enabled else None,
+                 "prompt_id": r["prompt_id"], "outcome_correct": bool(oc[r["rollout_id"]]), "outcome_reward": float(r_v[i]),
+                 "rule": cfg.vote.rule if cfg.critique.enabled and cfg.critique.mode == "process" else None,
                  "n_valid_critiques": n_valid[r["rollout_id"]],
+                 "n_penalized_tokens": int((w_tok[offsets[i] : offsets[i + 1]] > 0).sum()) if rc.process_weight > 0 else 0,
                  "rewards": R[offsets[i] : offsets[i + 1]], "advantages": A[offsets[i] : offsets[i + 1]],
                  "reward_config_hash": storage.key_hash(key)} for i, r in enumerate(ro)]
         table = pa.Table.from_pylist([{**r, "rewards": r["rewards"].tolist(), "advantages": r["advantages"].tolist()} for r in rows],
                                      schema=TOKEN_REWARDS_SCHEMA)
         penal = float((w_tok > 0).mean()) if len(w_tok) else 0.0
-        return table, _with_prov(cfg, {"share_tokens_penalized": penal, "mean_token_reward": float(R.mean()) if len(R) else None})
+        return table, _with_prov(cfg, {"share_tokens_penalized": penal, "mean_token_reward": float(R.mean()) if len(R) else None,
+                                       "outcome_source": rc.outcome, **genorm_stats})
 
     return _run("reward", p["token_rewards"], "token_rewards", key, compute, force)
+
+
+def _genorm_outcomes(p, ro: list[dict], rule_r_v: np.ndarray) -> tuple[np.ndarray, dict]:
+    """GenORM outcome reward: 1 iff strictly more than half of the valid verdicts say correct.
+
+    A response with no valid verdict gets 0. Returns (B,) rewards and agreement statistics with
+    the rule verifier (how often the critic's majority equals math-verify's verdict).
+    """
+    crit = storage.read_table(p["critiques"], "critiques").select(["rollout_id", "outcome_verdict", "parse_status"])
+    yes: dict[str, list[bool]] = {}
+    for c in crit.to_pylist():
+        if c["parse_status"] == "ok":
+            yes.setdefault(c["rollout_id"], []).append(bool(c["outcome_verdict"]))
+    r = np.array([1.0 if sum(yes.get(x["rollout_id"], [])) * 2 > len(yes.get(x["rollout_id"], [])) else 0.0 for x in ro])
+    no_valid = sum(1 for x in ro if not yes.get(x["rollout_id"]))
+    return r, {"genorm_agreement_with_rule": float((r == rule_r_v).mean()) if len(r) else None,
+               "genorm_no_valid_verdict": no_valid}
 
 
 def _token_weights(p, ro: list[dict], offsets: np.ndarray, rule: str) -> tuple[np.ndarray, dict]:
     """(N,) voted weight of the step owning each token, and valid-critique count per rollout."""
     steps = storage.read_table(p["steps"], "steps").select(["rollout_id", "step_idx", "token_start", "token_end"])
     verd = storage.read_table(p["step_verdicts"], "step_verdicts")
-    verd = verd.filter(pa.compute.equal(verd.column("rule"), rule)).select(["rollout_id", "step_idx", "n_valid", "weight"])
+    verd = verd.filter(pc.equal(verd.column("rule"), rule)).select(["rollout_id", "step_idx", "n_valid", "weight"])
     wmap = {(r["rollout_id"], r["step_idx"]): (r["weight"], r["n_valid"]) for r in verd.to_pylist()}
     pos = {r["rollout_id"]: i for i, r in enumerate(ro)}
     w_tok = np.zeros(int(offsets[-1]), dtype=np.float32)

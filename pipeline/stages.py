@@ -36,6 +36,7 @@ class StageResult:
     reason: str
     rows: int | None = None
     seconds: float = 0.0
+    critic_calls: int = 0  # critic requests this stage made (0 when critiques came from the cache)
 
     def line(self) -> str:
         verb = "skipped" if self.skipped else f"wrote {self.rows} rows in {self.seconds:.1f}s"
@@ -47,9 +48,12 @@ def round_paths(cfg: CAPOConfig, round_idx: int) -> dict[str, Path]:
     """Every output path of round ``round_idx`` of ``cfg``'s run (and ``cfg.variant``)."""
     rd = cfg.round_dir(round_idx)
     vd = rd / "variants" / cfg.variant
-    paths = {name: rd / f"{name}.parquet" for name in ("rollouts", "outcomes", "steps", "critiques", "step_verdicts")}
-    paths.update(token_rewards=vd / "token_rewards.parquet", train_metrics=vd / "train_metrics.parquet",
-                 checkpoint=vd / "checkpoint", round_dir=rd, variant_dir=vd)
+    paths = {name: rd / f"{name}.parquet" for name in ("rollouts", "outcomes", "steps")}
+    crit = "critiques" if cfg.critique.mode == "process" else "genorm_critiques"
+    paths.update(critiques=rd / f"{crit}.parquet", step_verdicts=vd / "step_verdicts.parquet",
+                 token_rewards=vd / "token_rewards.parquet", train_metrics=vd / "train_metrics.parquet",
+                 checkpoint=vd / "checkpoint", round_dir=rd, variant_dir=vd,
+                 run_summary=vd / "round_summary.json")
     return paths
 
 
@@ -173,13 +177,15 @@ def stage_key(stage: str, cfg: CAPOConfig, round_idx: int) -> dict:
                 "critic": model_fingerprint(resolve_model(cfg.critique.critic, cfg))}
     if stage == "vote":
         return {"steps": input_fp(p["steps"]), "critiques": input_fp(p["critiques"]),
-                "majority_threshold": cfg.vote.majority_threshold}
+                "majority_threshold": cfg.vote.majority_threshold, "variant": cfg.variant}
     if stage == "reward":
         ins = {"rollouts": input_fp(p["rollouts"]), "outcomes": input_fp(p["outcomes"])}
-        if cfg.critique.enabled:
+        if cfg.critique.enabled and cfg.critique.mode == "process":
             ins.update(steps=input_fp(p["steps"]), step_verdicts=input_fp(p["step_verdicts"]))
-        return {**ins, "critique_enabled": cfg.critique.enabled, "vote": c["vote"], "reward": c["reward"],
-                "variant": cfg.variant}
+        if cfg.critique.enabled and cfg.critique.mode == "outcome":
+            ins.update(critiques=input_fp(p["critiques"]))
+        return {**ins, "critique_enabled": cfg.critique.enabled, "critique_mode": cfg.critique.mode,
+                "vote": c["vote"], "reward": c["reward"], "variant": cfg.variant}
     if stage == "train":
         return {"rollouts": input_fp(p["rollouts"]), "token_rewards": input_fp(p["token_rewards"]),
                 "train": {k: v for k, v in c["train"].items() if k != "launcher"},

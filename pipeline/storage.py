@@ -265,8 +265,8 @@ _GLOBS = {
     "rollouts": "*/round_*/rollouts.parquet",
     "outcomes": "*/round_*/outcomes.parquet",
     "steps": "*/round_*/steps.parquet",
-    "critiques": "*/round_*/critiques.parquet",
-    "step_verdicts": "*/round_*/step_verdicts.parquet",
+    "critiques": "*/round_*/*critiques.parquet",
+    "step_verdicts": "*/round_*/variants/*/step_verdicts.parquet",
     "token_rewards": "*/round_*/variants/*/token_rewards.parquet",
     "train_metrics": "*/round_*/variants/*/train_metrics.parquet",
 }
@@ -274,6 +274,46 @@ _GLOBS = {
 _MANIFEST_COLUMNS = {"table": "VARCHAR", "stage": "VARCHAR", "path": "VARCHAR", "rows": "BIGINT",
                      "key_hash": "VARCHAR", "code_version": "VARCHAR", "created_at": "TIMESTAMPTZ",
                      "elapsed_s": "DOUBLE", "fingerprint": "VARCHAR"}
+
+
+VARIANT_SUMMARY_SQL = """
+CREATE OR REPLACE VIEW cat.variant_summary AS
+WITH tok AS (
+    SELECT run_id, round, variant, outcome_correct, unnest(rewards) AS r, unnest(advantages) AS a
+    FROM cat.token_rewards
+), per AS (
+    SELECT run_id, round, variant, count(*) AS tokens,
+           avg(r) FILTER (WHERE outcome_correct) AS mean_token_reward_correct,
+           avg(r) FILTER (WHERE NOT outcome_correct) AS mean_token_reward_wrong,
+           avg(a) AS adv_mean, stddev_samp(a) AS adv_std, min(a) AS adv_min, max(a) AS adv_max
+    FROM tok GROUP BY ALL
+), pen AS (
+    SELECT run_id, round, variant, any_value(rule) AS rule,
+           sum(n_penalized_tokens) / sum(len(rewards)) AS share_tokens_penalized,
+           avg(outcome_correct::INT) AS accuracy, avg(outcome_reward) AS mean_outcome_reward
+    FROM cat.token_rewards GROUP BY ALL
+), m AS (
+    SELECT run_id, round, variant,
+           avg(value) FILTER (WHERE name = 'loss') AS loss,
+           avg(value) FILTER (WHERE name = 'clip_frac') AS clip_frac,
+           avg(value) FILTER (WHERE name = 'approx_kl') AS approx_kl,
+           avg(value) FILTER (WHERE name = 'kl_ref') AS kl_ref,
+           count(DISTINCT step) AS optimizer_steps
+    FROM {metrics} GROUP BY ALL
+)
+SELECT per.run_id, per.round, per.variant, pen.rule, per.tokens, pen.accuracy, pen.mean_outcome_reward,
+       pen.share_tokens_penalized, per.mean_token_reward_correct, per.mean_token_reward_wrong,
+       per.adv_mean, per.adv_std, per.adv_min, per.adv_max,
+       m.loss, m.clip_frac, m.approx_kl, m.kl_ref, m.optimizer_steps
+FROM per JOIN pen USING (run_id, round, variant) LEFT JOIN m USING (run_id, round, variant)
+ORDER BY per.run_id, per.round, per.variant
+"""
+"""Per run, round and variant: what the variant did to the tokens and to the update (issue 3)."""
+
+
+def _present(con) -> set[str]:
+    return {r[0] for r in con.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_catalog = 'cat'").fetchall()}
 
 
 def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
@@ -316,6 +356,10 @@ def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
                 f"FROM read_json('{man_glob}', columns = {{{types}}}, format = 'auto', filename = true) "
                 "WHERE filename NOT LIKE '%/superseded/%'"
             )
+        if "token_rewards" in _present(con):
+            con.execute(VARIANT_SUMMARY_SQL.format(metrics="cat.train_metrics" if "train_metrics" in _present(con)
+                                                   else "(SELECT NULL::VARCHAR run_id, NULL::INT round, NULL::VARCHAR variant, "
+                                                        "NULL::VARCHAR name, NULL::DOUBLE value, NULL::INT step)"))
         con.execute("DETACH cat")
     finally:
         con.close()

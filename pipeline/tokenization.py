@@ -43,10 +43,13 @@ def token_bytes(tokenizer, token_ids: list[int] | np.ndarray) -> list[bytes]:
         T byte strings whose concatenation is the response text's UTF-8 encoding.
     """
     ids = [int(i) for i in token_ids]
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    added_tokens = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    # Every token that decode(skip_special_tokens=True) drops, as the engines do for response_text:
+    # the named special tokens AND added tokens marked special (Qwen's <|im_start|> is not named).
+    special = set(getattr(tokenizer, "all_special_ids", []) or []) | {i for i, t in added_tokens.items() if t.special}
     if _is_byte_level(tokenizer):
         table = _unicode_to_byte()
-        added = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+        added = {t.content for t in added_tokens.values()}
         out = []
         for tid, piece in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
             if tid in special or piece is None:

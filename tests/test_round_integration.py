@@ -33,19 +33,24 @@ def tiny_cfg(repo: Path, data_dir: Path, runs: Path, **over):
 
 
 @pytest.fixture(scope="module")
-def tiny_round(repo, data_dir, tmp_path_factory):
-    """Run round 1 of configs/tiny.yaml through the Prefect flow, twice; return both results."""
+def harness():
     from prefect.testing.utilities import prefect_test_harness
 
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_round(harness, repo, data_dir, tmp_path_factory):
+    """Run round 1 of configs/tiny.yaml through the Prefect flow, twice; return both results."""
     from flows.round import capo_round
 
     runs = tmp_path_factory.mktemp("runs")
     over = [f"runs_dir={runs}", f"data_dir={data_dir}"]
-    with prefect_test_harness(server_startup_timeout=120):
-        first = capo_round(round=1, config=str(repo / "configs" / "tiny.yaml"), overrides=over)
-        t0 = time.perf_counter()
-        second = capo_round(round=1, config=str(repo / "configs" / "tiny.yaml"), overrides=over)
-        second_s = time.perf_counter() - t0
+    first = capo_round(round=1, config=str(repo / "configs" / "tiny.yaml"), overrides=over)
+    t0 = time.perf_counter()
+    second = capo_round(round=1, config=str(repo / "configs" / "tiny.yaml"), overrides=over)
+    second_s = time.perf_counter() - t0
     cfg = tiny_cfg(repo, data_dir, runs)
     return cfg, first, second, second_s
 
@@ -185,3 +190,26 @@ def test_killed_mid_critique_resumes_without_lost_or_doubled_rows(tiny_round, re
     assert len(keys) == len(set(keys)) == 4 * cfg.critique.num_critiques
     assert not parts.exists()
     assert round_paths(cfg, 1)["checkpoint"].is_dir()
+
+
+def test_retraining_a_cached_round_under_another_preset_calls_no_critic(tiny_round, harness, repo):
+    import json
+
+    from flows.round import capo_round
+
+    cfg = tiny_round[0]
+    over = [f"runs_dir={cfg.runs_dir}", f"data_dir={cfg.data_dir}"]
+    res = {r["stage"]: r for r in capo_round(round=1, config=str(repo / "configs" / "tiny.yaml"),
+                                              overrides=over, preset="capo-union")}
+    assert all(res[s]["skipped"] for s in ("rollout", "verify", "segment", "critique"))
+    assert not any(res[s]["skipped"] for s in ("vote", "reward", "train"))
+    union = tiny_cfg(repo, Path(cfg.data_dir), Path(cfg.runs_dir), variant="capo-union", **{"vote.rule": "union"})
+    summary = json.loads(round_paths(union, 1)["run_summary"].read_text())
+    assert summary["critic_calls"] == 0 and summary["variant"] == "capo-union"
+    # both variants side by side, nothing overwritten
+    assert round_paths(cfg, 1)["checkpoint"].is_dir() and round_paths(union, 1)["checkpoint"].is_dir()
+    con = duckdb.connect(str(Path(cfg.runs_dir) / "catalog.duckdb"), read_only=True)
+    rows = con.execute("SELECT variant, rule, share_tokens_penalized, clip_frac FROM variant_summary ORDER BY variant").fetchall()
+    con.close()
+    assert [r[0] for r in rows] == ["capo-intersection", "capo-union"]
+    assert rows[0][2] <= rows[1][2]  # intersection penalizes no more tokens than union

@@ -82,6 +82,18 @@ def test_special_tokens_have_no_bytes(tok):
         assert token_bytes(tok, [sid]) == [b""]
 
 
+def test_added_tokens_match_what_the_engines_decode(tok):
+    # The engines write response_text with decode(skip_special_tokens=True): an added token marked
+    # special (Qwen's <|im_start|>, SmolLM2's <file_sep>, not all of them named special tokens)
+    # vanishes there, so it must have no bytes here; a non-special added token keeps its text.
+    for tid, added in tok.added_tokens_decoder.items():
+        assert token_bytes(tok, [tid]) == [b"" if added.special else added.content.encode()], added.content
+    mixed = _encode(tok, "a 日") + sorted(tok.added_tokens_decoder) + _encode(tok, "\n\nb €")
+    text, raw, lengths = decode_with_bytes(tok, mixed)
+    assert text == tok.decode(mixed, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert int(lengths.sum()) == len(raw) == len(text.encode())
+
+
 def test_decode_with_bytes_agrees_with_the_tokenizer(tok):
     for text in TEXTS:
         ids = _encode(tok, text)

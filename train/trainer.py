@@ -137,7 +137,7 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
                 accelerator.backward(out.loss * w)
                 for k in agg:
                     agg[k] += float(getattr(out, k).detach()) * w
-            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), tc.max_grad_norm))
+            grad_norm = float(accelerator.clip_grad_norm_([q for q in model.parameters() if q.requires_grad], tc.max_grad_norm))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             ntok = int(sum(mb["mask"].sum() for mb in mbs))
@@ -172,13 +172,20 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=getattr(torch, tc.dtype))
     if tc.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if tc.lora is not None:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        model = get_peft_model(model, PeftLoraConfig(r=tc.lora.r, lora_alpha=tc.lora.alpha, lora_dropout=tc.lora.dropout,
+                                                     target_modules=tc.lora.target_modules, task_type="CAUSAL_LM"))
     ref_model = None
     if tc.kl_coef > 0:
         from pipeline.stages import resolve_model
 
         ref_model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.rollout.policy, cfg), dtype=getattr(torch, tc.dtype)).eval()
         ref_model.requires_grad_(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.learning_rate, weight_decay=tc.weight_decay)
+    optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=tc.learning_rate,
+                                  weight_decay=tc.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
     if ref_model is not None:
         ref_model.to(accelerator.device)
@@ -206,6 +213,8 @@ def _save(model, tok, ckpt: Path, dtype: str) -> None:
     """save_pretrained into a temporary dir, then rename into place (earlier one superseded)."""
     tmp = ckpt.with_name(f".{ckpt.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    if hasattr(model, "merge_and_unload"):  # LoRA: the next round's engine loads plain weights
+        model = model.merge_and_unload()
     model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     if ckpt.exists():

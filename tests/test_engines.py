@@ -1,0 +1,67 @@
+"""The engines on a real (tiny) model: SmolLM2-135M-Instruct converted from its PyPI GGUF.
+
+The transformers engine is the reference: its per-token log-probs must equal what the trainer
+recomputes for the same prompt + response (this pins the prompt/response alignment of
+``train.trainer.collate``). vLLM's sampler log-probs must agree with both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import SamplingConfig, TransformersEngineConfig, VLLMEngineConfig
+from pipeline.engines import TransformersEngine, make_engine
+from train.trainer import Example, collate, token_logprobs
+
+CONV = [{"role": "user", "content": "What is 7 * 8? Put the answer in \\boxed{}."}]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(data_dir) -> str:
+    from pipeline.assets import ensure_model
+
+    return str(ensure_model("smollm2-135m-instruct", root=data_dir / "models"))
+
+
+def _recompute(model_path: str, prompt_ids, samples) -> list[np.ndarray]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    ex = [Example(prompt_ids, s.token_ids, np.zeros(len(s.token_ids), np.float32)) for s in samples]
+    mb = collate(ex, pad_id=0)
+    with torch.no_grad():
+        lp = token_logprobs(model, mb)
+    return [lp[i, : len(s.token_ids)].numpy() for i, s in enumerate(samples)]
+
+
+def test_transformers_engine_samples_and_logprobs_match_trainer(tiny_model):
+    eng = TransformersEngine(tiny_model, TransformersEngineConfig(dtype="float32", batch_size=2), seed=3)
+    gens = eng.generate([CONV, CONV], n=2, sampling=SamplingConfig(temperature=1.0, max_tokens=12))
+    assert len(gens) == 2 and all(len(g.samples) == 2 for g in gens)
+    s = gens[0].samples[0]
+    assert 0 < len(s.token_ids) <= 12 and len(s.logprobs) == len(s.token_ids)
+    assert s.finish_reason in ("stop", "length")
+    assert eng.stats.samples == 4 and eng.stats.generated_tokens == sum(len(x.token_ids) for g in gens for x in g.samples)
+    again = TransformersEngine(tiny_model, TransformersEngineConfig(dtype="float32", batch_size=2), seed=3)
+    assert [x.token_ids for x in again.generate([CONV, CONV], 2, SamplingConfig(temperature=1.0, max_tokens=12))[0].samples] == \
+        [x.token_ids for x in gens[0].samples], "transformers engine on CPU must be deterministic given the seed"
+    recomputed = _recompute(tiny_model, gens[0].prompt_token_ids, gens[0].samples)
+    for samp, lp in zip(gens[0].samples, recomputed):
+        np.testing.assert_allclose(lp, samp.logprobs, atol=2e-3)
+
+
+@pytest.mark.slow
+def test_vllm_engine_matches_the_reference(tiny_model):
+    eng = make_engine(tiny_model, VLLMEngineConfig(dtype="float32", max_model_len=1024, kv_cache_gib=1), seed=0)
+    gens = eng.generate([CONV], n=3, sampling=SamplingConfig(temperature=1.0, max_tokens=16))
+    samples = gens[0].samples
+    assert len(samples) == 3 and all(len(s.logprobs) == len(s.token_ids) > 0 for s in samples)
+    greedy = eng.generate([CONV], n=1, sampling=SamplingConfig(temperature=0.0, max_tokens=16))[0].samples[0]
+    ref = TransformersEngine(tiny_model, TransformersEngineConfig(dtype="float32"), seed=0)
+    ref_greedy = ref.generate([CONV], 1, SamplingConfig(temperature=0.0, max_tokens=16))[0].samples[0]
+    assert greedy.token_ids[:8] == ref_greedy.token_ids[:8]
+    for samp, lp in zip(samples, _recompute(tiny_model, gens[0].prompt_token_ids, samples)):
+        np.testing.assert_allclose(lp, samp.logprobs, atol=5e-2)
+    eng.close()

@@ -1,0 +1,57 @@
+"""Presets and impossible combinations fail before any work starts, naming the valid choices."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from pipeline.config import list_presets, load_config
+
+PRESETS = ["capo-average", "capo-intersection", "capo-majority", "capo-union", "grpo", "grpo-genorm"]
+
+
+def test_every_paper_variant_is_a_preset():
+    assert list_presets() == PRESETS
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_names_the_variant_and_is_coherent(name):
+    cfg = load_config("configs/default.yaml", preset=name)
+    assert cfg.variant == name
+    if name.startswith("capo-"):
+        assert cfg.vote.rule == name.removeprefix("capo-")
+        assert cfg.critique.enabled and cfg.critique.mode == "process" and cfg.reward.process_weight == 1.0
+    if name == "grpo":
+        assert not cfg.critique.enabled and cfg.reward.estimator == "grpo" and cfg.reward.process_weight == 0
+    if name == "grpo-genorm":
+        assert cfg.critique.mode == "outcome" and cfg.reward.outcome == "genorm"
+
+
+def test_overrides_win_over_the_preset():
+    cfg = load_config("configs/default.yaml", ["reward.process_weight=0.5", "variant=u-p05"], preset="capo-union")
+    assert (cfg.vote.rule, cfg.reward.process_weight, cfg.variant) == ("union", 0.5, "u-p05")
+
+
+def test_unknown_preset_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown preset 'capo-vote'; valid: \['capo-average'"):
+        load_config("configs/default.yaml", preset="capo-vote")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["reward.estimator=grpo"], "sequence-level and would ignore the process reward"),
+    (["critique.enabled=false"], "needs step critiques"),
+    (["critique.mode=outcome"], "needs step critiques"),
+    (["reward.outcome=genorm", "reward.process_weight=0"], "reward.outcome=genorm needs critique.enabled=true"),
+    (["reward.correct_weight=1", "reward.process_weight=1"], "must be > reward.process_weight"),
+    (["vote.rule=plurality"], "intersection"),
+    (["train.loss_agg_mode=sum"], "token-mean"),
+])
+def test_impossible_combinations_fail_early(overrides, message):
+    with pytest.raises(pydantic.ValidationError, match=message):
+        load_config("configs/default.yaml", overrides)
+
+
+def test_step_tag_mode_asks_the_policy_for_markers():
+    cfg = load_config("configs/default.yaml", ["steps.mode=step_tag"])
+    assert "<step 1>" in cfg.instruction() and "\\boxed{}" in cfg.instruction()
+    assert "blank lines" in load_config("configs/default.yaml").instruction()

@@ -1,0 +1,332 @@
+"""The light stages (pipeline/stage_score.py): math-verify grading, and vote -> reward end to end on
+hand-built tables whose rewards and advantages are worked out by hand below."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import storage
+from pipeline.config import load_config
+from pipeline.schemas import SCHEMAS
+from pipeline.stage_score import reward_stage, segment_stage, verify_answer, verify_stage, vote_stage
+from pipeline.stages import prompts_path, round_paths
+
+# ------------------------------------------------------------------------------------- verify
+
+
+@pytest.mark.parametrize(
+    "gold, response, expected",
+    [
+        ("72", "She sells 9 * 8 = 72 eggs.\n\nSo the answer is \\boxed{72}.", ("72", True, "ok")),
+        ("72", "So the answer is \\boxed{71}.", ("71", False, "ok")),
+        ("72", "I cannot solve this.", (None, False, "no_answer")),
+        ("72", "", (None, False, "no_answer")),
+        ("72", "\\boxed{72", (None, False, "no_answer")),  # unclosed box: nothing extracted
+        # math-verify's own behaviour, recorded here: without \boxed it grades the LAST number
+        ("72", "She has 72 eggs left.", ("72", True, "ok")),
+        ("72", "First 72 eggs, then 5 boxes.", ("5", False, "ok")),
+        # ... but a \boxed answer wins over numbers written after it
+        ("72", "\\boxed{72}. That took 3 steps.", ("72", True, "ok")),
+        # two boxes are read as the set {72, 71}: wrong (the instruction asks for exactly one)
+        ("72", "\\boxed{72} or \\boxed{71}", ("72,71", False, "ok")),
+        # GSM8K golds have thousands separators removed; a response may keep them
+        ("1000", "The total is \\boxed{1,000}.", ("1,000", True, "ok")),
+        ("1000", "The total is \\boxed{1000}.", ("1000", True, "ok")),
+        ("-3", "\\boxed{-3}", ("-3", True, "ok")),
+        ("0.5", "\\boxed{\\frac{1}{2}}", ("\\frac{1}{2}", True, "ok")),
+        # LaTeX golds without $...$ (MATH-style sources) must parse as LaTeX, not as "no gold"/"2"
+        ("\\sqrt{2}", "\\boxed{\\sqrt 2}", ("\\sqrt{2}", True, "ok")),
+        ("2\\pi", "\\boxed{2\\pi}", ("2\\pi", True, "ok")),
+        ("2\\pi", "\\boxed{2}", ("2", False, "ok")),
+        ("\\frac{1}{2}", "\\boxed{1/2}", ("\\frac{1}{2}", True, "ok")),
+        ("$\\frac{1}{2}$", "\\boxed{0.5}", ("\\frac{1}{2}", True, "ok")),  # math-verify prints 0.5 as 1/2
+    ],
+)
+def test_verify_answer(gold, response, expected):
+    assert verify_answer(gold, response) == expected
+
+
+def test_verify_answer_without_a_usable_gold():
+    assert verify_answer("", "\\boxed{1}") == (None, False, "no_gold")
+
+
+# --------------------------------------------------------------------------- hand-built round
+#
+# One prompt group ("toy-train-00000", gold 5) of two responses, C=2, P=1:
+#
+#   A (correct), 11 tokens, 3 steps with token spans [0,4) [4,5) [5,11)   (token 10 = EOS)
+#       critiques: [1], [2, 1], <parse failure>          -> n_valid 2, n_flagged [0, 2, 1]
+#   B (wrong),    7 tokens, 3 steps with token spans [0,2) [2,2) [2,7)    (step 1 owns no token)
+#       critiques: [], [0, 1]                             -> n_valid 2, n_flagged [1, 1, 0]
+#
+# Step weights per rule (majority: share strictly above 0.5):
+WEIGHTS = {
+    "intersection": {"A": [0, 1, 0], "B": [0, 0, 0]},
+    "union": {"A": [0, 1, 1], "B": [1, 1, 0]},
+    "majority": {"A": [0, 1, 0], "B": [0, 0, 0]},
+    "average": {"A": [0, 2 / 2, 1 / 2], "B": [1 / 2, 1 / 2, 0]},
+}
+SPANS = {"A": [(0, 4), (4, 5), (5, 11)], "B": [(0, 2), (2, 2), (2, 7)]}
+N_TOK = {"A": 11, "B": 7}
+CORRECT = {"A": True, "B": False}
+PID = "toy-train-00000"
+TEXTS = {
+    "A": "Half of 6 is 3.\n\n3 + 2 = 5 apples.\n\nSo the answer is \\boxed{5}.",
+    "B": "6 - 2 = 4.\n\nHmm.\n\n\\boxed{4}",
+}
+
+
+def _cfg(tmp_path: Path, *overrides: str):
+    prompts = tmp_path / "toy.jsonl"
+    if not prompts.exists():
+        rows = [{"question": "Sam has 6 apples, eats half, then buys 2. How many now?", "answer": "6 / 2 = 3\n3 + 2 = 5\n#### 5"},
+                {"question": "How many grams in a kilogram?", "answer": "#### 1,000"}]
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return load_config(None, [f"runs_dir={tmp_path / 'runs'}", f"data_dir={tmp_path / 'data'}", "run_id=toy",
+                              f"data.train_prompts={prompts}", "critique.enabled=true", "reward.correct_weight=2",
+                              "reward.process_weight=1", *overrides])
+
+
+def _write(cfg, name: str, rows: list[dict], stage: str) -> None:
+    table = pa.Table.from_pylist([{"run_id": cfg.run_id, "round": 1, **r} for r in rows], schema=SCHEMAS[name])
+    storage.write_table(table, round_paths(cfg, 1)[name], name, stage=stage, key={"hand": name})
+
+
+def _critique(rid: str, k: int, wrong: list[int] | None, n_steps: int) -> dict:
+    return {"rollout_id": rid, "critique_idx": k, "critic_model": "hand", "template_version": "t", "include_gold_answer": True,
+            "n_steps": n_steps, "raw_text": "...", "wrong_steps": wrong, "parse_status": "ok" if wrong is not None else "no_verdict",
+            "critic_tokens": 9, "finish_reason": "stop"}
+
+
+def _write_round(cfg, extra_group: bool = False) -> None:
+    """rollouts, outcomes, steps and critiques of round 1, rows deliberately out of order."""
+    ro = []
+    for sample, rid in enumerate("AB"):
+        ids = [100 + 7 * sample + t for t in range(N_TOK[rid] - 1)] + [2]  # ends with EOS
+        ro.append({"rollout_id": rid, "prompt_id": PID, "sample_idx": sample, "policy": "hand", "prompt_token_ids": [1, 5, 9],
+                   "response_text": TEXTS[rid], "response_token_ids": ids, "rollout_logprobs": [-0.5] * len(ids),
+                   "finish_reason": "stop", "num_tokens": len(ids)})
+    steps = [{"rollout_id": rid, "step_idx": s, "n_steps": 3, "char_start": 10 * s, "char_end": 10 * s + 5,
+              "token_start": a, "token_end": b, "step_text": f"step {s}", "empty_response": False}
+             for rid in "BA" for s, (a, b) in reversed(list(enumerate(SPANS[rid])))]
+    crit = [_critique("B", 1, [0, 1], 3), _critique("A", 2, None, 3), _critique("A", 0, [1], 3),
+            _critique("B", 0, [], 3), _critique("A", 1, [2, 1], 3)]
+    outc = [{"rollout_id": rid, "prompt_id": PID, "gold_answer": "5", "extracted_answer": "5" if CORRECT[rid] else "4",
+             "outcome_correct": CORRECT[rid], "verify_status": "ok"} for rid in "AB"]
+    if extra_group:
+        # second group "toy-train-00001": C (3 tokens, every critique failed) and D (2 tokens, no
+        # critique flags), both correct: all rewards 2, std 0, advantages 0. Interleaved with A, B.
+        for sample, (rid, n) in enumerate([("C", 3), ("D", 2)]):
+            ro.insert(2 * sample + 1, {**ro[0], "rollout_id": rid, "prompt_id": "toy-train-00001", "sample_idx": sample,
+                                       "response_text": "\\boxed{1000}", "response_token_ids": list(range(300, 300 + n)),
+                                       "rollout_logprobs": [-0.1] * n, "num_tokens": n})
+            steps.append({**steps[0], "rollout_id": rid, "step_idx": 0, "n_steps": 1, "token_start": 0, "token_end": n})
+            outc.append({"rollout_id": rid, "prompt_id": "toy-train-00001", "gold_answer": "1000", "extracted_answer": "1000",
+                         "outcome_correct": True, "verify_status": "ok"})
+        crit += [_critique("C", 0, None, 1), _critique("C", 1, None, 1), _critique("D", 0, [], 1), _critique("D", 1, [], 1)]
+    _write(cfg, "rollouts", ro, "rollout")
+    _write(cfg, "outcomes", outc, "verify")
+    _write(cfg, "steps", steps, "segment")
+    _write(cfg, "critiques", crit, "critique")
+
+
+def _expected_rewards(rule: str, C: float = 2.0, P: float = 1.0) -> dict[str, list[float]]:
+    """R[t] = C * r_v - P * w[step(t)], token by token from the spans above."""
+    out = {}
+    for rid in "AB":
+        r_v = 1.0 if CORRECT[rid] else 0.0
+        out[rid] = [C * r_v - P * w for (a, b), w in zip(SPANS[rid], WEIGHTS[rule][rid]) for _ in range(a, b)]
+        assert len(out[rid]) == N_TOK[rid]
+    return out
+
+
+def _token_group_advantages(rewards: dict[str, list[float]], eps: float = 1e-6) -> dict[str, list[float]]:
+    """Naive loop: normalize over ALL tokens of the group, std with ddof=1."""
+    flat = [r for rid in "AB" for r in rewards[rid]]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((r - mean) ** 2 for r in flat) / (len(flat) - 1))
+    return {rid: [(r - mean) / (std + eps) for r in rewards[rid]] for rid in "AB"}
+
+
+def _read_rewards(cfg) -> dict[str, dict]:
+    t = storage.read_table(round_paths(cfg, 1)["token_rewards"], "token_rewards")
+    return {r["rollout_id"]: r for r in t.to_pylist()}
+
+
+def test_intersection_rewards_and_advantages_by_hand(tmp_path):
+    cfg = _cfg(tmp_path)
+    assert cfg.vote.rule == "intersection" and cfg.reward.estimator == "capo-token-group"
+    _write_round(cfg)
+    assert not vote_stage(cfg, 1).skipped
+    res = reward_stage(cfg, 1)
+    assert not res.skipped and res.rows == 2
+    got = _read_rewards(cfg)
+
+    # A: step 1 (token 4 only) flagged by both valid critiques; B: wrong, nothing flagged.
+    assert got["A"]["rewards"] == [2, 2, 2, 2, 2 - 1, 2, 2, 2, 2, 2, 2]
+    assert got["B"]["rewards"] == [0] * 7
+    # Group of 18 tokens: sum 2*10 + 1 = 21, mean 7/6; squared deviations
+    # 10*(5/6)^2 + (1/6)^2 + 7*(7/6)^2 = 594/36 = 16.5; std = sqrt(16.5 / 17).
+    mean, std = 21 / 18, math.sqrt(16.5 / 17)
+    np.testing.assert_allclose(got["A"]["advantages"], [(2 - mean) / std] * 4 + [(1 - mean) / std] + [(2 - mean) / std] * 6,
+                               rtol=1e-5)
+    np.testing.assert_allclose(got["B"]["advantages"], [(0 - mean) / std] * 7, rtol=1e-5)
+    adv = np.array(got["A"]["advantages"] + got["B"]["advantages"], dtype=np.float64)
+    assert abs(adv.mean()) < 1e-6 and adv.std(ddof=1) == pytest.approx(1.0, abs=1e-5)
+
+    for rid in "AB":
+        row = got[rid]
+        assert (row["prompt_id"], row["outcome_correct"], row["rule"], row["variant"]) == (PID, CORRECT[rid], "intersection", cfg.variant)
+        assert row["n_valid_critiques"] == 2  # A's parse failure does not count
+    man = storage.read_manifest(round_paths(cfg, 1)["token_rewards"])
+    assert got["A"]["reward_config_hash"] == man["key_hash"] == storage.key_hash(man["key"])
+    assert man["share_tokens_penalized"] == pytest.approx(1 / 18)
+
+
+def test_step_verdicts_under_every_rule(tmp_path):
+    cfg = _cfg(tmp_path)
+    _write_round(cfg)
+    vote_stage(cfg, 1)
+    t = storage.read_table(round_paths(cfg, 1)["step_verdicts"], "step_verdicts")
+    assert t.num_rows == (3 + 3) * 4
+    rows = {(r["rollout_id"], r["rule"], r["step_idx"]): r for r in t.to_pylist()}
+    for rule, per in WEIGHTS.items():
+        for rid, ws in per.items():
+            for s, w in enumerate(ws):
+                r = rows[(rid, rule, s)]
+                assert r["weight"] == pytest.approx(w), (rid, rule, s)
+                assert r["n_valid"] == 2
+    assert [rows[("A", "union", s)]["n_flagged"] for s in range(3)] == [0, 2, 1]
+    assert [rows[("B", "union", s)]["n_flagged"] for s in range(3)] == [1, 1, 0]
+
+
+@pytest.mark.parametrize("rule", ["union", "majority", "average"])
+def test_other_rules_reuse_the_votes_and_follow_the_token_spans(tmp_path, rule):
+    base = _cfg(tmp_path)
+    _write_round(base)
+    vote_stage(base, 1)
+    reward_stage(base, 1)
+    cfg = _cfg(tmp_path, f"vote.rule={rule}", f"variant=capo-{rule}")
+    assert vote_stage(cfg, 1).skipped  # all rules were voted once; the rule only changes rewards
+    assert not reward_stage(cfg, 1).skipped
+    assert round_paths(cfg, 1)["token_rewards"] != round_paths(base, 1)["token_rewards"]
+    got, want = _read_rewards(cfg), _expected_rewards(rule)
+    want_adv = _token_group_advantages(want)
+    for rid in "AB":
+        np.testing.assert_allclose(got[rid]["rewards"], want[rid], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(got[rid]["advantages"], want_adv[rid], rtol=1e-5)
+        assert got[rid]["rule"] == rule
+    if rule == "union":  # written out: B's flagged step 0 is tokens 0-1; its empty step 1 owns none
+        assert got["A"]["rewards"] == [2] * 4 + [1] + [1] * 6
+        assert got["B"]["rewards"] == [-1, -1] + [0] * 5
+
+
+def test_groups_are_normalized_separately(tmp_path):
+    cfg = _cfg(tmp_path)
+    _write_round(cfg, extra_group=True)
+    vote_stage(cfg, 1)
+    reward_stage(cfg, 1)
+    got = _read_rewards(cfg)
+    assert list(got) == ["A", "C", "B", "D"]  # one row per rollout, in rollouts order
+    want = _token_group_advantages(_expected_rewards("intersection"))
+    for rid in "AB":
+        np.testing.assert_allclose(got[rid]["advantages"], want[rid], rtol=1e-5)
+    assert got["C"]["rewards"] == [2, 2, 2] and got["D"]["rewards"] == [2, 2]
+    assert got["C"]["advantages"] == [0, 0, 0] and got["D"]["advantages"] == [0, 0]
+    assert (got["C"]["n_valid_critiques"], got["D"]["n_valid_critiques"]) == (0, 2)
+
+
+def test_grpo_baseline_without_critiques(tmp_path):
+    cfg = _cfg(tmp_path, "critique.enabled=false", "reward.estimator=grpo", "variant=grpo")
+    _write_round(cfg)
+    reward_stage(cfg, 1)  # needs neither steps nor verdicts
+    assert not round_paths(cfg, 1)["step_verdicts"].exists()
+    got = _read_rewards(cfg)
+    assert got["A"]["rewards"] == [2] * 11 and got["B"]["rewards"] == [0] * 7
+    # sequence rewards [2, 0]: mean 1, std (ddof=1) sqrt(2)
+    np.testing.assert_allclose(got["A"]["advantages"], [1 / math.sqrt(2)] * 11, rtol=1e-5)
+    np.testing.assert_allclose(got["B"]["advantages"], [-1 / math.sqrt(2)] * 7, rtol=1e-5)
+    assert got["A"]["rule"] is None
+
+
+def test_reruns_skip_and_changed_inputs_recompute(tmp_path):
+    cfg = _cfg(tmp_path)
+    _write_round(cfg)
+    vote_stage(cfg, 1)
+    reward_stage(cfg, 1)
+    assert vote_stage(cfg, 1).skipped and reward_stage(cfg, 1).skipped
+    # new critiques (A's step 2 now flagged by both) -> votes and rewards recompute
+    p = round_paths(cfg, 1)
+    crit = storage.read_table(p["critiques"], "critiques").to_pylist()
+    for r in crit:
+        if r["rollout_id"] == "A" and r["critique_idx"] == 0:
+            r["wrong_steps"] = [1, 2]
+    _write(cfg, "critiques", [{k: v for k, v in r.items() if k not in ("run_id", "round")} for r in crit], "critique")
+    assert not vote_stage(cfg, 1).skipped
+    assert not reward_stage(cfg, 1).skipped
+    assert _read_rewards(cfg)["A"]["rewards"] == [2] * 4 + [1] + [1] * 6
+    assert len(list((p["variant_dir"] / "superseded").glob("token_rewards-*.parquet"))) == 1
+
+
+def test_steps_that_do_not_cover_the_tokens_are_an_error(tmp_path):
+    cfg = _cfg(tmp_path)
+    _write_round(cfg)
+    p = round_paths(cfg, 1)
+    steps = storage.read_table(p["steps"], "steps").to_pylist()
+    for r in steps:
+        if r["rollout_id"] == "A" and r["step_idx"] == 2:
+            r["token_end"] = 9  # A's last step loses its last two tokens
+    _write(cfg, "steps", [{k: v for k, v in r.items() if k not in ("run_id", "round")} for r in steps], "segment")
+    vote_stage(cfg, 1)
+    with pytest.raises(ValueError, match="rollout A cover 9 tokens, expected 11"):
+        reward_stage(cfg, 1)
+
+
+# -------------------------------------------------------------------- real verify and segment
+def test_verify_stage_grades_against_the_prompt_table(tmp_path):
+    cfg = _cfg(tmp_path)
+    _write_round(cfg)
+    prompts = pq.read_table(prompts_path(cfg)).to_pylist()
+    assert [(r["prompt_id"], r["gold_answer"]) for r in prompts] == [(PID, "5"), ("toy-train-00001", "1000")]
+    round_paths(cfg, 1)["outcomes"].unlink()  # the hand-written outcomes must be recomputed
+    res = verify_stage(cfg, 1, workers=1)
+    assert not res.skipped and res.rows == 2
+    got = {r["rollout_id"]: r for r in storage.read_table(round_paths(cfg, 1)["outcomes"], "outcomes").to_pylist()}
+    assert (got["A"]["outcome_correct"], got["A"]["extracted_answer"], got["A"]["gold_answer"]) == (True, "5", "5")
+    assert (got["B"]["outcome_correct"], got["B"]["extracted_answer"]) == (False, "4")
+    assert storage.read_manifest(round_paths(cfg, 1)["outcomes"])["accuracy"] == 0.5
+
+
+SMOLLM = Path(__file__).resolve().parent.parent / "data" / "models" / "smollm2-135m-instruct"
+
+
+def test_segment_stage_with_a_real_tokenizer(tmp_path):
+    if not (SMOLLM / "tokenizer.json").is_file():
+        pytest.skip(f"{SMOLLM} not set up")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(SMOLLM))
+    cfg = _cfg(tmp_path)
+    full = "Café: 3 €.\n\n日本語 🎉 ok\n\n\\boxed{5}"
+    ids_full = tok.encode(full, add_special_tokens=False) + [tok.eos_token_id]
+    ids_cut = tok.encode("日本語 🎉\n\nab", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids_cut)) if tok.decode(ids_cut[:k]).endswith("\ufffd"))
+    ids_cut = ids_cut[:cut]  # stopped by max_tokens inside a character
+    rows = [{"rollout_id": rid, "prompt_id": PID, "sample_idx": i, "policy": str(SMOLLM), "prompt_token_ids": [1],
+             "response_text": "", "response_token_ids": ids, "rollout_logprobs": [0.0] * len(ids),
+             "finish_reason": "stop", "num_tokens": len(ids)} for i, (rid, ids) in enumerate([("F", ids_full), ("X", ids_cut)])]
+    _write(cfg, "rollouts", rows, "rollout")
+    assert not segment_stage(cfg, 1).skipped
+    steps = storage.read_table(round_paths(cfg, 1)["steps"], "steps").to_pylist()
+    f = [r for r in steps if r["rollout_id"] == "F"]
+    assert [r["step_text"] for r in f] == ["Café: 3 €.", "日本語 🎉 ok", "\\boxed{5}"]
+    assert [(r["char_start"], r["char_end"]) for r in f] == [(0, 10), (12, 20), (22, 31)]
+    assert f[0]["token_start"] == 0 and f[-1]["token_end"] == len(ids_full)
+    assert all(a["token_end"] == b["token_start"] for a, b in zip(f, f[1:]))
+    x = [r for r in steps if r["rollout_id"] == "X"]
+    assert len(x) == 1 and (x[0]["token_start"], x[0]["token_end"]) == (0, cut) and x[0]["step_text"].endswith("\ufffd")
