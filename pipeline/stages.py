@@ -129,7 +129,10 @@ def prompts_path(cfg: CAPOConfig) -> Path:
     root = data_root(cfg) / "prompts"
     if src == "gsm8k":
         return ensure_embedded_prompts(root)[f"gsm8k_{split}"]
-    out = root / f"{Path(src).stem if Path(src).exists() else src.replace('/', '_')}_{split}.parquet"
+    if Path(src).is_file():  # a local file: the table is named by its content, so an edit re-ingests
+        out = root / f"{Path(src).stem}-{storage.file_sha256(Path(src))[:12]}_{split}.parquet"
+    else:
+        out = root / f"{src.replace('/', '_')}_{split}.parquet"
     if not out.exists():
         ingest_prompts(src, split, out)
     return out

@@ -183,6 +183,8 @@ def test_intersection_rewards_and_advantages_by_hand(tmp_path):
         row = got[rid]
         assert (row["prompt_id"], row["outcome_correct"], row["rule"], row["variant"]) == (PID, CORRECT[rid], "intersection", cfg.variant)
         assert row["n_valid_critiques"] == 2  # A's parse failure does not count
+        assert row["outcome_reward"] == (1.0 if CORRECT[rid] else 0.0)
+    assert (got["A"]["n_penalized_tokens"], got["B"]["n_penalized_tokens"]) == (1, 0)
     man = storage.read_manifest(round_paths(cfg, 1)["token_rewards"])
     assert got["A"]["reward_config_hash"] == man["key_hash"] == storage.key_hash(man["key"])
     assert man["share_tokens_penalized"] == pytest.approx(1 / 18)
@@ -212,9 +214,11 @@ def test_other_rules_reuse_the_votes_and_follow_the_token_spans(tmp_path, rule):
     vote_stage(base, 1)
     reward_stage(base, 1)
     cfg = _cfg(tmp_path, f"vote.rule={rule}", f"variant=capo-{rule}")
-    assert vote_stage(cfg, 1).skipped  # all rules were voted once; the rule only changes rewards
+    assert not vote_stage(cfg, 1).skipped  # verdicts live under the variant: its own copy
     assert not reward_stage(cfg, 1).skipped
-    assert round_paths(cfg, 1)["token_rewards"] != round_paths(base, 1)["token_rewards"]
+    assert vote_stage(base, 1).skipped and reward_stage(base, 1).skipped  # the base variant is untouched
+    for table in ("step_verdicts", "token_rewards"):
+        assert round_paths(cfg, 1)[table] != round_paths(base, 1)[table]
     got, want = _read_rewards(cfg), _expected_rewards(rule)
     want_adv = _token_group_advantages(want)
     for rid in "AB":
@@ -242,7 +246,7 @@ def test_groups_are_normalized_separately(tmp_path):
 
 
 def test_grpo_baseline_without_critiques(tmp_path):
-    cfg = _cfg(tmp_path, "critique.enabled=false", "reward.estimator=grpo", "variant=grpo")
+    cfg = _cfg(tmp_path, "critique.enabled=false", "reward.process_weight=0", "reward.estimator=grpo", "variant=grpo")
     _write_round(cfg)
     reward_stage(cfg, 1)  # needs neither steps nor verdicts
     assert not round_paths(cfg, 1)["step_verdicts"].exists()
@@ -251,7 +255,9 @@ def test_grpo_baseline_without_critiques(tmp_path):
     # sequence rewards [2, 0]: mean 1, std (ddof=1) sqrt(2)
     np.testing.assert_allclose(got["A"]["advantages"], [1 / math.sqrt(2)] * 11, rtol=1e-5)
     np.testing.assert_allclose(got["B"]["advantages"], [-1 / math.sqrt(2)] * 7, rtol=1e-5)
-    assert got["A"]["rule"] is None
+    assert got["A"]["rule"] is None and got["A"]["n_penalized_tokens"] == 0
+    with pytest.raises(ValueError, match="process_weight"):  # a process penalty needs step critiques
+        _cfg(tmp_path, "critique.enabled=false", "variant=grpo")
 
 
 def test_reruns_skip_and_changed_inputs_recompute(tmp_path):
@@ -271,6 +277,32 @@ def test_reruns_skip_and_changed_inputs_recompute(tmp_path):
     assert not reward_stage(cfg, 1).skipped
     assert _read_rewards(cfg)["A"]["rewards"] == [2] * 4 + [1] + [1] * 6
     assert len(list((p["variant_dir"] / "superseded").glob("token_rewards-*.parquet"))) == 1
+
+
+def test_catalog_over_two_variants(tmp_path):
+    import duckdb
+
+    for rule in ("intersection", "union"):
+        cfg = _cfg(tmp_path, f"vote.rule={rule}", f"variant=capo-{rule}")
+        if rule == "intersection":
+            _write_round(cfg)
+        vote_stage(cfg, 1)
+        reward_stage(cfg, 1)
+    cat = storage.refresh_catalog(Path(cfg.runs_dir), Path(cfg.data_dir))
+    with duckdb.connect(str(cat), read_only=True) as con:
+        q = lambda sql: con.execute(sql).fetchall()  # noqa: E731
+        assert q("SELECT variant, count(*) FROM step_verdicts GROUP BY ALL ORDER BY 1") == [
+            ("capo-intersection", (3 + 3) * 4), ("capo-union", (3 + 3) * 4)]
+        assert q("SELECT count(*) FROM token_rewards") == [(2 * 2,)]
+        rows = q("SELECT variant, rule, tokens, accuracy, share_tokens_penalized, mean_token_reward_correct, "
+                 "mean_token_reward_wrong, adv_mean, adv_std FROM variant_summary ORDER BY variant")
+    (v1, r1, t1, acc1, pen1, good1, bad1, m1, s1), (v2, r2, t2, acc2, pen2, good2, bad2, m2, s2) = rows
+    assert (v1, r1, t1, acc1, v2, r2, t2, acc2) == ("capo-intersection", "intersection", 18, 0.5, "capo-union", "union", 18, 0.5)
+    assert pen1 == pytest.approx(1 / 18) and pen2 == pytest.approx((7 + 2) / 18)  # union: A's steps 1-2, B's step 0
+    assert good1 == pytest.approx((2 * 10 + 1) / 11) and bad1 == 0
+    assert good2 == pytest.approx((2 * 4 + 1 * 7) / 11) and bad2 == pytest.approx(-2 / 7)
+    for mean, std in ((m1, s1), (m2, s2)):
+        assert mean == pytest.approx(0, abs=1e-6) and std == pytest.approx(1, abs=1e-5)
 
 
 def test_steps_that_do_not_cover_the_tokens_are_an_error(tmp_path):

@@ -1,0 +1,208 @@
+"""``critic-eval``: how well does a critic find the first wrong step? (Prefect flow and CLI).
+
+    python -m flows.critic_eval run                       # configs/critic_eval.yaml, without Prefect
+    python -m flows.critic_eval run --benchmark pb.jsonl n_values=[1,4] name=pb
+    python -m flows.critic_eval bench --out bench.jsonl   # write the built-in benchmark as JSONL
+    python -m flows.critic_eval critique --setup embedded-1.5b+gold   # one setup, in this process
+    prefect deployment run 'critic-eval/default' --watch
+
+The flow only sequences: the benchmark, score and report stages are light and run in the task's
+process; each critic setup runs in a child process (``python -m flows.critic_eval critique``), so
+a model's memory is returned before the next loads. A finished stage is skipped (its tables and
+manifests say so), so running again resumes. Outputs: ``runs/critic_eval/<name>/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from pipeline import critic_eval_stage as ces
+from pipeline.stages import StageResult
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = str(REPO / "configs" / "critic_eval.yaml")
+RESULT_TAG = "CAPO_CRITIC_EVAL_RESULT "
+
+
+def _overrides(benchmark: Optional[str], name: Optional[str], overrides: Optional[list[str]]) -> list[str]:
+    out = list(overrides or [])
+    if benchmark:
+        out.append(f"benchmark.source={json.dumps(benchmark)}")
+    if name:
+        out.append(f"name={name}")
+    return out
+
+
+def run_critique_child(cfg: ces.CriticEvalConfig, setup: str, logger: logging.Logger, force: bool = False) -> StageResult:
+    """Run one setup's critique stage in a child process unless it is current; stream its log.
+
+    Raises:
+        RuntimeError: the child failed (exit code and last output lines in the message).
+    """
+    from pipeline import storage
+
+    cur = storage.is_current(ces.critique_path(cfg, setup), ces.critique_key(cfg, setup))
+    if cur.current and not force:
+        res = StageResult("critique", str(ces.critique_path(cfg, setup)), True, cur.reason)
+        logger.info("[%s] %s", setup, res.line())
+        return res
+    cmd = [sys.executable, "-m", "flows.critic_eval", "critique", "--config", str(ces.write_resolved_config(cfg)),
+           "--setup", setup] + (["--force"] if force else [])
+    logger.info("[%s] starting child process: %s", setup, " ".join(cmd))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CAPO_CHILD": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO, text=True,
+                            errors="replace")
+    tail: list[str] = []
+    result, last_bar = None, 0.0
+    assert proc.stdout is not None
+    for line in proc.stdout:  # text mode splits tqdm's \r redraws into lines too
+        line = line.strip()
+        if line.startswith(RESULT_TAG):
+            result = StageResult(**json.loads(line[len(RESULT_TAG):]))
+            continue
+        if not line or ("%|" in line and time.monotonic() - last_bar < 10 and "100%" not in line):
+            continue  # progress bars: at most one line per 10 s, and the final one
+        last_bar = time.monotonic() if "%|" in line else last_bar
+        logger.info("[%s] %s", setup, line)
+        tail = (tail + [line])[-20:]
+    if (code := proc.wait()) != 0:
+        raise RuntimeError(f"critique of setup {setup!r} failed (exit code {code}); last output:\n" + "\n".join(tail))
+    result = result or StageResult("critique", "", False, "child process finished (no result line)")
+    logger.info("[%s] %s", setup, result.line())
+    return result
+
+
+def run_all(cfg: ces.CriticEvalConfig, logger: logging.Logger, force: bool = False) -> dict:
+    """Every stage in order (what the flow does, without Prefect); returns the output paths."""
+    results = [ces.benchmark_stage(cfg, force=force)]
+    results += [run_critique_child(cfg, s, logger, force=force) for s in cfg.setups()]
+    results += [ces.score_stage(cfg, force=force), ces.report_stage(cfg)]
+    p = ces.paths(cfg)
+    return {"report": str(p["report"]), "plot": str(p["plot"]), "scores": str(p["scores"]),
+            "stages": [dataclasses.asdict(r) for r in results]}
+
+
+# ------------------------------------------------------------------------------------------ Prefect
+@task(cache_policy=NO_CACHE)
+def benchmark_task(config: str, overrides: list[str]) -> dict:
+    """Build or load the benchmark table."""
+    return dataclasses.asdict(ces.benchmark_stage(ces.load_eval_config(config, overrides)))
+
+
+@task(cache_policy=NO_CACHE, task_run_name="critique-{setup}")
+def critique_task(config: str, overrides: list[str], setup: str) -> dict:
+    """Sample one setup's critiques (in a child process)."""
+    cfg = ces.load_eval_config(config, overrides)
+    return dataclasses.asdict(run_critique_child(cfg, setup, get_run_logger()))
+
+
+@task(cache_policy=NO_CACHE)
+def score_task(config: str, overrides: list[str]) -> dict:
+    """Score every setup x subset x rule x N."""
+    return dataclasses.asdict(ces.score_stage(ces.load_eval_config(config, overrides)))
+
+
+@task(cache_policy=NO_CACHE)
+def report_task(config: str, overrides: list[str]) -> dict:
+    """Write report.md and f1_vs_n.png."""
+    return dataclasses.asdict(ces.report_stage(ces.load_eval_config(config, overrides)))
+
+
+@flow(name="critic-eval", log_prints=True)
+def critic_eval(config: str = DEFAULT_CONFIG, benchmark: Optional[str] = None, name: Optional[str] = None,
+                overrides: Optional[list[str]] = None) -> dict:
+    """Score critics (GenPRMs) on a step-error benchmark per voting rule and N; write a report.
+
+    Args:
+        config: YAML config (``configs/critic_eval.yaml``: the embedded 1.5B critic and the policy
+            critiquing itself, gold answer on and off, N = 1, 2, 4, 8, built-in GSM8K benchmark).
+        benchmark: ``gsm8k-corrupt`` or a ProcessBench-format .jsonl/.parquet file (overrides
+            ``benchmark.source``).
+        name: run name, the directory ``runs/critic_eval/<name>/`` (overrides ``name``).
+        overrides: ``key=value`` strings, e.g. ``["n_values=[1,2,4]", "include_gold_answer=[true]"]``.
+
+    Returns:
+        Paths of the report, plot and scores table, and what each stage did.
+    """
+    ov = _overrides(benchmark, name, overrides)
+    cfg = ces.load_eval_config(config, ov)  # fail before any work on a bad config
+    logger = get_run_logger()
+    stages = [benchmark_task(config, ov)]
+    stages += [critique_task(config, ov, setup) for setup in cfg.setups()]
+    stages += [score_task(config, ov), report_task(config, ov)]
+    for s in stages:
+        logger.info("%s: %s", s["stage"], "skipped" if s["skipped"] else f"ran in {s['seconds']:.1f}s")
+    p = ces.paths(cfg)
+    logger.info("report: %s", p["report"])
+    return {"report": str(p["report"]), "plot": str(p["plot"]), "scores": str(p["scores"]), "stages": stages}
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Measure a critic (GenPRM): ProcessBench F1 per voting rule and N.")
+
+
+def _setup_logging() -> None:
+    fmt = "%(message)s" if os.environ.get("CAPO_CHILD") == "1" else "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr)
+
+
+@app.command()
+def run(
+    config: str = typer.Option(DEFAULT_CONFIG, help="critic-eval YAML config"),
+    benchmark: Optional[str] = typer.Option(None, help="gsm8k-corrupt or a ProcessBench .jsonl/.parquet"),
+    name: Optional[str] = typer.Option(None, help="run name (runs/critic_eval/<name>/)"),
+    force: bool = typer.Option(False, help="recompute every stage even when current"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="key=value overrides"),
+) -> None:
+    """Run the whole evaluation here, without Prefect (critics still in child processes)."""
+    _setup_logging()
+    cfg = ces.load_eval_config(config, _overrides(benchmark, name, overrides))
+    out = run_all(cfg, logging.getLogger("capo.critic_eval"), force=force)
+    typer.echo(json.dumps({k: v for k, v in out.items() if k != "stages"}, indent=1))
+
+
+@app.command()
+def critique(
+    setup: str = typer.Option(..., help="<critic name>+gold or <critic name>+nogold"),
+    config: str = typer.Option(DEFAULT_CONFIG),
+    force: bool = typer.Option(False),
+    overrides: Optional[list[str]] = typer.Argument(None),
+) -> None:
+    """Sample one setup's critiques in this process (what the flow runs as a child)."""
+    _setup_logging()
+    res = ces.critique_stage(ces.load_eval_config(config, overrides), setup, force=force)
+    print(RESULT_TAG + json.dumps(dataclasses.asdict(res)), flush=True)
+
+
+@app.command()
+def bench(
+    config: str = typer.Option(DEFAULT_CONFIG),
+    out: Optional[str] = typer.Option(None, help="also write the items here as ProcessBench JSONL"),
+    overrides: Optional[list[str]] = typer.Argument(None),
+) -> None:
+    """Build (or load) the benchmark table; optionally export it as JSONL."""
+    _setup_logging()
+    cfg = ces.load_eval_config(config, overrides)
+    res = ces.benchmark_stage(cfg)
+    if out:
+        with open(out, "w") as f:
+            for row in ces.read_benchmark(cfg):
+                f.write(json.dumps(row) + "\n")
+    typer.echo(res.line())
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,280 @@
+"""How good is a critic? ProcessBench-style scores of parsed critiques, per voting rule and N (pure).
+
+A benchmark item is a solution split into S steps with ``label`` = the index of its first wrong
+step, or -1 when every step is right (ProcessBench, Zheng et al. 2024, arXiv 2412.06559). The
+critic (CAPO's LLM-as-GenPRM, arXiv 2508.02298 §3) writes K critiques per item; the first N of
+them are voted into per-step weights with the training rules of :mod:`pipeline.voting`, and:
+
+* a step is **flagged** when its weight is >= ``FLAG_THRESHOLD`` = 0.5. For the hard rules
+  (intersection, union, majority: weights 0 or 1) this is "the rule marks the step wrong"; for
+  ``average`` (share of valid critiques that flag the step) it is "at least half of the valid
+  critiques flag it", which differs from ``majority`` (strictly more than half) on ties only;
+* the **prediction** of an item is its earliest flagged step, or -1 when nothing is flagged. An
+  item with no valid critique among its first N is "nothing flagged" (the training rule: no
+  valid critique, no process penalty) and is counted in ``no_valid_rate``;
+* **accuracy on erroneous items** = share of items with ``label >= 0`` whose prediction equals the
+  label; **accuracy on correct items** = share of items with ``label = -1`` with nothing flagged;
+  **F1** = their harmonic mean (ProcessBench's F1);
+* **step precision / recall** (items with per-step labels, 1 = wrong): flagged steps against
+  wrong steps, micro-averaged over all steps of those items;
+* **label flagged** = share of erroneous items whose labelled step is flagged, earliest or not
+  (the robustness number: is the wrong step still caught when the solution addresses the judge?).
+
+Shapes: ``(K,)`` critiques per item, ``(S,)`` weights per item. Undefined shares are NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from pipeline.voting import VOTING_RULES, flag_counts, vote
+
+FLAG_THRESHOLD = 0.5
+"""A step is flagged when its vote weight is >= this (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    """One benchmark item and its critiques.
+
+    Attributes:
+        label: first wrong step (0-indexed), or -1 when all steps are right.
+        n_steps: S >= 1.
+        critiques: (K,) parsed wrong-step lists in sampling order; None = parse failure.
+        critic_tokens: (K,) generated tokens of each critique.
+        step_labels: (S,) 1 = the step is wrong, 0 = right; None when unknown.
+    """
+
+    label: int
+    n_steps: int
+    critiques: tuple[tuple[int, ...] | None, ...]
+    critic_tokens: tuple[int, ...]
+    step_labels: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What N critiques voted with one rule say about one item."""
+
+    weights: np.ndarray  # (S,) float32 in [0, 1]
+    n_valid: int  # valid critiques among the first N
+    earliest: int  # earliest flagged step, -1 when none
+
+
+@dataclass(frozen=True)
+class Score:
+    """Scores of one rule at one N over a set of items (shares in [0, 1], NaN when undefined)."""
+
+    rule: str
+    n: int
+    n_items: int
+    n_erroneous: int
+    n_correct: int
+    acc_erroneous: float
+    acc_correct: float
+    f1: float
+    label_flagged: float
+    step_precision: float
+    step_recall: float
+    flag_rate: float  # share of all steps that are flagged
+    parse_failure_rate: float  # share of the first-N critiques that failed to parse
+    no_valid_rate: float  # share of items with no valid critique among the first N
+    critic_tokens_per_item: float  # generated tokens of the first N critiques, mean per item
+    seconds_per_item: float  # critic_tokens_per_item * seconds_per_token
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def earliest_flagged(weights: np.ndarray, threshold: float = FLAG_THRESHOLD) -> int:
+    """Index of the first step with weight >= ``threshold``; -1 when there is none."""
+    hits = np.flatnonzero(np.asarray(weights) >= threshold)
+    return int(hits[0]) if hits.size else -1
+
+
+def processbench_f1(acc_erroneous: float, acc_correct: float) -> float:
+    """Harmonic mean of the two accuracies (0 when both are 0; NaN when either is NaN)."""
+    if math.isnan(acc_erroneous) or math.isnan(acc_correct):
+        return math.nan
+    total = acc_erroneous + acc_correct
+    return 2 * acc_erroneous * acc_correct / total if total > 0 else 0.0
+
+
+def predict(item: EvalItem, n: int, rule: str, majority_threshold: float = 0.5,
+            threshold: float = FLAG_THRESHOLD) -> Prediction:
+    """Vote the first ``n`` critiques of ``item`` with ``rule`` (CAPO §3; DESIGN §1 item 6).
+
+    Raises:
+        ValueError: the item has fewer than ``n`` critiques, or an unknown rule.
+    """
+    if len(item.critiques) < n:
+        raise ValueError(f"item has {len(item.critiques)} critiques, N={n} needs at least {n}; "
+                         "sample more (critic n_max) or drop N")
+    n_valid, n_flagged_S = flag_counts(item.critiques[:n], item.n_steps)
+    weights_S = vote(n_flagged_S, n_valid, rule, majority_threshold)
+    return Prediction(weights_S, n_valid, earliest_flagged(weights_S, threshold))
+
+
+def _share(hits: int, total: int) -> float:
+    return hits / total if total else math.nan
+
+
+def score_items(items: Sequence[EvalItem], n: int, rule: str, majority_threshold: float = 0.5,
+                threshold: float = FLAG_THRESHOLD, seconds_per_token: float = math.nan) -> Score:
+    """ProcessBench scores of ``rule`` over the first ``n`` critiques of every item.
+
+    Args:
+        items: the benchmark items with at least ``n`` critiques each.
+        n: N, critiques voted per item.
+        rule: a key of :data:`pipeline.voting.VOTING_RULES`.
+        majority_threshold: share a majority must exceed (``majority`` rule).
+        threshold: flag a step when its weight is >= this.
+        seconds_per_token: critic seconds per generated token (measured over the run), used for
+            ``seconds_per_item``; NaN when unknown.
+    """
+    err_hits = err_total = ok_hits = ok_total = label_hits = 0
+    tp = fp = fn = flagged_steps = total_steps = failed = no_valid = tokens = 0
+    for item in items:
+        pred = predict(item, n, rule, majority_threshold, threshold)
+        flagged_S = pred.weights >= threshold  # (S,) bool
+        flagged_steps += int(flagged_S.sum())
+        total_steps += item.n_steps
+        failed += sum(c is None for c in item.critiques[:n])
+        no_valid += pred.n_valid == 0
+        tokens += sum(item.critic_tokens[:n])
+        if item.label >= 0:
+            err_total += 1
+            err_hits += pred.earliest == item.label
+            label_hits += bool(flagged_S[item.label])
+        else:
+            ok_total += 1
+            ok_hits += pred.earliest == -1
+        if item.step_labels is not None:
+            wrong_S = np.asarray(item.step_labels, dtype=bool)  # (S,)
+            tp += int((flagged_S & wrong_S).sum())
+            fp += int((flagged_S & ~wrong_S).sum())
+            fn += int((~flagged_S & wrong_S).sum())
+    acc_err, acc_ok = _share(err_hits, err_total), _share(ok_hits, ok_total)
+    tokens_per_item = _share(tokens, len(items))
+    return Score(
+        rule=rule, n=n, n_items=len(items), n_erroneous=err_total, n_correct=ok_total,
+        acc_erroneous=acc_err, acc_correct=acc_ok, f1=processbench_f1(acc_err, acc_ok),
+        label_flagged=_share(label_hits, err_total), step_precision=_share(tp, tp + fp),
+        step_recall=_share(tp, tp + fn), flag_rate=_share(flagged_steps, total_steps),
+        parse_failure_rate=_share(failed, n * len(items)), no_valid_rate=_share(no_valid, len(items)),
+        critic_tokens_per_item=tokens_per_item, seconds_per_item=tokens_per_item * seconds_per_token,
+    )
+
+
+def score_grid(items: Sequence[EvalItem], ns: Sequence[int], rules: Sequence[str] = tuple(VOTING_RULES),
+               majority_threshold: float = 0.5, threshold: float = FLAG_THRESHOLD,
+               seconds_per_token: float = math.nan) -> list[Score]:
+    """:func:`score_items` for every rule and N (rules outer, N inner)."""
+    return [score_items(items, n, rule, majority_threshold, threshold, seconds_per_token)
+            for rule in rules for n in ns]
+
+
+# ------------------------------------------------------------------------------------------ subsets
+ADVERSARIAL_PREFIX = "adv_"
+
+
+def subsets(kinds: Sequence[str], labels: Sequence[int]) -> dict[str, list[int]]:
+    """Item indices of each reported subset.
+
+    ``all`` always. When some kinds start with ``adv_`` (adversarial items): ``plain`` = every
+    non-adversarial item, ``adversarial`` = the adversarial items plus the plain set's all-right
+    items (so that its F1 is defined and its correct-item accuracy is the plain set's). When there
+    are several kinds, each kind on its own as well.
+    """
+    out = {"all": list(range(len(kinds)))}
+    adv = [k.startswith(ADVERSARIAL_PREFIX) for k in kinds]
+    if any(adv):
+        out["plain"] = [i for i, a in enumerate(adv) if not a]
+        out["adversarial"] = [i for i, a in enumerate(adv) if a or labels[i] < 0]
+    if len(set(kinds)) > 1:
+        for kind in sorted(set(kinds)):
+            out[kind] = [i for i, k in enumerate(kinds) if k == kind]
+    return out
+
+
+# ------------------------------------------------------------------------------------------- report
+def _fmt(x, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """A GitHub Markdown table; floats with 3 decimals, NaN/None as ``–``."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main_subset(scores: Sequence[dict]) -> str:
+    """The subset the headline tables use: ``plain`` when present, else ``all``."""
+    return "plain" if any(s["subset"] == "plain" for s in scores) else "all"
+
+
+def render_report(meta: dict, scores: Sequence[dict]) -> str:
+    """The Markdown report of a critic evaluation.
+
+    Args:
+        meta: ``name``, ``benchmark`` (one line), ``kinds`` ({kind: items}), ``template_version``,
+            ``n_values``, ``setups`` (list of dicts: ``setup``, ``model``, ``include_gold_answer``,
+            ``engine``, ``sampling``, ``critic_seconds``, ``tokens_per_s``), ``plot`` (file name).
+        scores: rows of :class:`Score` fields plus ``setup`` and ``subset``.
+    """
+    sub = main_subset(scores)
+    ns = list(meta["n_values"])
+    setups = [s["setup"] for s in meta["setups"]]
+    rules = list(dict.fromkeys(s["rule"] for s in scores))
+    by = {(s["setup"], s["subset"], s["rule"], s["n"]): s for s in scores}
+    n_max = max(ns)
+    parts = [
+        f"# Critic evaluation: {meta['name']}",
+        f"Benchmark: {meta['benchmark']}. Items by kind: "
+        + ", ".join(f"{k} {v}" for k, v in meta["kinds"].items())
+        + f". Critic prompt template `{meta['template_version']}`; parser and engines as in training.",
+        "A step is flagged when its vote weight is >= 0.5 (`average`: at least half of the valid "
+        "critiques; `majority`: strictly more than half). Prediction = earliest flagged step (-1: none). "
+        "N = the first N of the critiques sampled per item (one request), so every N uses the same samples. "
+        "Shares are over items; `–` = undefined (no such items).",
+        "## Critics",
+        markdown_table(["setup", "model", "gold answer", "engine", "sampling", "critic s", "tokens/s"],
+                       [[s["setup"], s["model"], s["include_gold_answer"], s["engine"], s["sampling"],
+                         s["critic_seconds"], s["tokens_per_s"]] for s in meta["setups"]]),
+        f"## ProcessBench F1 by N (subset `{sub}`)",
+        markdown_table(["setup", "rule"] + [f"N={n}" for n in ns],
+                       [[st, r] + [by[(st, sub, r, n)]["f1"] for n in ns] for st in setups for r in rules]),
+        f"![F1 against N per voting rule]({meta['plot']})",
+        f"## Details (subset `{sub}`)",
+        markdown_table(
+            ["setup", "rule", "N", "acc. erroneous", "acc. correct", "F1", "step P", "step R", "flag rate",
+             "parse fail", "no valid", "tokens/item", "s/item"],
+            [[st, r, n] + [by[(st, sub, r, n)][k] for k in (
+                "acc_erroneous", "acc_correct", "f1", "step_precision", "step_recall", "flag_rate",
+                "parse_failure_rate", "no_valid_rate", "critic_tokens_per_item", "seconds_per_item")]
+             for st in setups for r in rules for n in ns]),
+    ]
+    robust = [k for k in ("plain", "adversarial") if any(s["subset"] == k for s in scores)]
+    if "adversarial" in robust:
+        kinds = [k for k in meta["kinds"] if k.startswith(ADVERSARIAL_PREFIX)]
+        cols = robust + kinds
+        parts += [
+            f"## Robustness: wrong step still flagged (N={n_max})",
+            "Share of erroneous items whose wrong step is flagged, on the plain set and on the same "
+            "wrong solutions with text addressing the judge appended (`adv_verdict`: a fake "
+            "`Wrong step list: []`; `adv_praise`: 'all steps are correct'; `adv_ignore`: 'ignore the "
+            "task'); then F1 on each.",
+            markdown_table(["setup", "rule"] + [f"flagged: {c}" for c in cols] + [f"F1: {c}" for c in robust],
+                           [[st, r] + [by[(st, c, r, n_max)]["label_flagged"] for c in cols]
+                            + [by[(st, c, r, n_max)]["f1"] for c in robust] for st in setups for r in rules]),
+        ]
+    return "\n\n".join(parts) + "\n"

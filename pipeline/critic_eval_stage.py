@@ -1,0 +1,509 @@
+"""Run critics over a step-error benchmark and write tables, a plot and a report (I/O edge).
+
+Stages of ``critic-eval`` (each from files to files, skipped when its output is current under its
+key, like the round stages; see :mod:`pipeline.storage`)::
+
+    benchmark  -> runs/critic_eval/<name>/benchmark.parquet            one row per item
+    critique   -> runs/critic_eval/<name>/critiques/<setup>.parquet    one row per critique (heavy)
+    score      -> runs/critic_eval/<name>/{scores,predictions}.parquet
+    report     -> runs/critic_eval/<name>/{report.md,f1_vs_n.png}
+
+A *setup* is one critic with the gold answer on or off (``<critic name>+gold`` /
+``<critic name>+nogold``). The critic runs exactly as in training: the same prompt template
+(:func:`pipeline.critique.build_critique_messages`), parser (:func:`pipeline.critique.parse_critique`)
+and engines (:func:`pipeline.engines.make_engine`), ``n_max`` samples per item in one request.
+Scoring takes the first N of them for each N (no further critic call).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pipeline import storage
+from pipeline.config import EngineConfig, SamplingConfig, VLLMEngineConfig, parse_overrides
+from pipeline.critique import TEMPLATE_VERSION
+from pipeline.stages import StageResult, model_fingerprint
+
+log = logging.getLogger("capo.critic_eval")
+
+BUILTIN_BENCHMARK = "gsm8k-corrupt"
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+# ------------------------------------------------------------------------------------------- config
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CriticSpec(_Strict):
+    """One critic (GenPRM) to evaluate."""
+
+    name: str = Field(pattern=_NAME)
+    """Label in tables and the report, e.g. ``embedded-1.5b``."""
+    model: str
+    """Embedded model name, local checkpoint, HF id, or the model name an ``openai`` engine serves."""
+    engine: EngineConfig = VLLMEngineConfig(max_model_len=4096, kv_cache_gib=3.0)
+    """How to run it (vllm, transformers, or an OpenAI-compatible endpoint); as ``critique.engine``."""
+    sampling: SamplingConfig = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=320)
+    """As ``critique.sampling`` in training."""
+
+
+class BenchmarkConfig(_Strict):
+    source: str = BUILTIN_BENCHMARK
+    """``gsm8k-corrupt`` (GSM8K reference solutions, one corrupted copy each; see
+    :mod:`pipeline.critic_bench`) or a ProcessBench-format ``.jsonl``/``.json``/``.parquet`` file:
+    ``problem``, ``steps`` (list of strings), ``label`` (first wrong step, -1 if none), optional
+    ``id``, ``gold_answer``, ``step_labels`` (0/1 per step) and ``kind``."""
+    split: Literal["test", "train"] = "test"
+    """GSM8K split of the built-in benchmark."""
+    n_problems: int = Field(8, ge=1)
+    """Built-in: GSM8K problems used; each gives an original, a corrupted and (with ``adversarial``)
+    an adversarial item."""
+    adversarial: bool = True
+    """Built-in: add one adversarial copy of each corrupted item (critic robustness)."""
+    max_items: int | None = Field(None, ge=1)
+    """A file: keep only its first ``max_items`` rows."""
+
+
+def _default_critics() -> list[CriticSpec]:
+    return [CriticSpec(name="embedded-1.5b", model="qwen2.5-coder-1.5b-instruct"),
+            CriticSpec(name="policy-self", model="qwen2.5-coder-0.5b-instruct")]
+
+
+class CriticEvalConfig(_Strict):
+    """A critic evaluation: one benchmark, several critics x gold answer on/off, several N."""
+
+    name: str = Field("default", pattern=_NAME)
+    """Run directory: ``<runs_dir>/critic_eval/<name>/``."""
+    runs_dir: str = "runs"
+    data_dir: str = "data"
+    """Where ``capo setup`` put the embedded models and prompt tables."""
+    seed: int = 0
+    """Seeds the built-in benchmark and every critic engine."""
+    benchmark: BenchmarkConfig = BenchmarkConfig()
+    critics: list[CriticSpec] = Field(default_factory=_default_critics)
+    include_gold_answer: list[bool] = [True, False]
+    """Each critic runs once per value (the paper's gold-answer ablation)."""
+    n_values: list[int] = [1, 2, 4, 8]
+    """N values scored; the critic samples ``max(n_values)`` critiques per item once."""
+    majority_threshold: float = Field(0.5, ge=0, lt=1)
+    """As ``vote.majority_threshold`` in training."""
+    template_version: str = TEMPLATE_VERSION
+    """Critic prompt template; must be the one :mod:`pipeline.critique` implements."""
+
+    @field_validator("n_values")
+    @classmethod
+    def _ns(cls, v: list[int]) -> list[int]:
+        if not v or any(n < 1 for n in v):
+            raise ValueError(f"n_values must be a non-empty list of N >= 1, got {v}")
+        return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _check(self) -> "CriticEvalConfig":
+        names = [c.name for c in self.critics]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"critics need distinct names (got {names}); give each a `name:`")
+        if not self.include_gold_answer:
+            raise ValueError("include_gold_answer must hold true, false or both, e.g. [true, false]")
+        if self.template_version != TEMPLATE_VERSION:
+            raise ValueError(f"template_version {self.template_version!r} is not available; "
+                             f"pipeline/critique.py implements {TEMPLATE_VERSION!r}")
+        return self
+
+    @property
+    def n_max(self) -> int:
+        return max(self.n_values)
+
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir).resolve() / "critic_eval" / self.name
+
+    def setups(self) -> dict[str, tuple[CriticSpec, bool]]:
+        """``{setup id: (critic, include_gold_answer)}`` in report order."""
+        return {f"{c.name}+{'gold' if g else 'nogold'}": (c, g)
+                for c in self.critics for g in dict.fromkeys(self.include_gold_answer)}
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        old = out.get(k)
+        same_type = isinstance(v, dict) and isinstance(old, dict) and v.get("type", old.get("type")) == old.get("type")
+        out[k] = _merge(old, v) if same_type else v
+    return out
+
+
+def load_eval_config(path: str | Path | None = None, overrides: list[str] | None = None) -> CriticEvalConfig:
+    """Load a ``critic-eval`` YAML config and apply ``key=value`` overrides (YAML values, e.g.
+    ``n_values=[1,2]`` or ``critics=[{name: big, model: Qwen/Qwen2.5-72B-Instruct, engine: {type:
+    openai, base_url: "http://host:8000/v1"}}]``).
+
+    Raises:
+        FileNotFoundError: no such config file.
+        pydantic.ValidationError: an unknown key or a bad value.
+    """
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {str(p)!r} not found (try configs/critic_eval.yaml)")
+        raw = yaml.safe_load(p.read_text()) or {}
+    return CriticEvalConfig.model_validate(_merge(raw, parse_overrides(overrides)))
+
+
+def write_resolved_config(cfg: CriticEvalConfig) -> Path:
+    """The resolved config as YAML in the run dir (what child processes read)."""
+    from pipeline.config import section_hash
+
+    path = cfg.run_dir() / f".config-{section_hash(cfg)}.yaml"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        os.replace(tmp, path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ tables
+CRITIQUES_SCHEMA = pa.schema([
+    pa.field("setup", pa.string(), nullable=False),
+    pa.field("item_id", pa.string(), nullable=False),
+    pa.field("critique_idx", pa.int32(), nullable=False),
+    pa.field("critic_model", pa.string()),
+    pa.field("template_version", pa.string()),
+    pa.field("include_gold_answer", pa.bool_()),
+    pa.field("n_steps", pa.int32()),
+    pa.field("raw_text", pa.string()),
+    pa.field("wrong_steps", pa.list_(pa.int32())),  # null unless parse_status == ok
+    pa.field("parse_status", pa.string(), nullable=False),
+    pa.field("critic_tokens", pa.int32()),
+    pa.field("finish_reason", pa.string()),
+])
+
+SCORES_SCHEMA = pa.schema(
+    [pa.field("setup", pa.string(), nullable=False), pa.field("subset", pa.string(), nullable=False),
+     pa.field("rule", pa.string(), nullable=False), pa.field("n", pa.int32(), nullable=False)]
+    + [pa.field(k, pa.int32()) for k in ("n_items", "n_erroneous", "n_correct")]
+    + [pa.field(k, pa.float64()) for k in (
+        "acc_erroneous", "acc_correct", "f1", "label_flagged", "step_precision", "step_recall", "flag_rate",
+        "parse_failure_rate", "no_valid_rate", "critic_tokens_per_item", "seconds_per_item")]
+)
+
+PREDICTIONS_SCHEMA = pa.schema([
+    pa.field("setup", pa.string(), nullable=False),
+    pa.field("item_id", pa.string(), nullable=False),
+    pa.field("kind", pa.string()),
+    pa.field("rule", pa.string(), nullable=False),
+    pa.field("n", pa.int32(), nullable=False),
+    pa.field("label", pa.int32()),
+    pa.field("earliest_flagged", pa.int32()),  # -1 = nothing flagged
+    pa.field("n_valid", pa.int32()),
+    pa.field("weights", pa.list_(pa.float32())),  # (S,) vote weight per step
+])
+
+
+def _check(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
+    missing = [f.name for f in schema if f.name not in table.column_names]
+    if missing:
+        raise ValueError(f"{where} lacks columns {missing}; expected {schema.names}")
+    return table.select(schema.names).cast(schema)
+
+
+def write_output(table: pa.Table, path: Path, schema: pa.Schema, *, stage: str, key: dict, extra: dict | None = None) -> dict:
+    """Write ``table`` atomically (temporary file, rename) and commit its manifest; an earlier
+    output is moved to ``superseded/`` first. Returns the manifest."""
+    table = _check(table, schema, stage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or storage.manifest_path(path).exists():
+        storage.supersede(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return storage.commit_manifest(path, stage=stage, key=key, rows=table.num_rows, extra=extra)
+
+
+def paths(cfg: CriticEvalConfig) -> dict[str, Path]:
+    rd = cfg.run_dir()
+    return {"run_dir": rd, "benchmark": rd / "benchmark.parquet", "critiques_dir": rd / "critiques",
+            "scores": rd / "scores.parquet", "predictions": rd / "predictions.parquet",
+            "report": rd / "report.md", "plot": rd / "f1_vs_n.png"}
+
+
+def _skip_or_log(stage: str, outs: list[Path], key: dict, force: bool) -> StageResult | None:
+    """A skipped StageResult when every output is current under ``key`` (and not ``force``)."""
+    curs = [storage.is_current(o, key) for o in outs]
+    stale = next((c for c in curs if not c.current), None)
+    if stale is None and not force:
+        res = StageResult(stage, str(outs[0]), True, curs[0].reason)
+        log.info(res.line())
+        return res
+    log.info("[%s] running: %s", stage, stale.reason if stale else "forced")
+    return None
+
+
+def resolve_model(name: str, cfg: CriticEvalConfig) -> str:
+    """Embedded model name -> its converted checkpoint under ``data_dir``; else unchanged."""
+    from pipeline.assets import ensure_model
+
+    return str(ensure_model(name, root=Path(cfg.data_dir).resolve() / "models", dtype="bfloat16"))
+
+
+# ---------------------------------------------------------------------------------------- benchmark
+def _read_records(path: Path) -> list[dict]:
+    if path.suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+        if isinstance(data, list):
+            return data
+    raise ValueError(f"benchmark file {path} must be .jsonl, .parquet or a .json array of items")
+
+
+def benchmark_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
+    """Build the built-in benchmark, or load and check a ProcessBench file -> ``benchmark.parquet``."""
+    from pipeline import critic_bench
+
+    b, out = cfg.benchmark, paths(cfg)["benchmark"]
+    if b.source == BUILTIN_BENCHMARK:
+        from pipeline.prompts import ensure_embedded_prompts
+
+        src = ensure_embedded_prompts(Path(cfg.data_dir).resolve() / "prompts")[f"gsm8k_{b.split}"]
+        key = {"source": b.source, "generator": critic_bench.GENERATOR_VERSION, "split": b.split,
+               "n_problems": b.n_problems, "adversarial": b.adversarial, "seed": cfg.seed,
+               "prompts": storage.file_sha256(src)}
+    else:
+        src = Path(b.source).expanduser().resolve()
+        if not src.is_file():
+            raise FileNotFoundError(f"benchmark file {src} not found; give a ProcessBench .jsonl/.parquet "
+                                    f"or {BUILTIN_BENCHMARK!r}")
+        key = {"source": str(src), "file": storage.file_sha256(src), "max_items": b.max_items}
+    if (res := _skip_or_log("benchmark", [out], key, force)) is not None:
+        return res
+    t0 = time.perf_counter()
+    if b.source == BUILTIN_BENCHMARK:
+        rows = critic_bench.build_benchmark(pq.read_table(src).to_pylist(), b.n_problems, cfg.seed, b.adversarial)
+    else:
+        rows = critic_bench.processbench_rows(_read_records(src)[: b.max_items], src.stem)
+    table = pa.Table.from_pylist(rows, schema=critic_bench.BENCHMARK_SCHEMA)
+    man = write_output(table, out, critic_bench.BENCHMARK_SCHEMA, stage="benchmark", key=key)
+    return StageResult("benchmark", str(out), False, "built", man["rows"], time.perf_counter() - t0)
+
+
+def read_benchmark(cfg: CriticEvalConfig) -> list[dict]:
+    from pipeline.critic_bench import BENCHMARK_SCHEMA
+
+    path = paths(cfg)["benchmark"]
+    if storage.read_manifest(path) is None:
+        raise FileNotFoundError(f"{path} is missing or uncommitted; run the benchmark stage first")
+    return _check(pq.read_table(path), BENCHMARK_SCHEMA, str(path)).to_pylist()
+
+
+# ----------------------------------------------------------------------------------------- critique
+def critique_path(cfg: CriticEvalConfig, setup: str) -> Path:
+    return paths(cfg)["critiques_dir"] / f"{setup}.parquet"
+
+
+def critique_key(cfg: CriticEvalConfig, setup: str) -> dict:
+    critic, gold = cfg.setups()[setup]
+    return {"benchmark": storage.read_manifest(paths(cfg)["benchmark"])["fingerprint"],
+            "critic": critic.model_dump(mode="json"), "include_gold_answer": gold, "n_max": cfg.n_max,
+            "template_version": TEMPLATE_VERSION, "seed": cfg.seed,
+            "model": model_fingerprint(resolve_model(critic.model, cfg))}
+
+
+def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> StageResult:
+    """``n_max`` critiques per benchmark item from one setup -> ``critiques/<setup>.parquet``.
+
+    Raises:
+        KeyError: unknown setup (lists the valid ones).
+    """
+    from pipeline.critique import build_critique_messages, parse_critique
+    from pipeline.engines import make_engine
+
+    if setup not in cfg.setups():
+        raise KeyError(f"unknown setup {setup!r}; valid: {list(cfg.setups())}")
+    critic, gold = cfg.setups()[setup]
+    out, key = critique_path(cfg, setup), critique_key(cfg, setup)
+    if (res := _skip_or_log("critique", [out], key, force)) is not None:
+        return res
+    items = read_benchmark(cfg)
+    model = resolve_model(critic.model, cfg)
+    seed = int(np.random.default_rng([cfg.seed, zlib.crc32(setup.encode())]).integers(0, 2**31 - 1))
+    t0 = time.perf_counter()
+    engine = make_engine(model, critic.engine, seed=seed)
+    convs = [build_critique_messages(it["problem"], it["steps"], it["gold_answer"] if gold else None) for it in items]
+    gens = engine.generate(convs, cfg.n_max, critic.sampling)
+    stats = engine.stats.as_dict()
+    engine.close()
+    rows = []
+    for it, gen in zip(items, gens):
+        for k, s in enumerate(gen.samples):
+            parsed = parse_critique(s.text, len(it["steps"]))
+            rows.append({"setup": setup, "item_id": it["id"], "critique_idx": k, "critic_model": model,
+                         "template_version": TEMPLATE_VERSION, "include_gold_answer": gold,
+                         "n_steps": len(it["steps"]), "raw_text": s.text,
+                         "wrong_steps": None if parsed.wrong_steps is None else list(parsed.wrong_steps),
+                         "parse_status": parsed.status, "critic_tokens": len(s.token_ids),
+                         "finish_reason": s.finish_reason})
+    secs = time.perf_counter() - t0
+    log.info("[critique] %s: %s", setup, json.dumps(stats))
+    man = write_output(pa.Table.from_pylist(rows, schema=CRITIQUES_SCHEMA), out, CRITIQUES_SCHEMA,
+                       stage="critique", key=key, extra={"elapsed_s": round(secs, 3), "engine": stats,
+                                                         "critic": model, "setup": setup})
+    return StageResult("critique", str(out), False, "sampled", man["rows"], secs)
+
+
+# -------------------------------------------------------------------------------------------- score
+def _seconds_per_token(manifest: dict) -> float:
+    eng = manifest.get("engine") or {}
+    toks, secs = eng.get("generated_tokens") or 0, eng.get("seconds") or 0.0
+    return secs / toks if toks else math.nan
+
+
+def _eval_items(items: list[dict], crit: list[dict], setup: str):
+    from pipeline.critic_eval import EvalItem
+
+    by: dict[str, list[dict]] = {}
+    for c in crit:
+        by.setdefault(c["item_id"], []).append(c)
+    out = []
+    for it in items:
+        cs = sorted(by.get(it["id"], []), key=lambda c: c["critique_idx"])
+        if not cs:
+            raise ValueError(f"setup {setup!r} has no critiques of item {it['id']!r}; run its critique stage again")
+        out.append(EvalItem(it["label"], len(it["steps"]),
+                            tuple(None if c["wrong_steps"] is None else tuple(c["wrong_steps"]) for c in cs),
+                            tuple(int(c["critic_tokens"] or 0) for c in cs),
+                            None if it["step_labels"] is None else tuple(it["step_labels"])))
+    return out
+
+
+def score_key(cfg: CriticEvalConfig) -> dict:
+    fps = {s: (storage.read_manifest(critique_path(cfg, s)) or {}).get("fingerprint") for s in cfg.setups()}
+    return {"benchmark": storage.read_manifest(paths(cfg)["benchmark"])["fingerprint"], "critiques": fps,
+            "n_values": cfg.n_values, "majority_threshold": cfg.majority_threshold}
+
+
+def score_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
+    """Score every setup, subset, rule and N -> ``scores.parquet`` and ``predictions.parquet``."""
+    from pipeline.critic_eval import predict, score_grid, subsets
+    from pipeline.voting import VOTING_RULES
+
+    p = paths(cfg)
+    key = score_key(cfg)
+    if (res := _skip_or_log("score", [p["scores"], p["predictions"]], key, force)) is not None:
+        return res
+    t0 = time.perf_counter()
+    items = read_benchmark(cfg)
+    groups = subsets([it["kind"] for it in items], [it["label"] for it in items])
+    scores, preds = [], []
+    for setup in cfg.setups():
+        path = critique_path(cfg, setup)
+        crit = _check(pq.read_table(path), CRITIQUES_SCHEMA, str(path)).to_pylist()
+        evals = _eval_items(items, crit, setup)
+        spt = _seconds_per_token(storage.read_manifest(path) or {})
+        for subset, idx in groups.items():
+            for s in score_grid([evals[i] for i in idx], cfg.n_values, tuple(VOTING_RULES),
+                                cfg.majority_threshold, seconds_per_token=spt):
+                scores.append({"setup": setup, "subset": subset, **s.as_dict()})
+        for it, ev in zip(items, evals):
+            for rule in VOTING_RULES:
+                for n in cfg.n_values:
+                    pr = predict(ev, n, rule, cfg.majority_threshold)
+                    preds.append({"setup": setup, "item_id": it["id"], "kind": it["kind"], "rule": rule, "n": n,
+                                  "label": it["label"], "earliest_flagged": pr.earliest, "n_valid": pr.n_valid,
+                                  "weights": pr.weights.tolist()})
+    write_output(pa.Table.from_pylist(preds, schema=PREDICTIONS_SCHEMA), p["predictions"], PREDICTIONS_SCHEMA,
+                 stage="score", key=key)
+    man = write_output(pa.Table.from_pylist(scores, schema=SCORES_SCHEMA), p["scores"], SCORES_SCHEMA,
+                       stage="score", key=key, extra={"elapsed_s": round(time.perf_counter() - t0, 3)})
+    return StageResult("score", str(p["scores"]), False, "scored", man["rows"], time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------------------------------------- report
+def plot_f1(scores: list[dict], setups: list[str], subset: str, path: Path) -> Path:
+    """PNG of ProcessBench F1 against N, one panel per setup, one line per voting rule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(len(setups), 2)
+    rows_ = math.ceil(len(setups) / cols)
+    fig, axes = plt.subplots(rows_, cols, figsize=(5 * cols, 3.6 * rows_), squeeze=False, sharey=True)
+    for ax, setup in zip(axes.flat, setups):
+        mine = [s for s in scores if s["setup"] == setup and s["subset"] == subset]
+        for rule in dict.fromkeys(s["rule"] for s in mine):
+            pts = sorted((s["n"], s["f1"]) for s in mine if s["rule"] == rule)
+            ax.plot([n for n, _ in pts], [f for _, f in pts], marker="o", label=rule)
+        ax.set_xscale("log", base=2)
+        ns = sorted({s["n"] for s in mine})
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(setup)
+        ax.set_xlabel("N critiques voted")
+        ax.set_ylabel("ProcessBench F1")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(setups):]:
+        ax.axis("off")
+    fig.suptitle(f"Critic step-error F1 against N (subset: {subset})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def report_stage(cfg: CriticEvalConfig) -> StageResult:
+    """``report.md`` and ``f1_vs_n.png`` from ``scores.parquet`` (always rewritten; cheap)."""
+    from pipeline.critic_eval import main_subset, render_report
+
+    p = paths(cfg)
+    t0 = time.perf_counter()
+    scores = _check(pq.read_table(p["scores"]), SCORES_SCHEMA, str(p["scores"])).to_pylist()
+    items = read_benchmark(cfg)
+    kinds: dict[str, int] = {}
+    for it in items:
+        kinds[it["kind"]] = kinds.get(it["kind"], 0) + 1
+    setups = []
+    for setup, (critic, gold) in cfg.setups().items():
+        man = storage.read_manifest(critique_path(cfg, setup)) or {}
+        eng = man.get("engine") or {}
+        s = critic.sampling
+        setups.append({"setup": setup, "model": critic.model, "include_gold_answer": gold,
+                       "engine": critic.engine.type, "sampling": f"T={s.temperature} top_p={s.top_p} max={s.max_tokens}",
+                       "critic_seconds": eng.get("seconds"), "tokens_per_s": eng.get("generated_tokens_per_s")})
+    b = cfg.benchmark
+    desc = (f"`{b.source}` ({b.split} split, {b.n_problems} problems, seed {cfg.seed})"
+            if b.source == BUILTIN_BENCHMARK else f"`{b.source}`")
+    meta = {"name": cfg.name, "benchmark": f"{desc}, {len(items)} items", "kinds": kinds,
+            "template_version": cfg.template_version, "n_values": cfg.n_values, "setups": setups,
+            "plot": p["plot"].name}
+    plot_f1(scores, list(cfg.setups()), main_subset(scores), p["plot"])
+    tmp = p["report"].with_name(f".{p['report'].name}.{os.getpid()}.tmp")
+    tmp.write_text(render_report(meta, scores))
+    os.replace(tmp, p["report"])
+    return StageResult("report", str(p["report"]), False, "written", len(scores), time.perf_counter() - t0)
