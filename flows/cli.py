@@ -94,7 +94,11 @@ def stage(
     _setup_logging()
     from flows.runner import RESULT_TAG, stage_function
 
+    import resource
+
     res = stage_function(name)(_cfg(config, overrides, preset), round, force=force)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+    res = dataclasses.replace(res, peak_rss_mb=round(peak, 1))
     print(RESULT_TAG + json.dumps(dataclasses.asdict(res)), flush=True)
 
 

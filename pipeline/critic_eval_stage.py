@@ -425,7 +425,8 @@ def score_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
         for subset, idx in groups.items():
             for s in score_grid([evals[i] for i in idx], cfg.n_values, tuple(VOTING_RULES),
                                 cfg.majority_threshold, seconds_per_token=spt):
-                scores.append({"setup": setup, "subset": subset, **s.as_dict()})
+                row = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in s.as_dict().items()}
+                scores.append({"setup": setup, "subset": subset, **row})  # undefined share -> SQL NULL
         for it, ev in zip(items, evals):
             for rule in VOTING_RULES:
                 for n in cfg.n_values:
@@ -453,9 +454,10 @@ def plot_f1(scores: list[dict], setups: list[str], subset: str, path: Path) -> P
     fig, axes = plt.subplots(rows_, cols, figsize=(5 * cols, 3.6 * rows_), squeeze=False, sharey=True)
     for ax, setup in zip(axes.flat, setups):
         mine = [s for s in scores if s["setup"] == setup and s["subset"] == subset]
-        for rule in dict.fromkeys(s["rule"] for s in mine):
+        for j, rule in enumerate(dict.fromkeys(s["rule"] for s in mine)):
             pts = sorted((s["n"], s["f1"]) for s in mine if s["rule"] == rule)
-            ax.plot([n for n, _ in pts], [f for _, f in pts], marker="o", label=rule)
+            ax.plot([n for n, _ in pts], [f for _, f in pts], marker="osD^v"[j % 5], linestyle=("-", "--", ":", "-.")[j % 4],
+                    markersize=7 - j, label=rule)  # lines of rules that agree overlap: vary the style
         ax.set_xscale("log", base=2)
         ns = sorted({s["n"] for s in mine})
         ax.set_xticks(ns, [str(n) for n in ns])

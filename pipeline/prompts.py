@@ -224,10 +224,12 @@ def ingest_prompts(source: str, split: str, out_path: Path, limit: int | None = 
     table = pa.Table.from_pylist([asdict(r) for r in records], schema=PROMPTS_SCHEMA)
     table = table.replace_schema_metadata({"capo.source": str(source), "capo.split": split,
                                            "capo.config": config or ""})
-    return _write_table(table, Path(out_path), overwrite)
+    return write_prompt_table(table, Path(out_path), overwrite)
 
 
-def _write_table(table: pa.Table, out_path: Path, overwrite: bool) -> Path:
+def write_prompt_table(table: pa.Table, out_path: Path, overwrite: bool = False) -> Path:
+    """Write a prompt table atomically; an identical existing file is kept, a different one raises
+    ``FileExistsError`` unless ``overwrite``."""
     if out_path.exists() and not overwrite:
         if pq.read_table(out_path).equals(table):
             logger.info("%s is up to date (%d prompts)", out_path, table.num_rows)

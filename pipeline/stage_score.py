@@ -139,42 +139,57 @@ def vote_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRes
 
 # ------------------------------------------------------------------------------------------- reward
 def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
-    """Token rewards ``C*r_v - P*w`` and advantages for the config's variant -> ``token_rewards``."""
+    """Token rewards ``C*r_v - P*w`` and advantages for the config's variant -> ``token_rewards``.
+
+    Vectorized end to end (numpy + pyarrow list arrays): no per-token Python.
+    """
     p = round_paths(cfg, round_idx)
     key = stage_key("reward", cfg, round_idx)
     rc = cfg.reward
 
     def compute():
-        ro = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_id", "num_tokens"]).to_pylist()
-        oc = {r["rollout_id"]: r["outcome_correct"] for r in storage.read_table(p["outcomes"], "outcomes").to_pylist()}
-        n_tok = np.array([r["num_tokens"] for r in ro], dtype=np.int64)
+        ro = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_id", "num_tokens"])
+        rid = ro.column("rollout_id").combine_chunks()
+        oc_t = storage.read_table(p["outcomes"], "outcomes").select(["rollout_id", "outcome_correct"])
+        at = pc.index_in(rid, value_set=oc_t.column("rollout_id").combine_chunks())
+        if at.null_count:
+            raise ValueError(f"{at.null_count} rollouts have no outcome in {p['outcomes']}; re-run the verify stage")
+        correct = oc_t.column("outcome_correct").combine_chunks().take(at).to_numpy(zero_copy_only=False).astype(bool)
+        n_tok = ro.column("num_tokens").to_numpy().astype(np.int64)
         offsets = np.concatenate([[0], np.cumsum(n_tok)])
-        r_v = np.array([1.0 if oc[r["rollout_id"]] else 0.0 for r in ro])
+        r_v = correct.astype(np.float64)
         genorm_stats = {}
         if rc.outcome == "genorm":
-            r_v, genorm_stats = _genorm_outcomes(p, ro, r_v)
-        groups = np.unique([r["prompt_id"] for r in ro], return_inverse=True)[1].reshape(-1)
+            r_v, genorm_stats = _genorm_outcomes(p, rid.to_pylist(), r_v)
+        groups = pc.dictionary_encode(ro.column("prompt_id").combine_chunks()).indices.to_numpy()
         w_tok = np.zeros(int(offsets[-1]), dtype=np.float32)
-        n_valid = {r["rollout_id"]: 0 for r in ro}
-        if cfg.critique.enabled and cfg.critique.mode == "process":
-            w_tok, n_valid = _token_weights(p, ro, offsets, cfg.vote.rule)
+        n_valid = np.zeros(len(n_tok), dtype=np.int32)
+        process = cfg.critique.enabled and cfg.critique.mode == "process"
+        if process:
+            w_tok, n_valid = _token_weights(p, rid, offsets, cfg.vote.rule)
         R = token_rewards(r_v, w_tok, offsets, rc.correct_weight, rc.process_weight)
         if rc.estimator == "grpo":
             A = broadcast_to_tokens(grpo_sequence_advantages(rc.correct_weight * r_v, groups, rc.scale_by_std, rc.eps), offsets)
         else:
             A = group_token_advantages(R, offsets, groups, rc.scale_by_std, rc.eps)
-        rows = [{"run_id": cfg.run_id, "round": round_idx, "variant": cfg.variant, "rollout_id": r["rollout_id"],
-                 "prompt_id": r["prompt_id"], "outcome_correct": bool(oc[r["rollout_id"]]), "outcome_reward": float(r_v[i]),
-                 "rule": cfg.vote.rule if cfg.critique.enabled and cfg.critique.mode == "process" else None,
-                 "n_valid_critiques": n_valid[r["rollout_id"]],
-                 "n_penalized_tokens": int((w_tok[offsets[i] : offsets[i + 1]] > 0).sum()) if rc.process_weight > 0 else 0,
-                 "rewards": R[offsets[i] : offsets[i + 1]], "advantages": A[offsets[i] : offsets[i + 1]],
-                 "reward_config_hash": storage.key_hash(key)} for i, r in enumerate(ro)]
-        table = pa.Table.from_pylist([{**r, "rewards": r["rewards"].tolist(), "advantages": r["advantages"].tolist()} for r in rows],
-                                     schema=TOKEN_REWARDS_SCHEMA)
-        penal = float((w_tok > 0).mean()) if len(w_tok) else 0.0
-        return table, _with_prov(cfg, {"share_tokens_penalized": penal, "mean_token_reward": float(R.mean()) if len(R) else None,
-                                       "outcome_source": rc.outcome, **genorm_stats})
+        penalized = (w_tok > 0) if rc.process_weight > 0 else np.zeros(len(w_tok), dtype=bool)
+        n_pen = np.add.reduceat(penalized.astype(np.int64), offsets[:-1]) if len(w_tok) else np.zeros(len(n_tok), np.int64)
+        n_pen[n_tok == 0] = 0  # reduceat quirk: an empty row would take the next row's first value
+        B, off32 = len(n_tok), pa.array(offsets.astype(np.int32))
+        table = pa.table({
+            "run_id": pa.array([cfg.run_id] * B, pa.string()), "round": pa.array(np.full(B, round_idx, np.int32)),
+            "variant": pa.array([cfg.variant] * B, pa.string()), "rollout_id": rid,
+            "prompt_id": ro.column("prompt_id").combine_chunks(), "outcome_correct": pa.array(correct),
+            "outcome_reward": pa.array(r_v.astype(np.float32)),
+            "rule": pa.array([cfg.vote.rule if process else None] * B, pa.string()),
+            "n_valid_critiques": pa.array(n_valid.astype(np.int32)), "n_penalized_tokens": pa.array(n_pen.astype(np.int32)),
+            "rewards": pa.ListArray.from_arrays(off32, pa.array(R.astype(np.float32))),
+            "advantages": pa.ListArray.from_arrays(off32, pa.array(A.astype(np.float32))),
+            "reward_config_hash": pa.array([storage.key_hash(key)] * B, pa.string()),
+        })
+        extra = {"share_tokens_penalized": float(penalized.mean()) if len(R) else 0.0,
+                 "mean_token_reward": float(R.mean()) if len(R) else None, "outcome_source": rc.outcome, **genorm_stats}
+        return table.cast(TOKEN_REWARDS_SCHEMA), _with_prov(cfg, extra)
 
     return _run("reward", p["token_rewards"], "token_rewards", key, compute, force)
 
@@ -196,24 +211,36 @@ def _genorm_outcomes(p, ro: list[dict], rule_r_v: np.ndarray) -> tuple[np.ndarra
                "genorm_no_valid_verdict": no_valid}
 
 
-def _token_weights(p, ro: list[dict], offsets: np.ndarray, rule: str) -> tuple[np.ndarray, dict]:
-    """(N,) voted weight of the step owning each token, and valid-critique count per rollout."""
+def _token_weights(p, rid: pa.Array, offsets: np.ndarray, rule: str) -> tuple[np.ndarray, np.ndarray]:
+    """(N,) voted weight of the step owning each token and (B,) valid-critique count per rollout.
+
+    Steps are joined to their verdicts, ordered by (rollout position, step_idx) and expanded with
+    ``np.repeat``; the step token spans must tile every response exactly (checked).
+    """
     steps = storage.read_table(p["steps"], "steps").select(["rollout_id", "step_idx", "token_start", "token_end"])
     verd = storage.read_table(p["step_verdicts"], "step_verdicts")
     verd = verd.filter(pc.equal(verd.column("rule"), rule)).select(["rollout_id", "step_idx", "n_valid", "weight"])
-    wmap = {(r["rollout_id"], r["step_idx"]): (r["weight"], r["n_valid"]) for r in verd.to_pylist()}
-    pos = {r["rollout_id"]: i for i, r in enumerate(ro)}
-    w_tok = np.zeros(int(offsets[-1]), dtype=np.float32)
-    n_valid = {r["rollout_id"]: 0 for r in ro}
-    covered = np.zeros(len(ro), dtype=np.int64)
-    for s in steps.to_pylist():
-        i = pos[s["rollout_id"]]
-        w, nv = wmap.get((s["rollout_id"], s["step_idx"]), (0.0, 0))
-        w_tok[offsets[i] + s["token_start"] : offsets[i] + s["token_end"]] = w
-        covered[i] += s["token_end"] - s["token_start"]
-        n_valid[s["rollout_id"]] = nv
+    j = steps.join(verd, keys=["rollout_id", "step_idx"], join_type="left outer")
+    pos_arr = pc.index_in(j.column("rollout_id"), value_set=rid)
+    if pos_arr.null_count:
+        raise ValueError(f"steps.parquet has {pos_arr.null_count} steps of rollouts not in rollouts.parquet")
+    pos = pos_arr.to_numpy(zero_copy_only=False).astype(np.int64)
+    step_idx = j.column("step_idx").to_numpy()
+    order = np.lexsort((step_idx, pos))
+    pos = pos[order]
+    start = j.column("token_start").to_numpy()[order].astype(np.int64)
+    length = j.column("token_end").to_numpy()[order].astype(np.int64) - start
+    weight = pc.fill_null(j.column("weight"), 0.0).to_numpy()[order].astype(np.float32)
+    n_valid_s = pc.fill_null(j.column("n_valid"), 0).to_numpy()[order].astype(np.int32)
+    B = len(offsets) - 1
+    covered = np.bincount(pos, weights=length, minlength=B).astype(np.int64)
+    first_tok = np.cumsum(length) - length - offsets[pos]  # where each step must start in its response
     bad = np.nonzero(covered != np.diff(offsets))[0]
-    if len(bad):
-        raise ValueError(f"steps of rollout {ro[bad[0]]['rollout_id']} cover {covered[bad[0]]} tokens, "
-                         f"expected {np.diff(offsets)[bad[0]]}: steps.parquet is inconsistent with rollouts.parquet")
-    return w_tok, n_valid
+    if len(bad) or np.any(first_tok != start):
+        i = int(bad[0]) if len(bad) else int(pos[np.nonzero(first_tok != start)[0][0]])
+        raise ValueError(f"steps of rollout {rid[i].as_py()} cover {covered[i]} tokens or are not contiguous, "
+                         f"expected {np.diff(offsets)[i]} tokens tiled from 0: steps.parquet is inconsistent "
+                         "with rollouts.parquet (re-run the segment stage)")
+    n_valid = np.zeros(B, dtype=np.int32)
+    np.maximum.at(n_valid, pos, n_valid_s)
+    return np.repeat(weight, length), n_valid

@@ -37,6 +37,7 @@ class StageResult:
     rows: int | None = None
     seconds: float = 0.0
     critic_calls: int = 0  # critic requests this stage made (0 when critiques came from the cache)
+    peak_rss_mb: float | None = None  # peak resident memory of the stage's own process (heavy stages)
 
     def line(self) -> str:
         verb = "skipped" if self.skipped else f"wrote {self.rows} rows in {self.seconds:.1f}s"

@@ -315,7 +315,7 @@ def test_steps_that_do_not_cover_the_tokens_are_an_error(tmp_path):
             r["token_end"] = 9  # A's last step loses its last two tokens
     _write(cfg, "steps", [{k: v for k, v in r.items() if k not in ("run_id", "round")} for r in steps], "segment")
     vote_stage(cfg, 1)
-    with pytest.raises(ValueError, match="rollout A cover 9 tokens, expected 11"):
+    with pytest.raises(ValueError, match="rollout A cover 9 tokens or are not contiguous, expected 11"):
         reward_stage(cfg, 1)
 
 

@@ -1,0 +1,373 @@
+"""The report of a run: PNG plots over rounds and a paper-style accuracy table (Markdown + HTML).
+
+Reads the run's Parquet tables (the source of truth; DuckDB over explicit file lists, no catalog
+lock) and writes, into ``<runs_dir>/<run_id>/report/`` by default:
+
+- ``accuracy.png``: greedy accuracy per benchmark over rounds, one line per variant (each line starts
+  at round 0, the starting policy every variant shares);
+- ``response_length.png``, ``token_reward.png``, ``steps_flagged.png`` (share of steps the variant's
+  own voting rule flags), ``critic_parse_failures.png``, ``clip_kl.png``;
+- ``report.md`` / ``report.html``: the table of CAPO's main results (rows = variant x round, columns
+  = benchmarks, their unweighted mean at the right), pass@k when sampled, a training table, plots;
+- ``table.md`` (the tables only) and ``accuracy.json`` (rows), what :func:`publish_artifacts` sends
+  to the Prefect UI.
+
+A missing table (no eval yet, a GRPO variant without critiques) skips its plot with a note in the
+report; it never fails the report.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.benchmarks import BENCHMARKS
+from pipeline.evaluate import summarize_eval
+
+log = logging.getLogger("capo.report")
+
+TABLE_GLOBS = {
+    "eval": ("round_*/eval.parquet", "round_*/variants/*/eval.parquet"),
+    "token_rewards": ("round_*/variants/*/token_rewards.parquet",),
+    "step_verdicts": ("round_*/variants/*/step_verdicts.parquet",),
+    "critiques": ("round_*/critiques.parquet", "round_*/genorm_critiques.parquet"),
+    "train_metrics": ("round_*/variants/*/train_metrics.parquet",),
+}
+START = "start policy"  # label of round 0 (variant NULL in the eval table)
+
+_SQL = {
+    "rollout": """SELECT round, variant, any_value(rule) AS rule, avg(len(rewards)) AS mean_response_tokens,
+                         sum(list_sum(rewards)) / sum(len(rewards)) AS mean_token_reward,
+                         avg(outcome_correct::INT) AS train_accuracy
+                  FROM token_rewards GROUP BY ALL ORDER BY ALL""",
+    "flagged": """SELECT round, variant, rule, avg((weight > 0)::INT) AS share_flagged, count(*) AS steps
+                  FROM step_verdicts GROUP BY ALL ORDER BY ALL""",
+    "parse": """SELECT round, mode, avg((parse_status <> 'ok')::INT) AS failure_rate,
+                       count(*) AS critiques
+                FROM critiques WHERE parse_status <> 'skipped_empty_response' GROUP BY ALL ORDER BY ALL""",
+    "train": """SELECT round, variant, avg(value) FILTER (WHERE name = 'clip_frac') AS clip_frac,
+                       avg(value) FILTER (WHERE name = 'approx_kl') AS approx_kl,
+                       avg(value) FILTER (WHERE name = 'kl_ref') AS kl_ref
+                FROM train_metrics GROUP BY ALL ORDER BY ALL""",
+}
+_DEFAULT_COLUMNS = {"critiques": {"mode": "'process'"}}  # columns older tables lack, and their value
+_NEEDS = {"rollout": "token_rewards", "flagged": "step_verdicts", "parse": "critiques", "train": "train_metrics"}
+
+
+# ------------------------------------------------------------------------------------------- data
+def _rows(con, sql: str) -> list[dict]:
+    cur = con.execute(sql)
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, r)) for r in cur.fetchall()]
+
+
+def collect(run_dir: Path) -> tuple[dict[str, list[dict]], list[str]]:
+    """Per-round aggregates of a run's tables, and notes on tables that could not be read.
+
+    A key is absent when its table has no file yet or cannot be read (then a note says why).
+    """
+    import duckdb
+    import pyarrow as pa
+
+    con = duckdb.connect()
+    out: dict[str, list[dict]] = {}
+    notes: list[str] = []
+    try:
+        present = set()
+        for name, patterns in TABLE_GLOBS.items():
+            files = sorted(str(p) for pat in patterns for p in run_dir.glob(pat) if "superseded" not in p.parts)
+            if files:
+                lit = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
+                src = f"read_parquet([{lit}], union_by_name = true)"
+                cols = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
+                extra = "".join(f", {v} AS {c}" for c, v in _DEFAULT_COLUMNS.get(name, {}).items() if c not in cols)
+                con.execute(f"CREATE VIEW {name} AS SELECT *{extra} FROM {src}")
+                present.add(name)
+        for key, sql in _SQL.items():
+            if _NEEDS[key] in present:
+                try:
+                    out[key] = _rows(con, sql)
+                except duckdb.Error as e:  # an older or foreign schema: report it, draw the rest
+                    notes.append(f"{_NEEDS[key]} could not be read: {str(e).splitlines()[0]}")
+                    log.warning("report of %s: %s", run_dir.name, notes[-1])
+        if "eval" in present:
+            reader = con.sql("SELECT * FROM eval").arrow()
+            table = reader.read_all() if isinstance(reader, pa.RecordBatchReader) else reader
+            out["accuracy"] = sorted(summarize_eval(table).to_pylist(),
+                                     key=lambda r: (r["variant"] is not None, r["variant"] or "", r["round"]))
+        return out, notes
+    finally:
+        con.close()
+
+
+def _variant_rule_flags(data: dict) -> list[dict]:
+    """Share of steps flagged under each variant's own rule (all rules when the rule is unknown)."""
+    rule = {(r["round"], r["variant"]): r["rule"] for r in data.get("rollout", [])}
+    out = []
+    for r in data.get("flagged", []):
+        own = rule.get((r["round"], r["variant"]))
+        if own is None:
+            out.append({**r, "label": f"{r['variant']} ({r['rule']})"})
+        elif own == r["rule"]:
+            out.append({**r, "label": r["variant"]})
+    return out
+
+
+# ---------------------------------------------------------------------------------------- plots
+def _series(rows: list[dict], y: str, label=lambda r: r["variant"]) -> dict[str, tuple[list, list]]:
+    out: dict[str, tuple[list, list]] = {}
+    for r in sorted(rows, key=lambda r: r["round"]):
+        if r.get(y) is not None and not (isinstance(r[y], float) and np.isnan(r[y])):
+            xs, ys = out.setdefault(str(label(r)), ([], []))
+            xs.append(r["round"])
+            ys.append(float(r[y]))
+    return out
+
+
+def _plot(path: Path, title: str, panels: list[tuple[str, str, dict]]) -> Path:
+    """Line plots over rounds, one panel per (subtitle, y label, {label: (rounds, values)})."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    cols = min(len(panels), 3)
+    nrows = -(-len(panels) // cols)
+    fig = Figure(figsize=(4.4 * cols, 3.3 * nrows + 0.4), layout="constrained")
+    axes = fig.subplots(nrows, cols, squeeze=False).ravel()
+    rounds = sorted({x for _, _, series in panels for xs, _ in series.values() for x in xs})
+    for ax, (sub, ylabel, series) in zip(axes, panels):
+        for lab, (xs, ys) in sorted(series.items()):
+            ax.plot(xs, ys, marker="o", label=lab)
+        ax.set(title=sub, xlabel="round", ylabel=ylabel)
+        if rounds:  # integer ticks only, also for a single round
+            ax.set_xlim(rounds[0] - 0.5, rounds[-1] + 0.5)
+            if len(rounds) <= 12:
+                ax.set_xticks(rounds)
+            else:
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if series:
+            ax.legend(fontsize=7)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _from_start(rows: list[dict], y: str) -> dict[str, tuple[list, list]]:
+    """One series per variant, each starting at round 0 (the starting policy, variant None)."""
+    start = [r for r in rows if r["variant"] is None]
+    series: dict = {}
+    for v in sorted({r["variant"] for r in rows} - {None}):
+        series.update(_series(start + [r for r in rows if r["variant"] == v], y, lambda r, v=v: v))
+    return series or _series(start, y, lambda r: START)
+
+
+def _accuracy_panels(acc: list[dict]) -> list[tuple[str, str, dict]]:
+    pct = [{**r, "pct": None if r["accuracy"] is None else 100 * r["accuracy"]} for r in acc]
+    panels = [(_title(b), "accuracy (%)", _from_start([r for r in pct if r["benchmark"] == b], "pct"))
+              for b in _benchmarks(acc)]
+    if len(panels) > 1:
+        means = [{**r, "variant": None if r["variant"] == START else r["variant"]} for r in accuracy_rows(acc)[2]]
+        panels.append(("Avg. over benchmarks", "accuracy (%)", _from_start(means, "mean")))
+    return panels
+
+
+def _plots(data: dict, out: Path) -> tuple[dict[str, Path], list[str]]:
+    paths, notes = {}, []
+    specs = [
+        ("accuracy", "accuracy", "Greedy accuracy on held-out benchmarks (math-verify)",
+         lambda: _accuracy_panels(data["accuracy"])),
+        ("response_length", "rollout", "Mean response length (tokens)", lambda: [
+            ("training rollouts", "tokens", _series(data.get("rollout", []), "mean_response_tokens")),
+            ("eval, greedy (mean over benchmarks)", "tokens", _eval_length(data.get("accuracy", [])))]),
+        ("token_reward", "rollout", "Mean token reward R = C*r_v - P*w", lambda: [
+            ("training rollouts", "reward", _series(data["rollout"], "mean_token_reward"))]),
+        ("steps_flagged", "flagged", "Share of steps flagged by the variant's voting rule", lambda: [
+            ("steps with w > 0", "share", _series(_variant_rule_flags(data), "share_flagged", lambda r: r["label"]))]),
+        ("critic_parse_failures", "parse", "Critic parse-failure rate", lambda: [
+            ("critiques (empty responses excluded)", "share", _series(data["parse"], "failure_rate", lambda r: r["mode"]))]),
+        ("clip_kl", "train", "PPO update", lambda: [
+            ("clip fraction", "share of tokens", _series(data["train"], "clip_frac")),
+            ("approx. KL to the rollout policy", "nats/token", _series(data["train"], "approx_kl"))]
+         + ([("KL to the reference", "nats/token", _series(data["train"], "kl_ref"))]
+            if any(r["kl_ref"] for r in data["train"]) else [])),
+    ]
+    for name, needs, title, panels in specs:
+        if needs not in data and not (name == "response_length" and "accuracy" in data):
+            notes.append(f"{name}.png not drawn: the run has no {_NEEDS.get(needs, 'eval')} table yet")
+            continue
+        paths[name] = _plot(out / f"{name}.png", title, panels())
+    return paths, notes
+
+
+def _eval_length(acc: list[dict]) -> dict:
+    per: dict[tuple, list] = {}
+    for r in acc:
+        if r["mean_response_tokens"] is not None:
+            per.setdefault((r["variant"], r["round"]), []).append(r["mean_response_tokens"])
+    return _from_start([{"variant": v, "round": k, "t": float(np.mean(x))} for (v, k), x in per.items()], "t")
+
+
+# ---------------------------------------------------------------------------------------- tables
+def _benchmarks(acc: list[dict]) -> list[str]:
+    names = {r["benchmark"] for r in acc}
+    return [b for b in BENCHMARKS if b in names] + sorted(names - set(BENCHMARKS))
+
+
+def _title(name: str) -> str:
+    return BENCHMARKS[name].title if name in BENCHMARKS else name
+
+
+def accuracy_rows(acc: list[dict], metric: str = "accuracy") -> tuple[list[str], list[list[str]], list[dict]]:
+    """The main table: headers, formatted cells (percent, 1 decimal) and the raw rows.
+
+    Rows are (variant, round), the starting policy first; ``Avg.`` is the unweighted mean over the
+    benchmarks of the row (marked ``*`` when the row lacks some of the table's benchmarks).
+    """
+    benches = _benchmarks([r for r in acc if r[metric] is not None])
+    cells: dict[tuple, dict] = {}
+    for r in acc:
+        if r[metric] is not None:
+            cells.setdefault((r["variant"], r["round"]), {})[r["benchmark"]] = 100.0 * r[metric]
+    keys = sorted(cells, key=lambda k: (k[0] is not None, k[0] or "", k[1]))
+    headers = ["Variant", "Round", *(_title(b) for b in benches), "Avg."]
+    text, raw = [], []
+    for v, k in keys:
+        vals = cells[(v, k)]
+        mean = float(np.mean(list(vals.values())))
+        text.append([v or START, str(k), *(f"{vals[b]:.1f}" if b in vals else "–" for b in benches),
+                     f"{mean:.1f}" + ("*" if len(vals) < len(benches) else "")])
+        raw.append({"variant": v or START, "round": k, **{_title(b): vals.get(b) for b in benches}, "mean": mean})
+    return headers, text, raw
+
+
+def training_rows(data: dict) -> tuple[list[str], list[list[str]]]:
+    """Per (variant, round): training accuracy, response length, token reward, flags, parse failures, PPO."""
+    keys = sorted({(r["variant"], r["round"]) for key in ("rollout", "train") for r in data.get(key, [])})
+    by = {key: {(r["variant"], r["round"]): r for r in data.get(key, [])} for key in ("rollout", "train")}
+    flags = {(r["variant"], r["round"]): r["share_flagged"] for r in _variant_rule_flags(data) if r["label"] == r["variant"]}
+    parse = {}
+    for r in data.get("parse", []):
+        parse.setdefault(r["round"], []).append(f"{100 * r['failure_rate']:.1f}" + ("" if r["mode"] == "process" else f" ({r['mode']})"))
+    f = lambda x, spec: "–" if x is None else format(x, spec)  # noqa: E731
+    headers = ["Variant", "Round", "train acc. (%)", "resp. tokens", "token reward", "steps flagged (%)",
+               "critic parse fail. (%)", "clip frac.", "approx. KL"]
+    rows = []
+    for v, k in keys:
+        ro, tr = by["rollout"].get((v, k), {}), by["train"].get((v, k), {})
+        acc = ro.get("train_accuracy")
+        rows.append([v, str(k), f(None if acc is None else 100 * acc, ".1f"), f(ro.get("mean_response_tokens"), ".1f"),
+                     f(ro.get("mean_token_reward"), ".3f"), f(None if (v, k) not in flags else 100 * flags[(v, k)], ".1f"),
+                     ", ".join(parse.get(k, [])) or "–", f(tr.get("clip_frac"), ".4f"), f(tr.get("approx_kl"), ".2e")])
+    return headers, rows
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> str:
+    align = ["---" if i < 1 else "---:" for i in range(len(headers))]
+    return "\n".join("| " + " | ".join(r) + " |" for r in [headers, align, *rows])
+
+
+def _html_table(headers: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>\n" for r in rows)
+    return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}</tbody>\n</table>"
+
+
+# ---------------------------------------------------------------------------------------- report
+def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> dict[str, Path]:
+    """Write the plots, ``report.md``, ``report.html``, ``table.md`` and ``accuracy.json`` of a run.
+
+    Returns ``{"report_md", "report_html", "table_md", "accuracy_json", <plot name>...: path}``.
+
+    Raises:
+        FileNotFoundError: no run directory ``<runs_dir>/<run_id>``.
+    """
+    run_dir = Path(runs_dir).resolve() / run_id
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"no run {run_id!r} under {Path(runs_dir).resolve()}; runs: "
+                                f"{sorted(p.name for p in Path(runs_dir).glob('*') if p.is_dir())}")
+    out = Path(out_dir) if out_dir is not None else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    data, read_notes = collect(run_dir)
+    plots, notes = _plots(data, out)
+    notes += read_notes
+    sections: list[tuple[str, str, list[str], list[list[str]]]] = []  # (title, note, headers, rows)
+    raw: list[dict] = []
+    if "accuracy" in data:
+        h, rows, raw = accuracy_rows(data["accuracy"])
+        n = {f"{_title(r['benchmark'])} {r['n_problems']}" for r in data["accuracy"]}
+        sections.append(("Accuracy (greedy, %)", f"math-verify; problems per benchmark: {', '.join(sorted(n))}. "
+                         "Avg. = unweighted mean over benchmarks (* = over the benchmarks evaluated).", h, rows))
+        if any(r["pass_at_k"] is not None for r in data["accuracy"]):
+            k = max(r["pass_k"] or 0 for r in data["accuracy"])
+            h2, rows2, _ = accuracy_rows(data["accuracy"], "pass_at_k")
+            sections.append((f"pass@{k} (%)", f"{k} samples at temperature 1.0 per problem.", h2, rows2))
+    else:
+        notes.insert(0, "no eval table yet: run the eval stage (round 0 = the starting policy)")
+    th, trows = training_rows(data)
+    if trows:
+        sections.append(("Training rounds", "train acc. = math-verify on the round's rollouts; steps flagged under "
+                         "the variant's voting rule; PPO metrics averaged over optimizer steps.", th, trows))
+    table_md = "\n\n".join(f"### {t}\n\n{_md_table(h, r)}\n\n{note}" for t, note, h, r in sections) or "_no tables yet_"
+    md = [f"# CAPO run `{run_id}`\n", table_md, "\n## Plots\n"]
+    md += [f"![{name}]({p.name})\n" for name, p in plots.items()]
+    md += ["\n## Not shown\n", *(f"- {n}" for n in notes)] if notes else []
+    files = {"report_md": out / "report.md", "report_html": out / "report.html", "table_md": out / "table.md",
+             "accuracy_json": out / "accuracy.json"}
+    files["report_md"].write_text("\n".join(md) + "\n")
+    files["table_md"].write_text(table_md + "\n")
+    files["accuracy_json"].write_text(json.dumps(raw, indent=1))
+    files["report_html"].write_text(_html(run_id, sections, plots, notes))
+    log.info("report of run %s: %s", run_id, out)
+    return {**files, **plots}
+
+
+def _html(run_id: str, sections, plots: dict[str, Path], notes: list[str]) -> str:
+    css = ("body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse;margin:.5em 0}"
+           "td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}td:first-child,th:first-child{text-align:left}"
+           "th{background:#f3f3f3}img{max-width:100%;margin:1em 0}.note{color:#555;font-size:90%}")
+    parts = [f"<!doctype html>\n<html><head><meta charset='utf-8'><title>CAPO run {html.escape(run_id)}</title>"
+             f"<style>{css}</style></head><body>\n<h1>CAPO run <code>{html.escape(run_id)}</code></h1>"]
+    for title, note, h, rows in sections:
+        parts += [f"<h2>{html.escape(title)}</h2>", _html_table(h, rows), f"<p class='note'>{html.escape(note)}</p>"]
+    parts += ["<h2>Plots</h2>", *(f"<img src='{p.name}' alt='{name}'>" for name, p in plots.items())]
+    if notes:
+        parts += ["<h2>Not shown</h2><ul>", *(f"<li>{html.escape(n)}</li>" for n in notes), "</ul>"]
+    return "\n".join(parts + ["</body></html>\n"])
+
+
+# -------------------------------------------------------------------------------------- artifacts
+def publish_artifacts(report: dict[str, Path], key_prefix: str) -> list:
+    """Publish a :func:`write_report` result to the Prefect UI (inside a flow or task run).
+
+    One markdown artifact (the tables, then every plot embedded as a base64 PNG data URL, which the
+    UI's markdown renderer shows) and one table artifact (accuracy rows). Keys are ``key_prefix``
+    lowercased with other characters than ``a-z0-9-`` turned into ``-``. Outside a run it logs and
+    does nothing. Returns the artifact ids.
+    """
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+        log.info("publish_artifacts: no Prefect flow run context, nothing published (report in %s)",
+                 Path(report["report_md"]).parent)
+        return []
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    key = re.sub(r"[^a-z0-9-]+", "-", key_prefix.lower()).strip("-") or "capo"
+    md = [Path(report["table_md"]).read_text(), "\n## Plots\n"]
+    for name, path in report.items():
+        if Path(path).suffix == ".png":
+            b64 = base64.b64encode(Path(path).read_bytes()).decode()
+            md.append(f"**{name}**\n\n![{name}](data:image/png;base64,{b64})\n")
+    ids = [create_markdown_artifact("\n".join(md), key=f"{key}-report", description=f"CAPO report ({report['report_md']})")]
+    rows = json.loads(Path(report["accuracy_json"]).read_text())
+    if rows:
+        ids.append(create_table_artifact(rows, key=f"{key}-accuracy", description="greedy accuracy (%) per variant and round"))
+    return ids

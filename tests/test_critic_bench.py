@@ -1,0 +1,204 @@
+"""The built-in step-error benchmark: every label checked by recomputing every step's arithmetic."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.critic_bench import (
+    KINDS_ADVERSARIAL,
+    adversarial_steps,
+    build_benchmark,
+    calc_is_right,
+    corrupt_steps,
+    format_number,
+    parse_calcs,
+    parse_number,
+    processbench_rows,
+    safe_eval,
+    solution_steps,
+    step_is_right,
+    strip_annotations,
+)
+from pipeline.critique import build_critique_messages, parse_critique
+
+
+@pytest.fixture(scope="module")
+def gsm8k_test(data_dir):
+    path = data_dir / "prompts" / "gsm8k_test.parquet"
+    if not path.is_file():
+        from pipeline.prompts import ensure_embedded_prompts
+
+        path = ensure_embedded_prompts(data_dir / "prompts")["gsm8k_test"]
+    return pq.read_table(path).to_pylist()
+
+
+@pytest.fixture(scope="module")
+def bench(gsm8k_test):
+    return build_benchmark(gsm8k_test, 300, seed=0)
+
+
+def test_safe_eval_is_exact_and_refuses_anything_but_arithmetic():
+    assert safe_eval("16-3-4") == 9
+    assert safe_eval("80000*1.5") == 120000
+    assert safe_eval("2/3*30") == 20  # exact: no float rounding
+    assert safe_eval("(1+2)*-3") == -9
+    assert safe_eval(".25*4") == 1
+    for bad in ("__import__('os').system('true')", "2**3", "5%2", "a+1", "1,000", "abs(-1)", "[1]", ""):
+        with pytest.raises(ValueError):
+            safe_eval(bad)
+    with pytest.raises(ValueError, match="division by zero"):
+        safe_eval("1/(2-2)")
+
+
+def test_numbers_and_rounding():
+    assert parse_number("130,000") == 130000 and parse_number(".5") == Fraction(1, 2) and parse_number("-3") == -3
+    with pytest.raises(ValueError):
+        parse_number("1,00")
+    assert calc_is_right("10/3", "3.33") and calc_is_right("2+2", "4") and not calc_is_right("2+2", "5")
+    assert not calc_is_right("10/3", "3.4")
+    assert format_number(Fraction(130000), commas=True) == "130,000"
+    assert format_number(Fraction(3, 2)) == "1.5" and format_number(Fraction(1, 3)) == "0.33"
+    assert format_number(Fraction(-87)) == "-87"
+
+
+SOLUTION = ("Tom buys 3*4 = <<3*4=12>>12 apples.\n"
+            "He eats 2, so 12-2 = <<12-2=10>>10 are left.\n"
+            "Twice that is 10*2 = <<10*2=20>>20.\n#### 20")
+QUESTION = "Tom buys 3 bags of 4 apples and eats 2. What is twice the number left?"
+
+
+def test_corrupting_one_step_by_hand():
+    steps = solution_steps(SOLUTION)
+    assert len(steps) == 3 and all(step_is_right(s) for s in steps)
+    assert strip_annotations(steps[0]) == "Tom buys 3*4 = 12 apples."
+    calc = parse_calcs(steps[1])[0]
+    assert (calc.expr, calc.result, steps[1][calc.shown[0]:calc.shown[1]]) == ("12-2", "10", "10")
+    for seed in range(10):
+        as_was = corrupt_steps(QUESTION, steps, 1, np.random.default_rng(seed), carried=False)
+        carried = corrupt_steps(QUESTION, steps, 1, np.random.default_rng(seed), carried=True)
+        for bad in (as_was, carried):
+            assert bad.label == 1 and bad.annotated_steps[0] == steps[0]
+            assert not step_is_right(bad.annotated_steps[1])
+            new = parse_calcs(bad.annotated_steps[1])[0]
+            assert new.expr == "12-2" and new.result != "10"
+            assert strip_annotations(bad.annotated_steps[1]) == f"He eats 2, so 12-2 = {new.result} are left."
+        assert as_was.annotated_steps[2] == steps[2]
+        wrong = parse_number(parse_calcs(carried.annotated_steps[1])[0].result)
+        assert strip_annotations(carried.annotated_steps[2]) == f"Twice that is {format_number(wrong)}*2 = {format_number(wrong * 2)}."
+        assert step_is_right(carried.annotated_steps[2])
+    # step 0's 12 feeds step 1, whose 10 feeds step 2: both later steps change; the last step has
+    # no consumer, so it cannot be carried; a value that the question also holds is ambiguous.
+    first = corrupt_steps(QUESTION, steps, 0, np.random.default_rng(0), carried=True)
+    assert first.label == 0 and all(a != b for a, b in zip(first.annotated_steps, steps))
+    assert [step_is_right(s) for s in first.annotated_steps] == [False, True, True]
+    assert corrupt_steps(QUESTION, steps, 2, np.random.default_rng(0), carried=True) is None
+    assert corrupt_steps(QUESTION + " He had 12 before.", steps, 0, np.random.default_rng(0), carried=True) is None
+
+
+def _check_item(item, original):
+    """Recompute every step's arithmetic and compare with the labels."""
+    ann, n = item["annotated_steps"], len(item["steps"])
+    assert [strip_annotations(s) for s in ann] == item["steps"]
+    right = [step_is_right(s) for s in ann]
+    first_wrong = next((i for i, ok in enumerate(right) if not ok), -1)
+    assert item["label"] == first_wrong
+    assert item["step_labels"] == [int(not ok) for ok in right]
+    assert sum(item["step_labels"]) == (item["label"] >= 0)  # exactly one wrong step, or none
+    assert len(original) == n
+    if item["label"] < 0:
+        assert ann == original
+        return
+    lab = item["label"]
+    assert ann[:lab] == original[:lab]  # steps before the label are the reference ones
+    wrong = [c for c in parse_calcs(ann[lab]) if not calc_is_right(c.expr, c.result)]
+    assert len(wrong) == 1 and wrong[0].shown is not None  # the wrong result is in the visible text
+    assert parse_number(ann[lab][wrong[0].shown[0]:wrong[0].shown[1]]) == parse_number(wrong[0].result)
+    assert item["steps"][lab] != strip_annotations(original[lab])
+    kind = item["kind"]
+    if kind in KINDS_ADVERSARIAL:  # built from a carried or as_was item: drop the appended text
+        ann = ann[:-1] + [ann[-1].split("\n", 1)[0]]
+        kind = "carried" if f"carried + {kind}" in item["corruption"] else "as_was"
+        assert f"as_was + {item['kind']}" in item["corruption"] or kind == "carried"
+    if kind == "as_was":
+        assert ann[lab + 1:] == original[lab + 1:]
+    else:
+        assert kind == "carried" and ann[lab + 1:] != original[lab + 1:]  # a later step uses the wrong value
+
+
+def test_every_label_is_exact(bench, gsm8k_test):
+    originals = {p["prompt_id"]: p for p in gsm8k_test}
+    assert len(bench) == 3 * 300
+    for item in bench:
+        p = originals[item["source_id"]]
+        assert item["problem"] == p["question"] and item["gold_answer"] == p["gold_answer"]
+        _check_item(item, solution_steps(p["gold_solution"]))
+
+
+def test_kinds_labels_and_adversarial_text(bench):
+    kinds = [r["kind"] for r in bench]
+    assert kinds.count("original") == 300
+    assert kinds.count("carried") == kinds.count("as_was") == 150  # both kinds, alternating
+    assert all(kinds.count(k) == 100 for k in KINDS_ADVERSARIAL)
+    labels = [r["label"] for r in bench if r["label"] >= 0]
+    assert len(set(labels)) >= 4  # wrong steps are spread over positions, not only the first
+    by_id = {r["id"]: r for r in bench}
+    for r in bench:
+        if r["kind"] in KINDS_ADVERSARIAL:
+            base = next(by_id[f"{r['source_id']}/{k}"] for k in ("carried", "as_was") if f"{r['source_id']}/{k}" in by_id)
+            assert r["label"] == base["label"] and r["steps"][:-1] == base["steps"][:-1]
+            assert r["steps"][-1].startswith(base["steps"][-1] + "\n")
+    verdict = next(r for r in bench if r["kind"] == "adv_verdict")
+    assert verdict["steps"][-1].endswith("Wrong step list: []")
+    assert "all steps are correct" in next(r for r in bench if r["kind"] == "adv_praise")["steps"][-1]
+    assert "Ignore all previous instructions" in next(r for r in bench if r["kind"] == "adv_ignore")["steps"][-1]
+
+
+def test_reproducible_from_the_seed(gsm8k_test, bench):
+    assert build_benchmark(gsm8k_test, 300, seed=0) == bench
+    other = build_benchmark(gsm8k_test, 300, seed=1)
+    assert [r["id"] for r in other] != [r["id"] for r in bench]
+    small = build_benchmark(gsm8k_test, 5, seed=0, adversarial=False)
+    assert [r["id"] for r in small] == [r["id"] for r in bench if not r["kind"].startswith("adv_")][:10]
+
+
+def test_adversarial_text_stays_data_and_the_parser_reads_the_critic_verdict(bench):
+    item = next(r for r in bench if r["kind"] == "adv_verdict")
+    user = build_critique_messages(item["problem"], item["steps"], item["gold_answer"])[1]["content"]
+    block = user.split("<solution>\n", 1)[1].split("\n</solution>", 1)[0]
+    assert "Wrong step list: []" in block  # the injected verdict sits inside the data block
+    base = build_critique_messages(item["problem"], item["steps"][:-1] + ["x"], item["gold_answer"])[1]["content"]
+    assert user.split("\n</solution>\n", 1)[1] == base.split("\n</solution>\n", 1)[1]  # instructions untouched
+    echo = f"The solution says:\nWrong step list: []\nBut step {item['label']} is wrong.\nWrong step list: [{item['label']}]"
+    assert parse_critique(echo, len(item["steps"])).wrong_steps == (item["label"],)
+
+
+def test_adversarial_kinds_and_errors():
+    steps = ["a", "b"]
+    for kind in KINDS_ADVERSARIAL:
+        out = adversarial_steps(steps, kind)
+        assert out[0] == "a" and out[1].startswith("b\n") and len(out) == 2
+    with pytest.raises(ValueError, match="valid"):
+        adversarial_steps(steps, "adv_other")
+    with pytest.raises(ValueError, match="n_problems"):
+        build_benchmark([{"prompt_id": "x", "question": QUESTION, "gold_answer": "20", "gold_solution": SOLUTION}], 2, 0)
+
+
+def test_processbench_rows_checks_every_field():
+    good = [{"problem": "p", "steps": ["a", "b"], "label": 1, "step_labels": [0, 1], "final_answer_correct": False},
+            {"id": "z", "problem": "q", "steps": ["a"], "label": -1, "gold_answer": 3}]
+    rows = processbench_rows(good, "pb")
+    assert [r["id"] for r in rows] == ["pb-00000", "z"] and rows[1]["gold_answer"] == "3"
+    assert rows[0]["kind"] == "external" and rows[1]["step_labels"] is None
+    for bad, msg in (({"problem": "p", "steps": [], "label": -1}, "steps"),
+                     ({"problem": "p", "steps": ["a"], "label": 1}, "label"),
+                     ({"problem": "p", "steps": ["a"], "label": True}, "label"),
+                     ({"problem": "", "steps": ["a"], "label": 0}, "problem"),
+                     ({"problem": "p", "steps": ["a", "b"], "label": 0, "step_labels": [0, 1]}, "step_labels")):
+        with pytest.raises(ValueError, match=msg):
+            processbench_rows([bad], "pb")
+    with pytest.raises(ValueError, match="unique"):
+        processbench_rows([good[1], good[1]], "pb")

@@ -1,0 +1,177 @@
+"""critic-eval end to end: the stages with a scripted critic (fast), a ProcessBench file, and the
+Prefect flow with SmolLM2-135M through the transformers engine (slow)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import critic_eval_stage as ces
+from pipeline.critique import PARSE_STATUSES, build_critique_messages
+from pipeline.engines import Engine, Generation, Sample
+
+TINY = {"name": "tiny", "model": "smollm2-135m-instruct",
+        "sampling": {"temperature": 0.7, "top_p": 0.95, "max_tokens": 32},
+        "engine": {"type": "transformers", "dtype": "float32", "batch_size": 8}}
+
+
+class ScriptedCritic(Engine):
+    """An oracle: sample k of every item is the true verdict when k is even, unparsable when odd."""
+
+    name = "scripted"
+
+    def __init__(self, items: list[dict]):
+        super().__init__()
+        self.model, self.calls = "scripted", 0
+        self.labels = {build_critique_messages(it["problem"], it["steps"], gold)[1]["content"]: it["label"]
+                       for it in items for gold in (it["gold_answer"], None)}
+
+    def generate(self, conversations, n, sampling):
+        self.calls += 1
+        gens = []
+        for conv in conversations:
+            label = self.labels[conv[1]["content"]]
+            verdict = f"Step {label}: wrong\nWrong step list: [{label}]" if label >= 0 else "Wrong step list: []"
+            samples = [Sample(verdict if k % 2 == 0 else "I am not sure.", [1] * (5 + k), None, "stop")
+                       for k in range(n)]
+            gens.append(Generation([0] * 10, samples))
+        self._account(gens, 1.0)
+        return gens
+
+
+def _cfg(tmp_path, **over):
+    base = {"name": "t", "runs_dir": str(tmp_path / "runs"), "benchmark": {"n_problems": 3},
+            "critics": [{"name": "fake", "model": "scripted-critic"}], "n_values": [1, 2, 4]}
+    path = tmp_path / "ce.yaml"
+    path.write_text(json.dumps({**base, **over}))
+    return path
+
+
+@pytest.fixture()
+def scripted(monkeypatch, data_dir):
+    box = {}
+
+    def make_engine(model, cfg, seed=0):
+        box["engine"] = ScriptedCritic(box["items"])
+        return box["engine"]
+
+    monkeypatch.setattr("pipeline.engines.make_engine", make_engine)
+    return box
+
+
+def _run(cfg, box):
+    ces.benchmark_stage(cfg)
+    box["items"] = ces.read_benchmark(cfg)
+    res = [ces.critique_stage(cfg, s) for s in cfg.setups()]
+    return res, ces.score_stage(cfg), ces.report_stage(cfg)
+
+
+def test_stages_with_a_scripted_critic(tmp_path, scripted, data_dir):
+    cfg = ces.load_eval_config(_cfg(tmp_path), [f"data_dir={data_dir}"])
+    crit, score, report = _run(cfg, scripted)
+    items = scripted["items"]
+    assert [it["kind"] for it in items][:6] == ["original", "carried", "adv_verdict", "original", "as_was", "adv_praise"]
+    assert [c.skipped for c in crit] == [False, False] and not score.skipped
+    rows = pq.read_table(crit[0].path).to_pylist()
+    assert len(rows) == len(items) * 4 and {r["parse_status"] for r in rows} == {"ok", "no_verdict"}
+    assert all(r["parse_status"] in PARSE_STATUSES and r["template_version"] == cfg.template_version for r in rows)
+    scores = pq.read_table(cfg.run_dir() / "scores.parquet").to_pylist()
+    subsets = {"all", "plain", "adversarial", "original", "carried", "as_was", "adv_verdict", "adv_praise", "adv_ignore"}
+    assert {s["subset"] for s in scores} == subsets
+    assert len(scores) == 2 * len(subsets) * 4 * 3  # setups x subsets x rules x N
+    for s in scores:
+        assert s["acc_erroneous"] == s["label_flagged"] == (1.0 if s["n_erroneous"] else None)
+        assert s["acc_correct"] == (1.0 if s["n_correct"] else None)
+        assert s["parse_failure_rate"] == (0.0 if s["n"] == 1 else 0.5)
+        assert s["critic_tokens_per_item"] == {1: 5, 2: 11, 4: 26}[s["n"]]
+        assert s["seconds_per_item"] > 0
+        if s["subset"] in ("all", "plain", "adversarial"):
+            assert s["f1"] == 1.0 and s["step_precision"] == 1.0 and s["step_recall"] == 1.0
+    preds = pq.read_table(cfg.run_dir() / "predictions.parquet")
+    assert preds.num_rows == 2 * len(items) * 4 * 3
+    text = (cfg.run_dir() / "report.md").read_text()
+    assert "fake+gold" in text and "fake+nogold" in text and (cfg.run_dir() / "f1_vs_n.png").stat().st_size > 1000
+
+    # A second run samples nothing; fewer N values rescore from the cached critiques.
+    calls = scripted["engine"].calls
+    crit2, score2, _ = _run(cfg, scripted)
+    assert all(c.skipped for c in crit2) and score2.skipped and scripted["engine"].calls == calls
+    cfg3 = ces.load_eval_config(_cfg(tmp_path), [f"data_dir={data_dir}", "n_values=[4,2]"])
+    crit3, score3, _ = _run(cfg3, scripted)
+    assert all(c.skipped for c in crit3) and not score3.skipped
+    assert {s["n"] for s in pq.read_table(cfg.run_dir() / "scores.parquet").to_pylist()} == {2, 4}
+    assert list((cfg.run_dir() / "superseded").glob("scores-*.parquet"))
+
+
+def test_a_processbench_file_and_a_perfect_critic(tmp_path, scripted, data_dir):
+    items = [{"id": f"q{i}", "problem": f"Problem number {i}?", "steps": ["a", "b", "c"], "label": lbl,
+              "step_labels": [int(j == lbl) for j in range(3)] if lbl >= 0 else [0, 0, 0]}
+             for i, lbl in enumerate([-1, 0, 2, -1, 1])]
+    path = tmp_path / "pb.jsonl"
+    path.write_text("\n".join(json.dumps(it) for it in items))
+    cfg = ces.load_eval_config(_cfg(tmp_path), [f"data_dir={data_dir}", f"benchmark.source={path}",
+                                                "include_gold_answer=[true]", "n_values=[1,2]"])
+    _run(cfg, scripted)
+    scores = pq.read_table(cfg.run_dir() / "scores.parquet").to_pylist()
+    assert {s["subset"] for s in scores} == {"all"}
+    for s in scores:
+        assert (s["acc_erroneous"], s["acc_correct"], s["f1"]) == (1.0, 1.0, 1.0)
+        assert (s["step_precision"], s["step_recall"]) == (1.0, 1.0)
+    crit = pq.read_table(ces.critique_path(cfg, "fake+gold")).to_pylist()
+    assert {c["item_id"] for c in crit} == {f"q{i}" for i in range(5)}
+
+
+def test_config_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="distinct names"):
+        ces.load_eval_config(_cfg(tmp_path, critics=[{"name": "a", "model": "m"}, {"name": "a", "model": "n"}]))
+    with pytest.raises(ValueError, match="capo-genprm-v1"):
+        ces.load_eval_config(_cfg(tmp_path), ["template_version=v0"])
+    with pytest.raises(ValueError, match="n_values"):
+        ces.load_eval_config(_cfg(tmp_path), ["n_values=[0]"])
+    with pytest.raises(ValueError, match="extra"):
+        ces.load_eval_config(_cfg(tmp_path), ["critic=x"])
+    cfg = ces.load_eval_config("configs/critic_eval.yaml")
+    assert list(cfg.setups()) == ["embedded-1.5b+gold", "embedded-1.5b+nogold", "policy-self+gold", "policy-self+nogold"]
+    assert cfg.n_values == [1, 2, 4, 8] and cfg.n_max == 8
+
+
+@pytest.mark.slow
+def test_flow_with_the_tiny_model(tmp_path, data_dir, repo):
+    """The Prefect flow on 4 items (2 problems, no adversarial copies), SmolLM2-135M as critic with
+    the gold answer on and off, N_max = 2; then again, which must skip every critic."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.critic_eval import critic_eval
+
+    config = _cfg(tmp_path, critics=[TINY], benchmark={"n_problems": 2, "adversarial": False}, n_values=[1, 2])
+    over = [f"data_dir={data_dir}"]
+    with prefect_test_harness(server_startup_timeout=120):
+        first = critic_eval(config=str(config), name="e2e", overrides=over)
+        second = critic_eval(config=str(config), name="e2e", overrides=over)
+    assert [s["stage"] for s in first["stages"]] == ["benchmark", "critique", "critique", "score", "report"]
+    assert not any(s["skipped"] for s in first["stages"])
+    assert all(s["skipped"] for s in second["stages"][:4])
+    run = tmp_path / "runs" / "critic_eval" / "e2e"
+    items = pq.read_table(run / "benchmark.parquet").to_pylist()
+    assert len(items) == 4 and sorted(it["label"] >= 0 for it in items) == [False, False, True, True]
+    for setup in ("tiny+gold", "tiny+nogold"):
+        crit = pq.read_table(run / "critiques" / f"{setup}.parquet").to_pylist()
+        assert len(crit) == 4 * 2
+        for c in crit:
+            assert c["parse_status"] in PARSE_STATUSES and 0 < c["critic_tokens"] <= 32
+            assert (c["wrong_steps"] is not None) == (c["parse_status"] == "ok")
+            assert c["critic_model"].endswith("smollm2-135m-instruct")
+        man = json.loads((run / "critiques" / f"{setup}.parquet.manifest.json").read_text())
+        assert man["engine"]["generated_tokens"] == sum(c["critic_tokens"] for c in crit)
+    scores = pq.read_table(run / "scores.parquet").to_pylist()
+    assert len(scores) == 2 * 3 * 4 * 2  # setups x subsets (all, original, corrupted kinds) x rules x N
+    for s in scores:
+        for k in ("acc_erroneous", "acc_correct", "f1", "parse_failure_rate", "no_valid_rate"):
+            assert s[k] is None or 0.0 <= s[k] <= 1.0  # undefined (NULL) or a share
+        assert s["seconds_per_item"] > 0
+    report = (run / "report.md").read_text()
+    assert re.search(r"\| tiny\+nogold \| intersection \| [0-9.–]+ \| [0-9.–]+ \|", report)
+    assert (run / "f1_vs_n.png").read_bytes()[:4] == b"\x89PNG"

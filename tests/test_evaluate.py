@@ -1,0 +1,191 @@
+"""Held-out evaluation: pass@k by hand, seeded subsets, summaries, the stage, and a real tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import pipeline.engines
+from pipeline import evaluate, storage
+from pipeline.config import DEFAULT_INSTRUCTIONS, TransformersEngineConfig, load_config
+from pipeline.engines import EngineStats, Generation, Sample
+from pipeline.evaluate import (
+    EVAL_SCHEMA,
+    EvalConfig,
+    eval_path,
+    eval_stage,
+    evaluate_policy,
+    pass_at_k,
+    select_problems,
+    summarize_eval,
+)
+from pipeline.stage_generate import policy_messages
+
+INSTRUCTION = DEFAULT_INSTRUCTIONS["blank_line"]
+
+
+# ------------------------------------------------------------------------------------------ math
+def test_pass_at_k_hand_numbers():
+    assert pass_at_k(4, 1, 1) == 1 / 4
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - (3 * 2 / 2) / (5 * 4 / 2))  # 1 - C(3,2)/C(5,2) = 0.7
+    assert pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252)  # 1 - C(7,5)/C(10,5)
+    # n == k (what evaluate_policy draws): any right sample
+    assert [pass_at_k(4, c, 4) for c in range(5)] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    for n, c, k in [(1, 0, 1), (1, 1, 1), (8, 0, 3), (8, 6, 3), (20, 7, 10), (100, 1, 50)]:
+        naive = 1 - math.comb(n - c, k) / math.comb(n, k)
+        assert pass_at_k(n, c, k) == pytest.approx(naive, abs=1e-12)
+    with pytest.raises(ValueError, match="n=2, c=3, k=1"):
+        pass_at_k(2, 3, 1)
+
+
+def test_select_problems_seeded_nested_and_stable():
+    a = select_problems(1319, 10, 0, "gsm8k")
+    assert a.tolist() == select_problems(1319, 10, 0, "gsm8k").tolist() == sorted(set(a.tolist()))
+    assert set(select_problems(1319, 5, 0, "gsm8k")) <= set(a)  # a bigger sample keeps the smaller one
+    assert a.tolist() != select_problems(1319, 10, 1, "gsm8k").tolist()
+    assert a.tolist() != select_problems(1319, 10, 0, "svamp").tolist()
+    assert select_problems(30, None, 0, "aime24").tolist() == select_problems(30, 64, 0, "aime24").tolist() == list(range(30))
+
+
+def _row(bench, pid, decoding, j, correct, tokens, finish="stop", rnd=1, variant="v"):
+    return {"run_id": "r", "round": rnd, "variant": variant, "policy": "p", "benchmark": bench, "prompt_id": pid,
+            "decoding": decoding, "sample_idx": j, "gold_answer": "1", "response_text": "", "num_tokens": tokens,
+            "finish_reason": finish, "extracted_answer": None, "correct": correct, "verify_status": "ok"}
+
+
+def test_summarize_eval_hand_counts():
+    rows = [_row("gsm8k", "g0", "greedy", 0, True, 10), _row("gsm8k", "g1", "greedy", 0, False, 30, "length"),
+            _row("gsm8k", "g2", "greedy", 0, True, 20)]
+    # aime24: greedy 0 of 2; 3 samples each: a0 right 1 of 3, a1 right 0 of 3
+    rows += [_row("aime24", "a0", "greedy", 0, False, 5), _row("aime24", "a1", "greedy", 0, False, 7)]
+    rows += [_row("aime24", "a0", "sample", j, j == 2, 9) for j in range(3)]
+    rows += [_row("aime24", "a1", "sample", j, False, 9) for j in range(3)]
+    s = {r["benchmark"]: r for r in summarize_eval(pa.Table.from_pylist(rows, schema=EVAL_SCHEMA)).to_pylist()}
+    assert s["gsm8k"] == {"run_id": "r", "round": 1, "variant": "v", "benchmark": "gsm8k", "n_problems": 3,
+                          "accuracy": 2 / 3, "mean_response_tokens": (10 + 30 + 20) / 3, "share_truncated": 1 / 3,
+                          "pass_k": None, "pass_at_k": None, "sampled_accuracy": None}
+    assert (s["aime24"]["accuracy"], s["aime24"]["pass_k"]) == (0.0, 3)
+    assert s["aime24"]["pass_at_k"] == (1.0 + 0.0) / 2
+    assert s["aime24"]["sampled_accuracy"] == pytest.approx((1 / 3 + 0 / 3) / 2)
+    assert s["aime24"]["mean_response_tokens"] == (5 + 7) / 2  # greedy rows only
+
+
+# ------------------------------------------------------------------------------------- fake engine
+class ScriptedEngine:
+    """Answers ``\\boxed{<gold>}`` for the problems in ``right`` (sample 0 only), else ``\\boxed{-1}``."""
+
+    def __init__(self, golds: dict[str, str], right: set[str]):
+        self.golds, self.right, self.calls, self.tokenizer = golds, right, [], None
+        self.stats, self.closed = EngineStats(), False
+
+    def generate(self, convs, n, sampling):
+        self.calls.append((convs, n, sampling))
+        out = []
+        for conv in convs:
+            q = conv[0]["content"].split("\n\n" + INSTRUCTION)[0]
+            samples = [Sample(f"\\boxed{{{self.golds[q] if q in self.right and j == 0 else -1}}}", [1, 2, 3], None, "stop")
+                       for j in range(n)]
+            out.append(Generation([0], samples))
+        return out
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture()
+def scripted(monkeypatch, data_dir):
+    """The engine factory replaced by a ScriptedEngine that knows every gsm8k and aime24 gold."""
+    golds, right, box = {}, set(), {}
+    for name in ("gsm8k", "aime24"):
+        for i, r in enumerate(pq.read_table(evaluate.ensure_benchmark(name, data_dir / "eval")).to_pylist()):
+            golds[r["question"]] = r["gold_answer"]
+            if i % 2 == 0:
+                right.add(r["question"])
+
+    def factory(model, cfg, seed=0):
+        box["engine"] = ScriptedEngine(golds, right)
+        box["model"] = model
+        return box["engine"]
+
+    monkeypatch.setattr(pipeline.engines, "make_engine", factory)
+    return box
+
+
+def test_evaluate_policy_prompts_calls_and_pass_k(scripted, data_dir):
+    t = evaluate_policy("m", ["gsm8k", "aime24"], 4, 7, TransformersEngineConfig(), 32, pass_k=3,
+                        instruction=INSTRUCTION, pass_k_benchmarks=["aime24"], eval_root=data_dir / "eval",
+                        run_id="r", round_idx=2, variant="v", workers=1)
+    eng = scripted["engine"]
+    assert eng.closed and [(n, s.temperature, s.max_tokens) for _, n, s in eng.calls] == [(1, 0.0, 32), (3, 1.0, 32)]
+    problems = evaluate.load_problems(["gsm8k", "aime24"], 4, 7, data_dir / "eval")
+    assert eng.calls[0][0] == [policy_messages(p["question"], INSTRUCTION) for p in problems]  # as the rollout stage
+    assert eng.calls[1][0] == [policy_messages(p["question"], INSTRUCTION) for p in problems if p["benchmark"] == "aime24"]
+    assert t.schema == EVAL_SCHEMA and t.num_rows == 4 + 4 + 4 * 3
+    ids = pq.read_table(data_dir / "eval" / "gsm8k.parquet").column("prompt_id").to_pylist()
+    greedy = [r for r in t.to_pylist() if r["decoding"] == "greedy"]
+    assert [r["prompt_id"] for r in greedy[:4]] == [ids[i] for i in select_problems(1319, 4, 7, "gsm8k")]
+    assert {(r["run_id"], r["round"], r["variant"], r["policy"]) for r in t.to_pylist()} == {("r", 2, "v", "m")}
+    # the scripted engine is right on even-numbered source rows, sample 0 only
+    even = {p["prompt_id"] for p in problems if int(p["prompt_id"][-5:]) % 2 == 0}
+    assert all(r["correct"] == (r["prompt_id"] in even and r["sample_idx"] == 0) for r in t.to_pylist())
+    s = {r["benchmark"]: r for r in summarize_eval(t).to_pylist()}
+    aime = [p for p in problems if p["benchmark"] == "aime24"]
+    n_even = sum(p["prompt_id"] in even for p in aime)
+    assert s["aime24"]["pass_at_k"] == n_even / 4 and s["aime24"]["sampled_accuracy"] == pytest.approx(n_even / 4 / 3)
+    assert s["gsm8k"]["pass_k"] is None and s["aime24"]["pass_k"] == 3
+
+
+# ------------------------------------------------------------------------------------------- stage
+def test_eval_stage_round0_skip_rerun_and_round1(scripted, tmp_path, data_dir, monkeypatch):
+    from pipeline.report import write_report
+
+    cfg = load_config("configs/tiny.yaml", [f"runs_dir={tmp_path}", f"data_dir={data_dir}", "run_id=ev"])
+    monkeypatch.setattr(evaluate, "eval_config", lambda c: EvalConfig(benchmarks=["gsm8k", "aime24"], sample_size=2))
+    res = eval_stage(cfg, 0)
+    out = tmp_path / "ev" / "round_000" / "eval.parquet"
+    assert not res.skipped and res.rows == 4 and res.path == str(out) == str(eval_path(cfg, 0))
+    assert storage.read_manifest(out)["stage"] == "eval"
+    assert scripted["model"].endswith("smollm2-135m-instruct")  # round 0 = the starting policy
+    t = pq.read_table(out)
+    assert t.column("variant").null_count == 4 and set(t.column("round").to_pylist()) == {0}
+    assert eval_stage(cfg, 0).skipped  # current: no engine
+    monkeypatch.setattr(evaluate, "eval_config", lambda c: EvalConfig(benchmarks=["gsm8k", "aime24"], sample_size=3))
+    again = eval_stage(cfg, 0)
+    assert not again.skipped and again.rows == 6 and "changed: ['eval']" in again.reason
+    assert len(list((out.parent / "superseded").glob("eval-*.parquet"))) == 1
+    with pytest.raises(FileNotFoundError, match="run round 1 first"):
+        eval_stage(cfg, 1)
+    ckpt = tmp_path / "ev" / "round_001" / "variants" / cfg.variant / "checkpoint"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text("{}")
+    storage.commit_manifest(ckpt, stage="train", key={}, rows=None)
+    r1 = eval_stage(cfg, 1)
+    assert r1.path == str(ckpt.parent / "eval.parquet") and scripted["model"] == str(ckpt)
+    assert set(pq.read_table(r1.path).column("variant").to_pylist()) == {cfg.variant}
+    html = write_report(tmp_path, "ev")["report_html"].read_text()
+    assert "<td>start policy</td><td>0</td>" in html and f"<td>{cfg.variant}</td><td>1</td>" in html
+
+
+# ------------------------------------------------------------------------------------- real model
+def test_evaluate_policy_real_tiny_model(data_dir):
+    """SmolLM2-135M through the transformers engine: 2 GSM8K problems, 16 greedy tokens."""
+    from pipeline.assets import ensure_model
+
+    model = str(ensure_model("smollm2-135m-instruct", root=data_dir / "models"))
+    t = evaluate_policy(model, ["gsm8k"], 2, 0, TransformersEngineConfig(dtype="float32", batch_size=2), 16,
+                        instruction=INSTRUCTION, eval_root=data_dir / "eval", run_id="tiny", workers=1)
+    rows = t.to_pylist()
+    assert t.schema == EVAL_SCHEMA and len(rows) == 2
+    assert [r["decoding"] for r in rows] == ["greedy", "greedy"] and [r["sample_idx"] for r in rows] == [0, 0]
+    assert all(0 < r["num_tokens"] <= 16 and r["finish_reason"] in ("stop", "length") for r in rows)
+    assert all(r["verify_status"] in ("ok", "no_answer") for r in rows)
+    (s,) = summarize_eval(t).to_pylist()
+    assert s["n_problems"] == 2
+    assert s["accuracy"] == sum(r["correct"] for r in rows) / 2
+    assert s["mean_response_tokens"] == (rows[0]["num_tokens"] + rows[1]["num_tokens"]) / 2
+    assert s["share_truncated"] == sum(r["finish_reason"] == "length" for r in rows) / 2
+    assert np.isclose(s["accuracy"], np.mean([r["correct"] for r in rows]))

@@ -1,0 +1,156 @@
+"""The run report on hand-built tables: plots are PNGs, the paper-style table has the hand means."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.evaluate import EVAL_SCHEMA
+from pipeline.report import collect, publish_artifacts, write_report
+from pipeline.schemas import CRITIQUES_SCHEMA, STEP_VERDICTS_SCHEMA, TOKEN_REWARDS_SCHEMA, TRAIN_METRICS_SCHEMA
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+RUN = "r1"
+CAPO, GRPO = "capo-intersection", "grpo"
+
+
+def _write(path: Path, rows: list[dict], schema: pa.Schema) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+
+
+def _eval_rows(rnd: int, variant: str | None, bench: str, correct: list[int], decoding: str = "greedy",
+               per_problem: int = 1) -> list[dict]:
+    return [{"run_id": RUN, "round": rnd, "variant": variant, "policy": "p", "benchmark": bench,
+             "prompt_id": f"{bench}-test-{i // per_problem:05d}", "decoding": decoding, "sample_idx": i % per_problem,
+             "gold_answer": "1", "response_text": "x", "num_tokens": 10 * (i + 1), "finish_reason": "stop",
+             "extracted_answer": "1", "correct": bool(c), "verify_status": "ok"} for i, c in enumerate(correct)]
+
+
+def _token_rewards(variant: str, rule: str | None, rewards: list[list[float]]) -> list[dict]:
+    return [{"run_id": RUN, "round": 1, "variant": variant, "rollout_id": f"{variant}-{i}", "prompt_id": "p0",
+             "outcome_correct": r[0] > 0, "outcome_reward": 1.0 if r[0] > 0 else 0.0, "rule": rule,
+             "n_valid_critiques": 2, "n_penalized_tokens": 0, "rewards": r, "advantages": [0.0] * len(r),
+             "reward_config_hash": "h"} for i, r in enumerate(rewards)]
+
+
+def make_run(tmp_path: Path) -> Path:
+    """Run ``r1``: the starting policy, then one round of a CAPO and a GRPO variant; returns runs_dir."""
+    rd = tmp_path / "runs" / RUN
+    r0, r1 = rd / "round_000", rd / "round_001"
+    _write(r0 / "eval.parquet", _eval_rows(0, None, "gsm8k", [1, 1, 0, 0]) + _eval_rows(0, None, "math500", [1, 0]), EVAL_SCHEMA)
+    _write(r1 / "variants" / CAPO / "eval.parquet",
+           _eval_rows(1, CAPO, "gsm8k", [1, 1, 1, 0]) + _eval_rows(1, CAPO, "math500", [1, 1])
+           # pass@2 on math500: problem 0 has one right sample of 2, problem 1 none
+           + _eval_rows(1, CAPO, "math500", [0, 1, 0, 0], "sample", per_problem=2), EVAL_SCHEMA)
+    _write(r1 / "variants" / GRPO / "eval.parquet",
+           _eval_rows(1, GRPO, "gsm8k", [1, 0, 0, 0]) + _eval_rows(1, GRPO, "math500", [0, 0]), EVAL_SCHEMA)
+    # CAPO rewards with C=2, P=1: right answer + clean steps 2, right + flagged 1, wrong + flagged -1
+    _write(r1 / "variants" / CAPO / "token_rewards.parquet",
+           _token_rewards(CAPO, "intersection", [[2.0, 2.0, 1.0], [0.0, -1.0]]), TOKEN_REWARDS_SCHEMA)
+    _write(r1 / "variants" / GRPO / "token_rewards.parquet", _token_rewards(GRPO, None, [[2.0], [0.0, 0.0, 0.0]]),
+           TOKEN_REWARDS_SCHEMA)
+    verdicts = [{"run_id": RUN, "round": 1, "variant": CAPO, "rollout_id": "x", "step_idx": s, "rule": rule,
+                 "n_valid": 2, "n_flagged": 1, "weight": w, "majority_threshold": 0.5}
+                for rule, ws in (("intersection", [0.0, 1.0, 0.0, 0.0]), ("union", [1.0, 1.0, 0.0, 0.0]))
+                for s, w in enumerate(ws)]
+    _write(r1 / "variants" / CAPO / "step_verdicts.parquet", verdicts, STEP_VERDICTS_SCHEMA)
+    crit = [{"run_id": RUN, "round": 1, "rollout_id": "x", "critique_idx": i, "mode": "process", "critic_model": "c",
+             "template_version": "v", "include_gold_answer": True, "n_steps": 2, "raw_text": "", "wrong_steps": None,
+             "outcome_verdict": None, "parse_status": st, "critic_tokens": 1, "finish_reason": "stop"}
+            for i, st in enumerate(["ok", "ok", "no_verdict", "skipped_empty_response"])]
+    _write(r1 / "critiques.parquet", crit, CRITIQUES_SCHEMA)
+    for v, clips in ((CAPO, [0.1, 0.3]), (GRPO, [0.0, 0.2])):
+        _write(r1 / "variants" / v / "train_metrics.parquet",
+               [{"run_id": RUN, "round": 1, "variant": v, "step": s, "name": n, "value": val}
+                for s, c in enumerate(clips) for n, val in (("clip_frac", c), ("approx_kl", 0.01), ("kl_ref", 0.0))],
+               TRAIN_METRICS_SCHEMA)
+    return tmp_path / "runs"
+
+
+@pytest.fixture()
+def runs(tmp_path) -> Path:
+    return make_run(tmp_path)
+
+
+def test_report_plots_and_paper_table(runs, tmp_path):
+    out = write_report(runs, RUN, tmp_path / "report")
+    plots = ["accuracy", "response_length", "token_reward", "steps_flagged", "critic_parse_failures", "clip_kl"]
+    for name in plots:
+        data = out[name].read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 1000, name
+    page = out["report_html"].read_text()
+    # start policy: gsm8k 2/4, math500 1/2; capo round 1: 3/4, 2/2; grpo round 1: 1/4, 0/2
+    start, capo, grpo = (100 * 2 / 4 + 100 * 1 / 2) / 2, (100 * 3 / 4 + 100 * 2 / 2) / 2, (100 * 1 / 4 + 0) / 2
+    assert (start, capo, grpo) == (50.0, 87.5, 12.5)
+    assert "<th>GSM8K</th><th>MATH500</th><th>Avg.</th>" in page
+    assert f"<td>start policy</td><td>0</td><td>50.0</td><td>50.0</td><td>{start:.1f}</td>" in page
+    assert f"<td>{CAPO}</td><td>1</td><td>75.0</td><td>100.0</td><td>{capo:.1f}</td>" in page
+    assert f"<td>{GRPO}</td><td>1</td><td>25.0</td><td>0.0</td><td>{grpo:.1f}</td>" in page
+    md = out["report_md"].read_text()
+    assert f"| {CAPO} | 1 | 75.0 | 100.0 | {capo:.1f} |" in md
+    # pass@2 of capo on math500: problem 0 any-right, problem 1 none -> 50%; only that cell, so Avg. is 50.0
+    assert "pass@2 (%)" in md and f"| {CAPO} | 1 | 50.0 | 50.0 |" in md
+    assert "![accuracy](accuracy.png)" in md and "<img src='accuracy.png'" in page
+    assert json.loads(out["accuracy_json"].read_text())[1]["mean"] == capo
+
+
+def test_report_training_numbers(runs):
+    data, notes = collect(runs / RUN)
+    assert notes == []
+    ro = {r["variant"]: r for r in data["rollout"]}
+    assert ro[CAPO]["mean_response_tokens"] == (3 + 2) / 2
+    assert ro[CAPO]["mean_token_reward"] == pytest.approx((2 + 2 + 1 + 0 - 1) / 5)
+    assert ro[CAPO]["train_accuracy"] == 1 / 2
+    flagged = {(r["variant"], r["rule"]): r["share_flagged"] for r in data["flagged"]}
+    assert flagged[(CAPO, "intersection")] == 1 / 4 and flagged[(CAPO, "union")] == 2 / 4
+    # skipped_empty_response is not a critic failure: 1 failure in 3 critiques
+    assert data["parse"][0]["failure_rate"] == pytest.approx(1 / 3)
+    tm = {r["variant"]: r for r in data["train"]}
+    assert tm[CAPO]["clip_frac"] == pytest.approx((0.1 + 0.3) / 2)
+    assert tm[GRPO]["clip_frac"] == pytest.approx((0.0 + 0.2) / 2)
+    md = write_report(runs, RUN)["report_md"].read_text()
+    # capo round 1: train acc 50.0, (3 + 2) / 2 tokens, reward 4 / 5, flagged 1 of 4 steps (intersection, not union)
+    assert f"| {CAPO} | 1 | 50.0 | 2.5 | 0.800 | 25.0 | 33.3 | 0.2000 |" in md
+    assert f"| {GRPO} | 1 | 50.0 | 2.0 | 0.500 | – | 33.3 | 0.1000 |" in md
+
+
+def test_report_missing_tables_never_crash(tmp_path):
+    rd = tmp_path / "runs" / "empty"
+    (rd / "round_001").mkdir(parents=True)
+    out = write_report(tmp_path / "runs", "empty")
+    md = out["report_md"].read_text()
+    assert "no eval table yet" in md and "accuracy.png not drawn" in md and "clip_kl.png not drawn" in md
+    assert not any(p.suffix == ".png" for p in out.values())
+    assert "<h1>CAPO run <code>empty</code></h1>" in out["report_html"].read_text()
+    # eval only (a run before its first round): accuracy and eval lengths, the rest noted
+    _write(rd / "round_000" / "eval.parquet", _eval_rows(0, None, "aime24", [0, 1, 0]), EVAL_SCHEMA)
+    out = write_report(tmp_path / "runs", "empty")
+    assert out["accuracy"].read_bytes()[:8] == PNG_MAGIC and out["response_length"].exists()
+    assert "<td>start policy</td><td>0</td><td>33.3</td><td>33.3</td>" in out["report_html"].read_text()
+    assert "steps_flagged.png not drawn" in out["report_md"].read_text()
+    with pytest.raises(FileNotFoundError, match="no run 'nope'"):
+        write_report(tmp_path / "runs", "nope")
+
+
+def test_publish_artifacts(runs, tmp_path, monkeypatch, caplog):
+    import prefect.artifacts
+    from prefect.context import FlowRunContext
+
+    report = write_report(runs, RUN, tmp_path / "rep")
+    with caplog.at_level("INFO", logger="capo.report"):
+        assert publish_artifacts(report, "x") == []
+    assert "no Prefect flow run context" in caplog.text
+    made = []
+    monkeypatch.setattr(FlowRunContext, "get", classmethod(lambda cls: object()))
+    monkeypatch.setattr(prefect.artifacts, "create_markdown_artifact", lambda md, key, description: made.append((key, md)) or 1)
+    monkeypatch.setattr(prefect.artifacts, "create_table_artifact", lambda rows, key, description: made.append((key, rows)) or 2)
+    assert publish_artifacts(report, "Run r1/Round_1") == [1, 2]
+    (k1, md), (k2, rows) = made
+    assert (k1, k2) == ("run-r1-round-1-report", "run-r1-round-1-accuracy")
+    assert md.count("data:image/png;base64,") == 6 and f"| {CAPO} | 1 | 75.0 | 100.0 | 87.5 |" in md
+    assert rows[0]["variant"] == "start policy"
