@@ -98,24 +98,6 @@ def token_rewards(
     return (C * outcome_N - P * weight_N).astype(np.float32)
 
 
-def _group_normalize(
-    values_N: np.ndarray, group_N: np.ndarray, scale_by_std: bool, eps: float
-) -> np.ndarray:
-    """(x - mean_g) / (std_g + eps) over all entries of each group; std with ddof=1 and 0 for a
-    group with < 2 entries. float64 accumulation, float32 out."""
-    _, dense_N = np.unique(group_N, return_inverse=True)
-    dense_N = dense_N.reshape(-1)
-    count_G = np.bincount(dense_N).astype(np.float64)
-    mean_G = np.bincount(dense_N, weights=values_N) / np.maximum(count_G, 1.0)
-    centered_N = values_N - mean_G[dense_N]
-    if not scale_by_std:
-        return centered_N.astype(np.float32)
-    sq_dev_G = np.bincount(dense_N, weights=centered_N * centered_N)
-    var_G = np.where(count_G >= 2, sq_dev_G / np.maximum(count_G - 1.0, 1.0), 0.0)
-    std_G = np.sqrt(var_G)
-    return (centered_N / (std_G[dense_N] + eps)).astype(np.float32)
-
-
 def group_token_advantages(
     rewards: np.ndarray,
     offsets: np.ndarray,
@@ -150,7 +132,53 @@ def group_token_advantages(
     if groups_B.shape != (off.size - 1,):
         raise ValueError(f"group_ids has shape {groups_B.shape}; expected (B,) = ({off.size - 1},)")
     group_N = np.repeat(groups_B, np.diff(off))  # (N,)
-    return _group_normalize(rewards_N, group_N, scale_by_std, eps)
+    return group_run_advantages(rewards_N, np.ones(len(rewards_N), np.int64), group_N, scale_by_std, eps)
+
+
+def group_run_advantages(
+    values: np.ndarray,
+    lengths: np.ndarray,
+    group_ids: np.ndarray,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> np.ndarray:
+    """Token-level group-normalized advantage on run-length encoded tokens (CAPO §3; DESIGN §1.8).
+
+    Each run ``s`` stands for ``lengths[s]`` consecutive tokens that share the reward
+    ``values[s]`` (in CAPO: the tokens of one step). The group mean and std are those of the
+    expanded tokens, exactly: ``mean_g = sum_s L_s R_s / sum_s L_s`` and
+    ``std_g^2 = sum_s L_s (R_s - mean_g)^2 / (sum_s L_s - 1)`` (ddof=1; 0 below 2 tokens). So the
+    per-token work is one ``np.repeat`` of the result, whatever the round size.
+
+    Args:
+        values: (S,) reward of each run.
+        lengths: (S,) int >= 0, tokens in each run (0-length runs are allowed and weigh nothing).
+        group_ids: (S,) group of each run (any labels).
+    Returns:
+        (S,) float32 advantage of each run's tokens; ``np.repeat(result, lengths)`` is (N,).
+    Raises:
+        ValueError: shapes differ or a length is negative.
+    """
+    v_S = np.asarray(values, dtype=np.float64)
+    len_S = np.asarray(lengths, dtype=np.int64)
+    g = np.asarray(group_ids)
+    if not (v_S.shape == len_S.shape == g.shape) or v_S.ndim != 1:
+        raise ValueError(f"values {v_S.shape}, lengths {len_S.shape}, group_ids {g.shape} must be equal 1-D shapes")
+    if len_S.size and len_S.min() < 0:
+        raise ValueError(f"run lengths must be >= 0, got {len_S.min()}")
+    if v_S.size == 0:
+        return np.zeros(0, dtype=np.float32)
+    _, dense_S = np.unique(g, return_inverse=True)
+    dense_S = dense_S.reshape(-1)
+    w_S = len_S.astype(np.float64)
+    count_G = np.bincount(dense_S, weights=w_S)
+    mean_G = np.bincount(dense_S, weights=w_S * v_S) / np.maximum(count_G, 1.0)
+    centered_S = v_S - mean_G[dense_S]
+    if not scale_by_std:
+        return centered_S.astype(np.float32)
+    sq_dev_G = np.bincount(dense_S, weights=w_S * centered_S * centered_S)
+    var_G = np.where(count_G >= 2, sq_dev_G / np.maximum(count_G - 1.0, 1.0), 0.0)
+    return (centered_S / (np.sqrt(var_G)[dense_S] + eps)).astype(np.float32)
 
 
 def grpo_sequence_advantages(
@@ -184,4 +212,4 @@ def grpo_sequence_advantages(
         raise ValueError(
             f"outcome_reward {reward_B.shape} and group_ids {groups_B.shape} must both be (B,)"
         )
-    return _group_normalize(reward_B, groups_B, scale_by_std, eps)
+    return group_run_advantages(reward_B, np.ones(len(reward_B), np.int64), groups_B, scale_by_std, eps)

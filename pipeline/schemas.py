@@ -145,8 +145,11 @@ ROUND_TABLES = ("rollouts", "outcomes", "steps", "critiques")
 VARIANT_TABLES = ("step_verdicts", "token_rewards", "train_metrics")
 
 
-def check_schema(table: pa.Table, name: str, source: str = "") -> pa.Table:
+def check_schema(table: pa.Table, name: str, source: str = "", cast: bool = False) -> pa.Table:
     """Check that ``table`` has the columns and types of table ``name``; return it in schema order.
+
+    With ``cast=True`` (writers), columns of another type are cast safely to the schema's type
+    (e.g. int64 ids to int32); a cast that would lose data raises.
 
     Raises:
         KeyError: unknown table name (lists the valid ones).
@@ -159,8 +162,14 @@ def check_schema(table: pa.Table, name: str, source: str = "") -> pa.Table:
     missing = [f.name for f in schema if f.name not in table.column_names]
     if missing:
         raise ValueError(f"table {name!r}{where} lacks columns {missing}; expected {schema.names}")
+    table = table.select(schema.names)
+    if cast:
+        try:
+            return table.cast(schema, safe=True)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise ValueError(f"table {name!r}{where} does not fit its schema {schema}: {e}") from e
     for f in schema:
         got = table.schema.field(f.name).type
         if got != f.type:
             raise ValueError(f"table {name!r}{where}: column {f.name!r} is {got}, expected {f.type}")
-    return table.select(schema.names)
+    return table

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from pipeline import storage
 from pipeline.config import CAPOConfig
-from pipeline.rewards import broadcast_to_tokens, group_token_advantages, grpo_sequence_advantages, token_rewards
+from pipeline.rewards import group_run_advantages, grpo_sequence_advantages, token_rewards
 from pipeline.schemas import OUTCOMES_SCHEMA, STEP_VERDICTS_SCHEMA, STEPS_SCHEMA, TOKEN_REWARDS_SCHEMA
 from pipeline.segment import segment_response
 from pipeline.stages import StageResult, _run, _with_prov, prompts_path, round_paths, stage_key
@@ -162,20 +162,22 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
         if rc.outcome == "genorm":
             r_v, genorm_stats = _genorm_outcomes(p, rid.to_pylist(), r_v)
         groups = pc.dictionary_encode(ro.column("prompt_id").combine_chunks()).indices.to_numpy()
-        w_tok = np.zeros(int(offsets[-1]), dtype=np.float32)
-        n_valid = np.zeros(len(n_tok), dtype=np.int32)
         process = cfg.critique.enabled and cfg.critique.mode == "process"
-        if process:
-            w_tok, n_valid = _token_weights(p, rid, offsets, cfg.vote.rule)
-        R = token_rewards(r_v, w_tok, offsets, rc.correct_weight, rc.process_weight)
+        B = len(n_tok)
+        if process:  # one run per step: the tokens of a step share their reward
+            pos_S, len_S, w_S, n_valid = _step_runs(p, rid, offsets, cfg.vote.rule)
+        else:  # one run per response
+            pos_S, len_S, w_S, n_valid = np.arange(B), n_tok, np.zeros(B, np.float32), np.zeros(B, np.int32)
+        run_off = np.concatenate([[0], np.cumsum(np.bincount(pos_S, minlength=B))])
+        R_S = token_rewards(r_v, w_S, run_off, rc.correct_weight, rc.process_weight)  # (S,), runs sorted by response
         if rc.estimator == "grpo":
-            A = broadcast_to_tokens(grpo_sequence_advantages(rc.correct_weight * r_v, groups, rc.scale_by_std, rc.eps), offsets)
+            A_S = grpo_sequence_advantages(rc.correct_weight * r_v, groups, rc.scale_by_std, rc.eps)[pos_S]
         else:
-            A = group_token_advantages(R, offsets, groups, rc.scale_by_std, rc.eps)
-        penalized = (w_tok > 0) if rc.process_weight > 0 else np.zeros(len(w_tok), dtype=bool)
-        n_pen = np.add.reduceat(penalized.astype(np.int64), offsets[:-1]) if len(w_tok) else np.zeros(len(n_tok), np.int64)
-        n_pen[n_tok == 0] = 0  # reduceat quirk: an empty row would take the next row's first value
-        B, off32 = len(n_tok), pa.array(offsets.astype(np.int32))
+            A_S = group_run_advantages(R_S, len_S, groups[pos_S], rc.scale_by_std, rc.eps)
+        R, A = np.repeat(R_S, len_S), np.repeat(A_S, len_S)  # (N,): the only per-token work
+        pen_S = (w_S > 0) & (rc.process_weight > 0)
+        n_pen = np.bincount(pos_S, weights=len_S * pen_S, minlength=B).astype(np.int64)
+        off32 = pa.array(offsets.astype(np.int32))
         table = pa.table({
             "run_id": pa.array([cfg.run_id] * B, pa.string()), "round": pa.array(np.full(B, round_idx, np.int32)),
             "variant": pa.array([cfg.variant] * B, pa.string()), "rollout_id": rid,
@@ -187,7 +189,7 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
             "advantages": pa.ListArray.from_arrays(off32, pa.array(A.astype(np.float32))),
             "reward_config_hash": pa.array([storage.key_hash(key)] * B, pa.string()),
         })
-        extra = {"share_tokens_penalized": float(penalized.mean()) if len(R) else 0.0,
+        extra = {"share_tokens_penalized": float(n_pen.sum() / max(len(R), 1)),
                  "mean_token_reward": float(R.mean()) if len(R) else None, "outcome_source": rc.outcome, **genorm_stats}
         return table.cast(TOKEN_REWARDS_SCHEMA), _with_prov(cfg, extra)
 
@@ -211,11 +213,13 @@ def _genorm_outcomes(p, ro: list[dict], rule_r_v: np.ndarray) -> tuple[np.ndarra
                "genorm_no_valid_verdict": no_valid}
 
 
-def _token_weights(p, rid: pa.Array, offsets: np.ndarray, rule: str) -> tuple[np.ndarray, np.ndarray]:
-    """(N,) voted weight of the step owning each token and (B,) valid-critique count per rollout.
+def _step_runs(p, rid: pa.Array, offsets: np.ndarray, rule: str) -> tuple[np.ndarray, ...]:
+    """Steps as runs of tokens, sorted by (response position, step_idx).
 
-    Steps are joined to their verdicts, ordered by (rollout position, step_idx) and expanded with
-    ``np.repeat``; the step token spans must tile every response exactly (checked).
+    Returns ``pos_S`` (S,) response position, ``len_S`` (S,) tokens, ``w_S`` (S,) voted weight of
+    ``rule`` (0 without a verdict) and ``n_valid_B`` (B,) valid critiques per response. The step
+    token spans must tile every response exactly (checked), so ``np.repeat(x_S, len_S)`` is the
+    per-token array.
     """
     steps = storage.read_table(p["steps"], "steps").select(["rollout_id", "step_idx", "token_start", "token_end"])
     verd = storage.read_table(p["step_verdicts"], "step_verdicts")
@@ -225,8 +229,7 @@ def _token_weights(p, rid: pa.Array, offsets: np.ndarray, rule: str) -> tuple[np
     if pos_arr.null_count:
         raise ValueError(f"steps.parquet has {pos_arr.null_count} steps of rollouts not in rollouts.parquet")
     pos = pos_arr.to_numpy(zero_copy_only=False).astype(np.int64)
-    step_idx = j.column("step_idx").to_numpy()
-    order = np.lexsort((step_idx, pos))
+    order = np.lexsort((j.column("step_idx").to_numpy(), pos))
     pos = pos[order]
     start = j.column("token_start").to_numpy()[order].astype(np.int64)
     length = j.column("token_end").to_numpy()[order].astype(np.int64) - start
@@ -241,6 +244,9 @@ def _token_weights(p, rid: pa.Array, offsets: np.ndarray, rule: str) -> tuple[np
         raise ValueError(f"steps of rollout {rid[i].as_py()} cover {covered[i]} tokens or are not contiguous, "
                          f"expected {np.diff(offsets)[i]} tokens tiled from 0: steps.parquet is inconsistent "
                          "with rollouts.parquet (re-run the segment stage)")
+    missing = np.nonzero(np.bincount(pos, minlength=B) == 0)[0]
+    if len(missing):
+        raise ValueError(f"rollout {rid[int(missing[0])].as_py()} has no steps; re-run the segment stage")
     n_valid = np.zeros(B, dtype=np.int32)
     np.maximum.at(n_valid, pos, n_valid_s)
-    return np.repeat(weight, length), n_valid
+    return pos, length, weight, n_valid

@@ -197,7 +197,7 @@ def write_table(table: pa.Table, path: Path, name: str, *, stage: str, key: dict
     Raises:
         ValueError: the table does not match the schema (see :func:`pipeline.schemas.check_schema`).
     """
-    table = check_schema(table, name).cast(SCHEMAS[name])
+    table = check_schema(table, name, cast=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() or manifest_path(path).exists():
         supersede(path)
@@ -231,7 +231,7 @@ def write_part(table: pa.Table, parts_dir: Path, part_idx: int, name: str, meta:
     """
     parts_dir.mkdir(parents=True, exist_ok=True)
     path = parts_dir / f"part-{part_idx:05d}.parquet"
-    table = check_schema(table, name).cast(SCHEMAS[name])
+    table = check_schema(table, name, cast=True)
     fd, tmp = tempfile.mkstemp(dir=parts_dir, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     pq.write_table(table, tmp, compression="zstd")

@@ -171,7 +171,19 @@ def test_eval_stage_round0_skip_rerun_and_round1(scripted, tmp_path, data_dir, m
 
 
 # ------------------------------------------------------------------------------------- real model
-def test_evaluate_policy_real_tiny_model(data_dir):
+@pytest.fixture()
+def one_torch_thread():
+    """One intra-op thread: on a shared 2-core machine two OpenMP threads that spin against other
+    processes made this 16-token generation 20-40x slower (100 s instead of 3 s)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_evaluate_policy_real_tiny_model(data_dir, one_torch_thread):
     """SmolLM2-135M through the transformers engine: 2 GSM8K problems, 16 greedy tokens."""
     from pipeline.assets import ensure_model
 
