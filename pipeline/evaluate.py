@@ -330,11 +330,21 @@ def write_eval_table(table: pa.Table, out: Path, key: dict, extra: dict | None =
 
 EVAL_SUMMARY_SQL = """
 CREATE OR REPLACE VIEW cat.eval_summary AS
-SELECT run_id, round, variant, benchmark,
-       count(*) FILTER (WHERE decoding = 'greedy') AS n_problems,
-       avg(correct::INT) FILTER (WHERE decoding = 'greedy') AS accuracy,
-       avg(num_tokens) FILTER (WHERE decoding = 'greedy') AS mean_response_tokens,
-       avg(correct::INT) FILTER (WHERE decoding = 'sample') AS sampled_accuracy
-FROM cat.eval GROUP BY ALL ORDER BY run_id, round, variant NULLS FIRST, benchmark
+WITH g AS (
+    SELECT run_id, round, variant, benchmark, count(*) AS n_problems, avg(correct::INT) AS accuracy,
+           avg(num_tokens) AS mean_response_tokens, avg((finish_reason = 'length')::INT) AS share_truncated
+    FROM cat.eval WHERE decoding = 'greedy' GROUP BY ALL
+), per_problem AS (
+    SELECT run_id, round, variant, benchmark, prompt_id, count(*) AS n, sum(correct::INT) AS c
+    FROM cat.eval WHERE decoding = 'sample' GROUP BY ALL
+), pk AS (
+    SELECT run_id, round, variant, benchmark, max(n) AS pass_k, avg((c > 0)::INT) AS pass_at_k,
+           avg(c / n) AS sampled_accuracy
+    FROM per_problem GROUP BY ALL
+)
+SELECT g.*, pk.pass_k, pk.pass_at_k, pk.sampled_accuracy
+FROM g LEFT JOIN pk ON g.run_id = pk.run_id AND g.round = pk.round AND g.benchmark = pk.benchmark
+                       AND g.variant IS NOT DISTINCT FROM pk.variant
+ORDER BY run_id, round, variant NULLS FIRST, benchmark
 """
-"""Catalog view: greedy accuracy per run, round, variant and benchmark (pass@k: see summarize_eval)."""
+"""Catalog view: :func:`summarize_eval` in SQL (pass@k as any-correct: every problem has n = k samples)."""

@@ -248,24 +248,28 @@ def accuracy_rows(acc: list[dict], metric: str = "accuracy") -> tuple[list[str],
     return headers, text, raw
 
 
+def _fmt(x: float | None, spec: str, scale: float = 1.0) -> str:
+    return "–" if x is None else format(scale * x, spec)
+
+
 def training_rows(data: dict) -> tuple[list[str], list[list[str]]]:
     """Per (variant, round): training accuracy, response length, token reward, flags, parse failures, PPO."""
     keys = sorted({(r["variant"], r["round"]) for key in ("rollout", "train") for r in data.get(key, [])})
     by = {key: {(r["variant"], r["round"]): r for r in data.get(key, [])} for key in ("rollout", "train")}
-    flags = {(r["variant"], r["round"]): r["share_flagged"] for r in _variant_rule_flags(data) if r["label"] == r["variant"]}
-    parse = {}
+    flags = {(r["variant"], r["round"]): r["share_flagged"]
+             for r in _variant_rule_flags(data) if r["label"] == r["variant"]}
+    parse: dict[int, list[str]] = {}
     for r in data.get("parse", []):
-        parse.setdefault(r["round"], []).append(f"{100 * r['failure_rate']:.1f}" + ("" if r["mode"] == "process" else f" ({r['mode']})"))
-    f = lambda x, spec: "–" if x is None else format(x, spec)  # noqa: E731
+        mode = "" if r["mode"] == "process" else f" ({r['mode']})"
+        parse.setdefault(r["round"], []).append(_fmt(r["failure_rate"], ".1f", 100) + mode)
     headers = ["Variant", "Round", "train acc. (%)", "resp. tokens", "token reward", "steps flagged (%)",
                "critic parse fail. (%)", "clip frac.", "approx. KL"]
     rows = []
     for v, k in keys:
         ro, tr = by["rollout"].get((v, k), {}), by["train"].get((v, k), {})
-        acc = ro.get("train_accuracy")
-        rows.append([v, str(k), f(None if acc is None else 100 * acc, ".1f"), f(ro.get("mean_response_tokens"), ".1f"),
-                     f(ro.get("mean_token_reward"), ".3f"), f(None if (v, k) not in flags else 100 * flags[(v, k)], ".1f"),
-                     ", ".join(parse.get(k, [])) or "–", f(tr.get("clip_frac"), ".4f"), f(tr.get("approx_kl"), ".2e")])
+        rows.append([v, str(k), _fmt(ro.get("train_accuracy"), ".1f", 100), _fmt(ro.get("mean_response_tokens"), ".1f"),
+                     _fmt(ro.get("mean_token_reward"), ".3f"), _fmt(flags.get((v, k)), ".1f", 100),
+                     ", ".join(parse.get(k, [])) or "–", _fmt(tr.get("clip_frac"), ".4f"), _fmt(tr.get("approx_kl"), ".2e")])
     return headers, rows
 
 

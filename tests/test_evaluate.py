@@ -57,14 +57,18 @@ def _row(bench, pid, decoding, j, correct, tokens, finish="stop", rnd=1, variant
             "finish_reason": finish, "extracted_answer": None, "correct": correct, "verify_status": "ok"}
 
 
-def test_summarize_eval_hand_counts():
+def _hand_rows() -> list[dict]:
     rows = [_row("gsm8k", "g0", "greedy", 0, True, 10), _row("gsm8k", "g1", "greedy", 0, False, 30, "length"),
             _row("gsm8k", "g2", "greedy", 0, True, 20)]
     # aime24: greedy 0 of 2; 3 samples each: a0 right 1 of 3, a1 right 0 of 3
     rows += [_row("aime24", "a0", "greedy", 0, False, 5), _row("aime24", "a1", "greedy", 0, False, 7)]
     rows += [_row("aime24", "a0", "sample", j, j == 2, 9) for j in range(3)]
     rows += [_row("aime24", "a1", "sample", j, False, 9) for j in range(3)]
-    s = {r["benchmark"]: r for r in summarize_eval(pa.Table.from_pylist(rows, schema=EVAL_SCHEMA)).to_pylist()}
+    return rows
+
+
+def test_summarize_eval_hand_counts():
+    s = {r["benchmark"]: r for r in summarize_eval(pa.Table.from_pylist(_hand_rows(), schema=EVAL_SCHEMA)).to_pylist()}
     assert s["gsm8k"] == {"run_id": "r", "round": 1, "variant": "v", "benchmark": "gsm8k", "n_problems": 3,
                           "accuracy": 2 / 3, "mean_response_tokens": (10 + 30 + 20) / 3, "share_truncated": 1 / 3,
                           "pass_k": None, "pass_at_k": None, "sampled_accuracy": None}
@@ -72,6 +76,28 @@ def test_summarize_eval_hand_counts():
     assert s["aime24"]["pass_at_k"] == (1.0 + 0.0) / 2
     assert s["aime24"]["sampled_accuracy"] == pytest.approx((1 / 3 + 0 / 3) / 2)
     assert s["aime24"]["mean_response_tokens"] == (5 + 7) / 2  # greedy rows only
+
+
+def test_catalog_view_matches_summarize_eval(tmp_path):
+    import duckdb
+
+    from pipeline.evaluate import EVAL_SUMMARY_SQL
+
+    rows = _hand_rows() + [_row("gsm8k", "g0", "greedy", 0, False, 4, rnd=0, variant=None)]
+    pq.write_table(pa.Table.from_pylist(rows, schema=EVAL_SCHEMA), tmp_path / "eval.parquet")
+    con = duckdb.connect()
+    con.execute("ATTACH ':memory:' AS cat")
+    con.execute(f"CREATE VIEW cat.eval AS SELECT * FROM read_parquet('{tmp_path / 'eval.parquet'}')")
+    con.execute(EVAL_SUMMARY_SQL)
+    cur = con.execute("SELECT * FROM cat.eval_summary")
+    sql = {(r["round"], r["benchmark"]): r for r in (dict(zip([d[0] for d in cur.description], x)) for x in cur.fetchall())}
+    py = summarize_eval(pa.Table.from_pylist(rows, schema=EVAL_SCHEMA)).to_pylist()
+    assert len(sql) == len(py) == 3
+    for r in py:
+        got = sql[(r["round"], r["benchmark"])]
+        for col in ("variant", "n_problems", "accuracy", "mean_response_tokens", "share_truncated", "pass_k",
+                    "pass_at_k", "sampled_accuracy"):
+            assert got[col] == pytest.approx(r[col]) if r[col] is not None else got[col] is None, col
 
 
 # ------------------------------------------------------------------------------------- fake engine

@@ -106,8 +106,12 @@ def test_rewrite_moves_old_output_to_superseded(tmp_path):
 def test_schema_mismatch_names_the_column(tmp_path):
     t = _outcomes()
     bad_type = t.set_column(t.schema.get_field_index("round"), "round", pa.array([1, 1, 1], pa.int64()))
-    with pytest.raises(ValueError, match="'round'"):
-        storage.write_table(bad_type, tmp_path / "o.parquet", "outcomes", stage="verify", key=KEY)
+    # writers cast safely (int64 -> int32 when the values fit) and refuse a lossy cast
+    too_big = t.set_column(t.schema.get_field_index("round"), "round", pa.array([1, 2**40, 1], pa.int64()))
+    with pytest.raises(ValueError, match="does not fit its schema"):
+        storage.write_table(too_big, tmp_path / "o.parquet", "outcomes", stage="verify", key=KEY)
+    storage.write_table(bad_type, tmp_path / "c.parquet", "outcomes", stage="verify", key=KEY)
+    assert pq.read_table(tmp_path / "c.parquet").schema.field("round").type == pa.int32()
     missing = t.drop_columns(["verify_status"])
     with pytest.raises(ValueError, match="verify_status"):
         storage.write_table(missing, tmp_path / "o.parquet", "outcomes", stage="verify", key=KEY)
