@@ -98,7 +98,7 @@ def stage(
 
     res = stage_function(name)(_cfg(config, overrides, preset), round, force=force)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
-    res = dataclasses.replace(res, peak_rss_mb=round(peak, 1))
+    res = dataclasses.replace(res, peak_rss_mb=float(f"{peak:.1f}"))  # (`round` is the CLI option here)
     print(RESULT_TAG + json.dumps(dataclasses.asdict(res)), flush=True)
 
 

@@ -215,7 +215,8 @@ PREDICTIONS_SCHEMA = pa.schema([
 ])
 
 
-def _check(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
+def _conform(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
+    """``table`` in ``schema``'s column order and types (ValueError naming missing columns)."""
     missing = [f.name for f in schema if f.name not in table.column_names]
     if missing:
         raise ValueError(f"{where} lacks columns {missing}; expected {schema.names}")
@@ -225,7 +226,7 @@ def _check(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
 def write_output(table: pa.Table, path: Path, schema: pa.Schema, *, stage: str, key: dict, extra: dict | None = None) -> dict:
     """Write ``table`` atomically (temporary file, rename) and commit its manifest; an earlier
     output is moved to ``superseded/`` first. Returns the manifest."""
-    table = _check(table, schema, stage)
+    table = _conform(table, schema, stage)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() or storage.manifest_path(path).exists():
         storage.supersede(path)
@@ -315,7 +316,7 @@ def read_benchmark(cfg: CriticEvalConfig) -> list[dict]:
     path = paths(cfg)["benchmark"]
     if storage.read_manifest(path) is None:
         raise FileNotFoundError(f"{path} is missing or uncommitted; run the benchmark stage first")
-    return _check(pq.read_table(path), BENCHMARK_SCHEMA, str(path)).to_pylist()
+    return _conform(pq.read_table(path), BENCHMARK_SCHEMA, str(path)).to_pylist()
 
 
 # ----------------------------------------------------------------------------------------- critique
@@ -419,7 +420,9 @@ def score_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
     scores, preds = [], []
     for setup in cfg.setups():
         path = critique_path(cfg, setup)
-        crit = _check(pq.read_table(path), CRITIQUES_SCHEMA, str(path)).to_pylist()
+        if storage.read_manifest(path) is None:
+            raise FileNotFoundError(f"{path} is missing or uncommitted; run the critique stage of setup {setup!r} first")
+        crit = _conform(pq.read_table(path), CRITIQUES_SCHEMA, str(path)).to_pylist()
         evals = _eval_items(items, crit, setup)
         spt = _seconds_per_token(storage.read_manifest(path) or {})
         for subset, idx in groups.items():
@@ -485,7 +488,7 @@ def report_stage(cfg: CriticEvalConfig) -> StageResult:
 
     p = paths(cfg)
     t0 = time.perf_counter()
-    scores = _check(pq.read_table(p["scores"]), SCORES_SCHEMA, str(p["scores"])).to_pylist()
+    scores = _conform(pq.read_table(p["scores"]), SCORES_SCHEMA, str(p["scores"])).to_pylist()
     items = read_benchmark(cfg)
     kinds: dict[str, int] = {}
     for it in items:

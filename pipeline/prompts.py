@@ -14,6 +14,9 @@ source (the embedded one, a dataset named like ``*gsm8k*``, or any file where so
 ``####``) must end in ``#### <final answer>``: the text after ``####`` becomes the gold answer, with
 thousands separators removed (``1,000`` -> ``1000``), and the whole answer the gold solution. Other
 sources take the gold solution from ``solution`` (else ``answer`` when a final-answer field exists).
+
+Held-out evaluation sets (GSM8K test, MATH-500, Minerva, AIME 2024, SVAMP, ASDiv, MAWPS) are
+written in the same schema by :mod:`pipeline.benchmarks`.
 """
 
 from __future__ import annotations

@@ -192,7 +192,8 @@ def _plots(data: dict, out: Path) -> tuple[dict[str, Path], list[str]]:
         ("steps_flagged", "flagged", "Share of steps flagged by the variant's voting rule", lambda: [
             ("steps with w > 0", "share", _series(_variant_rule_flags(data), "share_flagged", lambda r: r["label"]))]),
         ("critic_parse_failures", "parse", "Critic parse-failure rate", lambda: [
-            ("critiques (empty responses excluded)", "share", _series(data["parse"], "failure_rate", lambda r: r["mode"]))]),
+            ("critiques (empty responses excluded)", "share",
+             _series(data["parse"], "failure_rate", lambda r: r["mode"]))]),
         ("clip_kl", "train", "PPO update", lambda: [
             ("clip fraction", "share of tokens", _series(data["train"], "clip_frac")),
             ("approx. KL to the rollout policy", "nats/token", _series(data["train"], "approx_kl"))]
@@ -269,7 +270,8 @@ def training_rows(data: dict) -> tuple[list[str], list[list[str]]]:
         ro, tr = by["rollout"].get((v, k), {}), by["train"].get((v, k), {})
         rows.append([v, str(k), _fmt(ro.get("train_accuracy"), ".1f", 100), _fmt(ro.get("mean_response_tokens"), ".1f"),
                      _fmt(ro.get("mean_token_reward"), ".3f"), _fmt(flags.get((v, k)), ".1f", 100),
-                     ", ".join(parse.get(k, [])) or "–", _fmt(tr.get("clip_frac"), ".4f"), _fmt(tr.get("approx_kl"), ".2e")])
+                     ", ".join(parse.get(k, [])) or "–", _fmt(tr.get("clip_frac"), ".4f"),
+                     _fmt(tr.get("approx_kl"), ".2e")])
     return headers, rows
 
 
@@ -335,7 +337,8 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
 
 def _html(run_id: str, sections, plots: dict[str, Path], notes: list[str]) -> str:
     css = ("body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse;margin:.5em 0}"
-           "td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}td:first-child,th:first-child{text-align:left}"
+           "td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}"
+           "td:first-child,th:first-child{text-align:left}"
            "th{background:#f3f3f3}img{max-width:100%;margin:1em 0}.note{color:#555;font-size:90%}")
     parts = [f"<!doctype html>\n<html><head><meta charset='utf-8'><title>CAPO run {html.escape(run_id)}</title>"
              f"<style>{css}</style></head><body>\n<h1>CAPO run <code>{html.escape(run_id)}</code></h1>"]
@@ -370,8 +373,10 @@ def publish_artifacts(report: dict[str, Path], key_prefix: str) -> list:
         if Path(path).suffix == ".png":
             b64 = base64.b64encode(Path(path).read_bytes()).decode()
             md.append(f"**{name}**\n\n![{name}](data:image/png;base64,{b64})\n")
-    ids = [create_markdown_artifact("\n".join(md), key=f"{key}-report", description=f"CAPO report ({report['report_md']})")]
+    ids = [create_markdown_artifact("\n".join(md), key=f"{key}-report",
+                                    description=f"CAPO report ({report['report_md']})")]
     rows = json.loads(Path(report["accuracy_json"]).read_text())
     if rows:
-        ids.append(create_table_artifact(rows, key=f"{key}-accuracy", description="greedy accuracy (%) per variant and round"))
+        ids.append(create_table_artifact(rows, key=f"{key}-accuracy",
+                                         description="greedy accuracy (%) per variant and round"))
     return ids

@@ -167,7 +167,8 @@ def test_flow_with_the_tiny_model(tmp_path, data_dir, repo):
         man = json.loads((run / "critiques" / f"{setup}.parquet.manifest.json").read_text())
         assert man["engine"]["generated_tokens"] == sum(c["critic_tokens"] for c in crit)
     scores = pq.read_table(run / "scores.parquet").to_pylist()
-    assert len(scores) == 2 * 3 * 4 * 2  # setups x subsets (all, original, corrupted kinds) x rules x N
+    assert {s["subset"] for s in scores} == {"all", "original", "carried", "as_was"}
+    assert len(scores) == 2 * 4 * 4 * 2  # setups x subsets x rules x N
     for s in scores:
         for k in ("acc_erroneous", "acc_correct", "f1", "parse_failure_rate", "no_valid_rate"):
             assert s[k] is None or 0.0 <= s[k] <= 1.0  # undefined (NULL) or a share

@@ -166,10 +166,10 @@ def test_evaluate_policy_prompts_calls_and_pass_k(scripted, data_dir):
 
 
 # ------------------------------------------------------------------------------------------- stage
-def test_eval_stage_round0_skip_rerun_and_round1(scripted, tmp_path, data_dir, monkeypatch):
+def test_eval_stage_round0_skip_rerun_and_round1(scripted, tmp_path, data_dir, repo, monkeypatch):
     from pipeline.report import write_report
 
-    cfg = load_config("configs/tiny.yaml", [f"runs_dir={tmp_path}", f"data_dir={data_dir}", "run_id=ev"])
+    cfg = load_config(repo / "configs" / "tiny.yaml", [f"runs_dir={tmp_path}", f"data_dir={data_dir}", "run_id=ev"])
     monkeypatch.setattr(evaluate, "eval_config", lambda c: EvalConfig(benchmarks=["gsm8k", "aime24"], sample_size=2))
     res = eval_stage(cfg, 0)
     out = tmp_path / "ev" / "round_000" / "eval.parquet"
