@@ -205,6 +205,9 @@ class TrainConfig(_Strict):
     gradient_checkpointing: bool = False
     lora: "LoraConfig | None" = None
     """Train LoRA adapters (peft) instead of all weights; merged into the saved checkpoint."""
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "aim", "comet_ml", "clearml"]] = Field(default_factory=list)
+    """Accelerate trackers that also receive the training metrics (nothing is sent by default);
+    TensorBoard logs go to ``<run_dir>/tracking``."""
     launcher: list[str] = Field(default_factory=list)
     """Command prefix that starts the trainer, e.g. ``["accelerate", "launch", "--num_processes",
     "4"]``; empty runs it with this Python in a subprocess (one process)."""

@@ -165,7 +165,9 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     log.info("[train] running: %s", cur.reason)
     t0 = time.perf_counter()
     tc = cfg.train
-    accelerator = Accelerator()
+    accelerator = Accelerator(log_with=tc.report_to or None, project_dir=str(cfg.run_dir() / "tracking"))
+    if tc.report_to:
+        accelerator.init_trackers(cfg.run_id, config={"variant": cfg.variant, **cfg.model_dump(mode="json")["train"]})
     set_seed(cfg.seed + round_idx)
     policy = policy_for_round(cfg, round_idx)
     tok = AutoTokenizer.from_pretrained(policy)
@@ -194,6 +196,10 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
         raise ValueError(f"round {round_idx} has no non-empty responses to train on")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     metrics = ppo_update(model, optimizer, examples, tc, pad_id, cfg.seed + round_idx, accelerator, ref_model)
+    if tc.report_to:  # global step: rounds are consecutive blocks of optimizer steps
+        for i, m in enumerate(metrics):
+            accelerator.log({f"train/{k}": v for k, v in m.items()}, step=(round_idx - 1) * len(metrics) + i)
+        accelerator.end_training()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         _save(accelerator.unwrap_model(model), tok, ckpt, tc.save_dtype)
