@@ -3,6 +3,8 @@
     capo setup                       convert embedded models, ingest GSM8K (idempotent)
     capo round --round 1             run one round here, without Prefect (same stages)
     capo stage critique --round 1    one stage (what the flows start in child processes)
+    capo stage eval --round 0        held-out eval of the starting policy (round k: round k's checkpoint)
+    capo report                      plots and the paper-style table of a run (runs/<run>/report/)
     capo sql "SELECT ..."            query the DuckDB catalog read-only
 """
 
@@ -69,13 +71,14 @@ def round_cmd(
     import time
 
     _setup_logging()
-    from flows.runner import run_stage, write_round_summary
+    from flows.runner import eval_rounds, run_stage, write_round_summary
     from pipeline.stages import STAGES
     from pipeline.storage import refresh_catalog
 
     t0 = time.perf_counter()
     cfg = _cfg(config, overrides, preset)
     results = [dataclasses.asdict(run_stage(name, cfg, round, force=name in (force or []))) for name in STAGES]
+    results += [dataclasses.asdict(run_stage("eval", cfg, k, force="eval" in (force or []))) for k in eval_rounds(round)]
     summary = write_round_summary(cfg, round, results, time.perf_counter() - t0)
     typer.echo(f"round summary: {summary}")
     typer.echo(f"catalog: {refresh_catalog(Path(cfg.runs_dir), Path(cfg.data_dir))}")
@@ -83,7 +86,7 @@ def round_cmd(
 
 @app.command()
 def stage(
-    name: str = typer.Argument(..., help="rollout | verify | segment | critique | vote | reward | train"),
+    name: str = typer.Argument(..., help="rollout | verify | segment | critique | vote | reward | train | eval"),
     round: int = typer.Option(1, "--round", "-r"),
     config: str = typer.Option(DEFAULT_CONFIG),
     preset: Optional[str] = typer.Option(None),
@@ -100,6 +103,22 @@ def stage(
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
     res = dataclasses.replace(res, peak_rss_mb=float(f"{peak:.1f}"))  # (`round` is the CLI option here)
     print(RESULT_TAG + json.dumps(dataclasses.asdict(res)), flush=True)
+
+
+@app.command()
+def report(
+    config: str = typer.Option(DEFAULT_CONFIG, help="config naming the run (run_id, runs_dir)"),
+    preset: Optional[str] = typer.Option(None),
+    out_dir: Optional[str] = typer.Option(None, help="default: <runs_dir>/<run_id>/report"),
+    overrides: Optional[list[str]] = typer.Argument(None),
+) -> None:
+    """Write a run's report: PNG plots over rounds, report.md and report.html (paper-style table)."""
+    _setup_logging()
+    from pipeline.report import write_report
+
+    cfg = _cfg(config, overrides, preset)
+    out = write_report(Path(cfg.runs_dir), cfg.run_id, Path(out_dir) if out_dir else None)
+    typer.echo(json.dumps({k: str(v) for k, v in out.items()}, indent=1))
 
 
 @app.command()

@@ -95,10 +95,15 @@ def run_all(cfg: ces.CriticEvalConfig, logger: logging.Logger, force: bool = Fal
 
 
 # ------------------------------------------------------------------------------------------ Prefect
+def _logged(res: StageResult) -> dict:
+    get_run_logger().info(res.line())
+    return dataclasses.asdict(res)
+
+
 @task(cache_policy=NO_CACHE)
 def benchmark_task(config: str, overrides: list[str]) -> dict:
     """Build or load the benchmark table."""
-    return dataclasses.asdict(ces.benchmark_stage(ces.load_eval_config(config, overrides)))
+    return _logged(ces.benchmark_stage(ces.load_eval_config(config, overrides)))
 
 
 @task(cache_policy=NO_CACHE, task_run_name="critique-{setup}")
@@ -111,13 +116,13 @@ def critique_task(config: str, overrides: list[str], setup: str) -> dict:
 @task(cache_policy=NO_CACHE)
 def score_task(config: str, overrides: list[str]) -> dict:
     """Score every setup x subset x rule x N."""
-    return dataclasses.asdict(ces.score_stage(ces.load_eval_config(config, overrides)))
+    return _logged(ces.score_stage(ces.load_eval_config(config, overrides)))
 
 
 @task(cache_policy=NO_CACHE)
 def report_task(config: str, overrides: list[str]) -> dict:
     """Write report.md and f1_vs_n.png."""
-    return dataclasses.asdict(ces.report_stage(ces.load_eval_config(config, overrides)))
+    return _logged(ces.report_stage(ces.load_eval_config(config, overrides)))
 
 
 @flow(name="critic-eval", log_prints=True)
@@ -156,7 +161,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 def _setup_logging() -> None:
     fmt = "%(message)s" if os.environ.get("CAPO_CHILD") == "1" else "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr, force=True)  # prefect's import set WARNING
 
 
 @app.command()

@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 import time
 
-from flows.runner import run_stage, write_round_summary
+from flows.runner import eval_rounds, run_stage, write_round_summary
 from pipeline.config import load_config
 from pipeline.stages import STAGES
 from pipeline.storage import refresh_catalog
@@ -41,10 +41,21 @@ def catalog_task(config: str, overrides: list[str], round_idx: int, results: lis
     return str(refresh_catalog(Path(cfg.runs_dir), Path(cfg.data_dir)))
 
 
+@task(cache_policy=NO_CACHE)
+def report_task(config: str, overrides: list[str], preset: Optional[str] = None) -> dict:
+    """Write the run's report (plots, paper-style table) and publish it as Prefect artifacts."""
+    from pipeline.report import publish_artifacts, write_report
+
+    cfg = load_config(config, overrides, preset)
+    report = write_report(Path(cfg.runs_dir), cfg.run_id)
+    publish_artifacts(report, f"capo-{cfg.run_id}")
+    return {k: str(v) for k, v in report.items()}
+
+
 @flow(name="capo-round", log_prints=True)
 def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional[list[str]] = None,
                preset: Optional[str] = None) -> list[dict]:
-    """Run one CAPO round: rollout, verify, segment, critique, vote, reward, train, catalog.
+    """Run one CAPO round: rollout, verify, segment, critique, vote, reward, train, eval, catalog, report.
 
     Args:
         round: round number; round 1 samples from ``rollout.policy``, round k from round k-1's
@@ -58,7 +69,9 @@ def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional
     load_config(config, overrides, preset)  # fail before any work on a bad config
     t0 = time.perf_counter()
     results = [stage_task(name, config, overrides, round, preset) for name in STAGES]
+    results += [stage_task("eval", config, overrides, k, preset) for k in eval_rounds(round)]
     catalog_task(config, overrides, round, results, time.perf_counter() - t0, preset)
+    report_task(config, overrides, preset)
     logger = get_run_logger()
     for r in results:
         logger.info("%s: %s", r["stage"], "skipped" if r["skipped"] else f"ran in {r['seconds']:.1f}s")

@@ -23,7 +23,7 @@ from pipeline.stages import HEAVY_STAGES, STAGES, StageResult, round_paths, stag
 
 RESULT_TAG = "CAPO_STAGE_RESULT "
 _OUTPUT = {"rollout": "rollouts", "verify": "outcomes", "segment": "steps", "critique": "critiques",
-           "vote": "step_verdicts", "reward": "token_rewards", "train": "checkpoint"}
+           "vote": "step_verdicts", "reward": "token_rewards", "train": "checkpoint", "eval": "eval"}
 
 
 def stage_function(name: str):
@@ -40,7 +40,17 @@ def stage_function(name: str):
         from train.trainer import train_stage
 
         return train_stage
-    raise ValueError(f"unknown stage {name!r}; valid: {list(STAGES)}")
+    if name == "eval":
+        from pipeline.evaluate import eval_stage
+
+        return eval_stage
+    raise ValueError(f"unknown stage {name!r}; valid: {[*STAGES, 'eval']}")
+
+
+def eval_rounds(round_idx: int) -> list[int]:
+    """Rounds to evaluate after training round ``round_idx``: its policy, and with round 1 also
+    round 0 (the starting policy)."""
+    return [0, round_idx] if round_idx == 1 else [round_idx]
 
 
 def check_current(name: str, cfg: CAPOConfig, round_idx: int) -> storage.Currency:
@@ -59,6 +69,8 @@ def _not_applicable(name: str, cfg: CAPOConfig) -> str | None:
         return "critique.enabled is false (GRPO rule baseline): no critic"
     if name == "vote" and cfg.critique.mode == "outcome":
         return "critique.mode is outcome (GenORM baseline): no step votes"
+    if name == "eval" and not cfg.eval.enabled:
+        return "eval.enabled is false: no held-out evaluation"
     return None
 
 

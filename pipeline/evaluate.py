@@ -27,32 +27,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeline import storage
-from pipeline.benchmarks import DEFAULT_BENCHMARKS, ensure_benchmark, get_benchmark
-from pipeline.config import CAPOConfig, EngineConfig, SamplingConfig
+from pipeline.benchmarks import ensure_benchmark
+from pipeline.config import CAPOConfig, SamplingConfig
+from pipeline.schemas import EVAL_SCHEMA
 from pipeline.stage_score import verify_answer
+from pipeline.stages import _run, _with_prov, model_fingerprint, resolve_model, round_paths
 
 log = logging.getLogger("capo.stages")
-
-EVAL_SCHEMA = pa.schema([
-    pa.field("run_id", pa.string(), nullable=False),
-    pa.field("round", pa.int32(), nullable=False),  # 0 = starting policy, k = after round k's update
-    pa.field("variant", pa.string()),  # null for round 0 (the starting policy every variant shares)
-    pa.field("policy", pa.string()),  # checkpoint path or model id evaluated
-    pa.field("benchmark", pa.string(), nullable=False),
-    pa.field("prompt_id", pa.string(), nullable=False),
-    pa.field("decoding", pa.string(), nullable=False),  # greedy (T=0, n=1) | sample (T=1, n=k, pass@k)
-    pa.field("sample_idx", pa.int32(), nullable=False),
-    pa.field("gold_answer", pa.string()),
-    pa.field("response_text", pa.string()),
-    pa.field("num_tokens", pa.int32()),  # generated tokens (EOS included); null when the engine gives none
-    pa.field("finish_reason", pa.string()),  # stop | length
-    pa.field("extracted_answer", pa.string()),  # what math-verify parsed from the response
-    pa.field("correct", pa.bool_(), nullable=False),
-    pa.field("verify_status", pa.string()),  # ok | no_answer | no_gold | error:<type>
-])
 
 EVAL_SUMMARY_SCHEMA = pa.schema([
     pa.field("run_id", pa.string()), pa.field("round", pa.int32()), pa.field("variant", pa.string()),
@@ -65,36 +48,6 @@ EVAL_SUMMARY_SCHEMA = pa.schema([
     pa.field("pass_at_k", pa.float64()),  # mean over problems of the unbiased pass@k
     pa.field("sampled_accuracy", pa.float64()),  # pass@1 estimated from the k samples (mean c/n)
 ])
-
-
-class EvalConfig(BaseModel):
-    """Held-out evaluation after every round (and of the starting policy as round 0)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = True
-    benchmarks: list[str] = Field(default_factory=lambda: list(DEFAULT_BENCHMARKS))
-    """Names from :data:`pipeline.benchmarks.BENCHMARKS`: gsm8k, math500, minerva, svamp, asdiv,
-    mawps, aime24."""
-    sample_size: int | None = Field(50, ge=1)
-    """Problems per benchmark (a seeded subset, the same every round); None evaluates the full sets."""
-    seed: int = 0
-    """Seed of the subsets (not the run's seed: runs with other seeds still see the same problems)."""
-    max_tokens: int = Field(512, ge=1)
-    """Most new tokens per answer (MATH-style answers need more than GSM8K ones)."""
-    pass_k: int = Field(1, ge=1)
-    """k > 1 adds k samples at temperature 1.0 per problem and reports pass@k beside greedy accuracy."""
-    pass_k_benchmarks: list[str] | None = None
-    """Benchmarks that get the k samples (None: all of ``benchmarks``); meant for the small sets."""
-    engine: EngineConfig | None = None
-    """None uses ``rollout.engine``."""
-
-    @field_validator("benchmarks", "pass_k_benchmarks")
-    @classmethod
-    def _known(cls, names: list[str] | None) -> list[str] | None:
-        for n in names or []:
-            get_benchmark(n)  # ValueError listing the valid names
-        return names
 
 
 # -------------------------------------------------------------------------------------------- math
@@ -224,17 +177,9 @@ def summarize_eval(table: pa.Table) -> pa.Table:
 
 
 # ------------------------------------------------------------------------------------------ stage
-def eval_config(cfg: CAPOConfig) -> EvalConfig:
-    """``cfg.eval`` once the config has that section; the defaults until then."""
-    return getattr(cfg, "eval", None) or EvalConfig()
-
-
 def eval_path(cfg: CAPOConfig, round_idx: int) -> Path:
     """Where the eval table of round ``round_idx`` goes (round 0 is shared by every variant)."""
-    if round_idx < 0:
-        raise ValueError(f"eval round must be >= 0 (0 = the starting policy), got {round_idx}")
-    rd = cfg.run_dir() / f"round_{round_idx:03d}"
-    return rd / "eval.parquet" if round_idx == 0 else rd / "variants" / cfg.variant / "eval.parquet"
+    return round_paths(cfg, round_idx)["eval"]
 
 
 def eval_policy(cfg: CAPOConfig, round_idx: int) -> str:
@@ -243,8 +188,6 @@ def eval_policy(cfg: CAPOConfig, round_idx: int) -> str:
     Raises:
         FileNotFoundError: round k has not committed its checkpoint yet.
     """
-    from pipeline.stages import resolve_model, round_paths
-
     if round_idx == 0:
         return resolve_model(cfg.rollout.policy, cfg)
     ckpt = round_paths(cfg, round_idx)["checkpoint"]
@@ -258,9 +201,7 @@ def eval_key(cfg: CAPOConfig, round_idx: int) -> dict:
     """What the eval table of a round depends on (policy, eval settings, engine, data, verifier)."""
     from importlib.metadata import version
 
-    from pipeline.stages import model_fingerprint
-
-    ec = eval_config(cfg)
+    ec = cfg.eval
     engine = ec.engine or cfg.rollout.engine
     root = Path(cfg.data_dir).resolve() / "eval"
     return {"round": round_idx, "variant": cfg.variant if round_idx else None,
@@ -271,80 +212,20 @@ def eval_key(cfg: CAPOConfig, round_idx: int) -> dict:
             "verifier": f"math-verify=={version('math-verify')}"}
 
 
-def eval_current(cfg: CAPOConfig, round_idx: int) -> storage.Currency:
-    """Is the round's eval table current? (cheap: manifests, file stats, benchmark hashes)."""
-    return storage.is_current(eval_path(cfg, round_idx), eval_key(cfg, round_idx))
-
-
 def eval_stage(cfg: CAPOConfig, round_idx: int, force: bool = False):
     """Evaluate round ``round_idx``'s policy on ``eval.benchmarks`` -> ``eval.parquet``."""
-    import time
+    ec = cfg.eval
 
-    from pipeline.stages import StageResult, _with_prov
+    def compute():
+        policy = eval_policy(cfg, round_idx)
+        table = evaluate_policy(policy, ec.benchmarks, ec.sample_size, ec.seed, ec.engine or cfg.rollout.engine,
+                                ec.max_tokens, ec.pass_k, cfg.instruction(), pass_k_benchmarks=ec.pass_k_benchmarks,
+                                run_id=cfg.run_id, round_idx=round_idx, variant=cfg.variant if round_idx else None,
+                                eval_root=Path(cfg.data_dir).resolve() / "eval")
+        summary = summarize_eval(table).to_pylist()
+        for s in summary:
+            log.info("[eval] round %d %s: accuracy %.3f on %d problems, %.0f tokens on average", round_idx,
+                     s["benchmark"], s["accuracy"] or 0.0, s["n_problems"], s["mean_response_tokens"] or 0.0)
+        return table, _with_prov(cfg, {"policy": policy, "summary": summary})
 
-    out, key = eval_path(cfg, round_idx), eval_key(cfg, round_idx)
-    cur = storage.is_current(out, key)
-    if cur.current and not force:
-        res = StageResult("eval", str(out), True, cur.reason)
-        log.info(res.line())
-        return res
-    log.info("[eval] running: %s", cur.reason)
-    ec, t0 = eval_config(cfg), time.perf_counter()
-    policy = eval_policy(cfg, round_idx)
-    table = evaluate_policy(policy, ec.benchmarks, ec.sample_size, ec.seed, ec.engine or cfg.rollout.engine,
-                            ec.max_tokens, ec.pass_k, cfg.instruction(), pass_k_benchmarks=ec.pass_k_benchmarks,
-                            run_id=cfg.run_id, round_idx=round_idx, variant=cfg.variant if round_idx else None,
-                            eval_root=Path(cfg.data_dir).resolve() / "eval")
-    summary = summarize_eval(table).to_pylist()
-    for s in summary:
-        log.info("[eval] round %d %s: accuracy %.3f on %d problems, %.0f tokens on average", round_idx,
-                 s["benchmark"], s["accuracy"] or 0.0, s["n_problems"], s["mean_response_tokens"] or 0.0)
-    secs = time.perf_counter() - t0
-    man = write_eval_table(table, out, key, _with_prov(cfg, {"elapsed_s": round(secs, 3), "policy": policy,
-                                                             "summary": summary}))
-    res = StageResult("eval", str(out), False, cur.reason, man["rows"], secs)
-    log.info(res.line())
-    return res
-
-
-def write_eval_table(table: pa.Table, out: Path, key: dict, extra: dict | None = None) -> dict:
-    """:func:`pipeline.storage.write_table` for :data:`EVAL_SCHEMA` (until it is in ``SCHEMAS``)."""
-    import os
-    import tempfile
-
-    if not table.schema.equals(EVAL_SCHEMA, check_metadata=False):
-        raise ValueError(f"eval table schema {table.schema} differs from EVAL_SCHEMA {EVAL_SCHEMA}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists() or storage.manifest_path(out).exists():
-        storage.supersede(out)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp, compression="zstd")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return storage.commit_manifest(out, stage="eval", key=key, rows=table.num_rows, extra=extra)
-
-
-EVAL_SUMMARY_SQL = """
-CREATE OR REPLACE VIEW cat.eval_summary AS
-WITH g AS (
-    SELECT run_id, round, variant, benchmark, count(*) AS n_problems, avg(correct::INT) AS accuracy,
-           avg(num_tokens) AS mean_response_tokens, avg((finish_reason = 'length')::INT) AS share_truncated
-    FROM cat.eval WHERE decoding = 'greedy' GROUP BY ALL
-), per_problem AS (
-    SELECT run_id, round, variant, benchmark, prompt_id, count(*) AS n, sum(correct::INT) AS c
-    FROM cat.eval WHERE decoding = 'sample' GROUP BY ALL
-), pk AS (
-    SELECT run_id, round, variant, benchmark, max(n) AS pass_k, avg((c > 0)::INT) AS pass_at_k,
-           avg(c / n) AS sampled_accuracy
-    FROM per_problem GROUP BY ALL
-)
-SELECT g.*, pk.pass_k, pk.pass_at_k, pk.sampled_accuracy
-FROM g LEFT JOIN pk ON g.run_id = pk.run_id AND g.round = pk.round AND g.benchmark = pk.benchmark
-                       AND g.variant IS NOT DISTINCT FROM pk.variant
-ORDER BY run_id, round, variant NULLS FIRST, benchmark
-"""
-"""Catalog view: :func:`summarize_eval` in SQL (pass@k as any-correct: every problem has n = k samples)."""
+    return _run("eval", eval_path(cfg, round_idx), "eval", eval_key(cfg, round_idx), compute, force)

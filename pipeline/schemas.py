@@ -15,6 +15,8 @@ Layout of one run (``<runs_dir>/<run_id>/``)::
     round_001/variants/<variant>/token_rewards.parquet   one row per response
     round_001/variants/<variant>/train_metrics.parquet   one row per optimizer step x metric
     round_001/variants/<variant>/checkpoint/             next policy (save_pretrained)
+    round_001/variants/<variant>/eval.parquet            one row per benchmark problem x sample (that policy)
+    round_000/eval.parquet            the starting policy's eval (round 0, shared by every variant)
 
 Each ``X.parquet`` has a ``X.manifest.json`` beside it (see :mod:`pipeline.storage`).
 """
@@ -130,6 +132,25 @@ TRAIN_METRICS_SCHEMA = pa.schema(
     ]
 )
 
+EVAL_SCHEMA = pa.schema(
+    _RUN  # round 0 = the starting policy, k = the policy round k's update wrote
+    + [
+        pa.field("variant", pa.string()),  # null for round 0 (the starting policy every variant shares)
+        pa.field("policy", pa.string()),  # checkpoint path or model id evaluated
+        pa.field("benchmark", pa.string(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("decoding", pa.string(), nullable=False),  # greedy (T=0, n=1) | sample (T=1, n=k, pass@k)
+        pa.field("sample_idx", pa.int32(), nullable=False),
+        pa.field("gold_answer", pa.string()),
+        pa.field("response_text", pa.string()),
+        pa.field("num_tokens", pa.int32()),  # generated tokens (EOS included); null when the engine gives none
+        pa.field("finish_reason", pa.string()),  # stop | length
+        pa.field("extracted_answer", pa.string()),  # what math-verify parsed from the response
+        pa.field("correct", pa.bool_(), nullable=False),
+        pa.field("verify_status", pa.string()),  # ok | no_answer | no_gold | error:<type>
+    ]
+)
+
 SCHEMAS: dict[str, pa.Schema] = {
     "prompts": PROMPTS_SCHEMA,
     "rollouts": ROLLOUTS_SCHEMA,
@@ -139,6 +160,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "step_verdicts": STEP_VERDICTS_SCHEMA,
     "token_rewards": TOKEN_REWARDS_SCHEMA,
     "train_metrics": TRAIN_METRICS_SCHEMA,
+    "eval": EVAL_SCHEMA,
 }
 
 ROUND_TABLES = ("rollouts", "outcomes", "steps", "critiques")

@@ -40,7 +40,7 @@ def verify_answer(gold: str, response: str) -> tuple[str | None, bool, str]:
     try:
         # math-verify finds LaTeX only inside delimiters: a bare gold such as ``\\sqrt{2}`` or
         # ``2\\pi`` must be wrapped too, or it parses to nothing (or to ``2``).
-        delimited = any(d in gold for d in ("$", "\\boxed", "\\(", "\\["))
+        delimited = any(d in gold.replace("\\$", "") for d in ("$", "\\boxed", "\\(", "\\["))  # \\$ is a dollar sign
         gold_parsed = parse(gold if delimited else f"${gold}$")
         if not gold_parsed:
             return None, False, "no_gold"

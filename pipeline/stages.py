@@ -54,7 +54,8 @@ def round_paths(cfg: CAPOConfig, round_idx: int) -> dict[str, Path]:
     paths.update(critiques=rd / f"{crit}.parquet", step_verdicts=vd / "step_verdicts.parquet",
                  token_rewards=vd / "token_rewards.parquet", train_metrics=vd / "train_metrics.parquet",
                  checkpoint=vd / "checkpoint", round_dir=rd, variant_dir=vd,
-                 run_summary=vd / "round_summary.json")
+                 run_summary=vd / "round_summary.json",
+                 eval=(rd if round_idx == 0 else vd) / "eval.parquet")  # round 0: the starting policy, shared
     return paths
 
 
@@ -112,6 +113,8 @@ def policy_for_round(cfg: CAPOConfig, round_idx: int) -> str:
     Raises:
         FileNotFoundError: round k-1 has not written its checkpoint.
     """
+    if round_idx < 1:
+        raise ValueError(f"round {round_idx} has no rollouts: round 0 is the starting policy, only evaluated")
     if round_idx == 1:
         return resolve_model(cfg.rollout.policy, cfg)
     prev = round_paths(cfg, round_idx - 1)["checkpoint"]
@@ -194,11 +197,17 @@ def stage_key(stage: str, cfg: CAPOConfig, round_idx: int) -> dict:
         return {"rollouts": input_fp(p["rollouts"]), "token_rewards": input_fp(p["token_rewards"]),
                 "train": {k: v for k, v in c["train"].items() if k != "launcher"},
                 "policy": model_fingerprint(policy_for_round(cfg, round_idx)), "seed": cfg.seed}
-    raise ValueError(f"unknown stage {stage!r}; valid: {list(STAGES)}")
+    if stage == "eval":
+        from pipeline.evaluate import eval_key
+
+        return eval_key(cfg, round_idx)
+    raise ValueError(f"unknown stage {stage!r}; valid: {[*STAGES, 'eval']}")
 
 
 STAGES = ("rollout", "verify", "segment", "critique", "vote", "reward", "train")
-HEAVY_STAGES = ("rollout", "critique", "train")
+"""The stages of a training round, in order. ``eval`` runs after them (with round 1 also for round 0,
+the starting policy): see :mod:`pipeline.evaluate` and :func:`flows.runner.eval_rounds`."""
+HEAVY_STAGES = ("rollout", "critique", "train", "eval")
 
 
 def config_provenance(cfg: CAPOConfig) -> dict:

@@ -269,6 +269,7 @@ _GLOBS = {
     "step_verdicts": "*/round_*/variants/*/step_verdicts.parquet",
     "token_rewards": "*/round_*/variants/*/token_rewards.parquet",
     "train_metrics": "*/round_*/variants/*/train_metrics.parquet",
+    "eval": "*/round_*/**/eval.parquet",  # round_000/eval.parquet and round_k/variants/*/eval.parquet
 }
 
 _MANIFEST_COLUMNS = {"table": "VARCHAR", "stage": "VARCHAR", "path": "VARCHAR", "rows": "BIGINT",
@@ -309,6 +310,29 @@ FROM per JOIN pen USING (run_id, round, variant) LEFT JOIN m USING (run_id, roun
 ORDER BY per.run_id, per.round, per.variant
 """
 """Per run, round and variant: what the variant did to the tokens and to the update (issue 3)."""
+
+
+EVAL_SUMMARY_SQL = """
+CREATE OR REPLACE VIEW cat.eval_summary AS
+WITH g AS (
+    SELECT run_id, round, variant, benchmark, count(*) AS n_problems, avg(correct::INT) AS accuracy,
+           avg(num_tokens) AS mean_response_tokens, avg((finish_reason = 'length')::INT) AS share_truncated
+    FROM cat.eval WHERE decoding = 'greedy' GROUP BY ALL
+), per_problem AS (
+    SELECT run_id, round, variant, benchmark, prompt_id, count(*) AS n, sum(correct::INT) AS c
+    FROM cat.eval WHERE decoding = 'sample' GROUP BY ALL
+), pk AS (
+    SELECT run_id, round, variant, benchmark, max(n) AS pass_k, avg((c > 0)::INT) AS pass_at_k,
+           avg(c / n) AS sampled_accuracy
+    FROM per_problem GROUP BY ALL
+)
+SELECT g.*, pk.pass_k, pk.pass_at_k, pk.sampled_accuracy
+FROM g LEFT JOIN pk ON g.run_id = pk.run_id AND g.round = pk.round AND g.benchmark = pk.benchmark
+                       AND g.variant IS NOT DISTINCT FROM pk.variant
+ORDER BY run_id, round, variant NULLS FIRST, benchmark
+"""
+"""Per run, round, variant and benchmark: :func:`pipeline.evaluate.summarize_eval` in SQL (pass@k as
+any-correct: every sampled problem has n = k samples)."""
 
 
 def _present(con) -> set[str]:
@@ -360,6 +384,8 @@ def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
             con.execute(VARIANT_SUMMARY_SQL.format(metrics="cat.train_metrics" if "train_metrics" in _present(con)
                                                    else "(SELECT NULL::VARCHAR run_id, NULL::INT round, NULL::VARCHAR variant, "
                                                         "NULL::VARCHAR name, NULL::DOUBLE value, NULL::INT step)"))
+        if "eval" in _present(con):
+            con.execute(EVAL_SUMMARY_SQL)
         con.execute("DETACH cat")
     finally:
         con.close()

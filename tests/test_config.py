@@ -143,7 +143,8 @@ def test_config_file_errors(tmp_path):
 def test_paths_and_round_dir(tmp_path):
     cfg = CAPOConfig(runs_dir=str(tmp_path / "runs"), run_id="exp1")
     assert cfg.round_dir(3) == tmp_path / "runs" / "exp1" / "round_003"
-    with pytest.raises(ValueError, match=">= 1"):
-        cfg.round_dir(0)
+    assert cfg.round_dir(0) == tmp_path / "runs" / "exp1" / "round_000"  # the starting policy's eval
+    with pytest.raises(ValueError, match=">= 0"):
+        cfg.round_dir(-1)
     with pytest.raises(ValidationError, match="run_id"):
         CAPOConfig(run_id="../escape")

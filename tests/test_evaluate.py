@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 (pa.compute)
 import pyarrow.parquet as pq
 import pytest
 
@@ -15,7 +16,6 @@ from pipeline.config import DEFAULT_INSTRUCTIONS, TransformersEngineConfig, load
 from pipeline.engines import EngineStats, Generation, Sample
 from pipeline.evaluate import (
     EVAL_SCHEMA,
-    EvalConfig,
     eval_path,
     eval_stage,
     evaluate_policy,
@@ -79,19 +79,24 @@ def test_summarize_eval_hand_counts():
 
 
 def test_catalog_view_matches_summarize_eval(tmp_path):
+    """The catalog's ``eval`` view finds round 0 and variant tables (not superseded ones), and its
+    ``eval_summary`` view equals :func:`summarize_eval`."""
     import duckdb
 
-    from pipeline.evaluate import EVAL_SUMMARY_SQL
-
     rows = _hand_rows() + [_row("gsm8k", "g0", "greedy", 0, False, 4, rnd=0, variant=None)]
-    pq.write_table(pa.Table.from_pylist(rows, schema=EVAL_SCHEMA), tmp_path / "eval.parquet")
-    con = duckdb.connect()
-    con.execute("ATTACH ':memory:' AS cat")
-    con.execute(f"CREATE VIEW cat.eval AS SELECT * FROM read_parquet('{tmp_path / 'eval.parquet'}')")
-    con.execute(EVAL_SUMMARY_SQL)
-    cur = con.execute("SELECT * FROM cat.eval_summary")
+    table = pa.Table.from_pylist(rows, schema=EVAL_SCHEMA)
+    runs = tmp_path / "runs"
+    for path, rnd in ((runs / "r" / "round_000" / "eval.parquet", 0),
+                      (runs / "r" / "round_001" / "variants" / "v" / "eval.parquet", 1),
+                      (runs / "r" / "round_001" / "variants" / "v" / "superseded" / "eval-1.parquet", 1)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table.filter(pa.compute.equal(table.column("round"), rnd)), path)
+    con = duckdb.connect(str(storage.refresh_catalog(runs)), read_only=True)
+    assert con.execute("SELECT count(*) FROM eval").fetchone()[0] == len(rows)
+    cur = con.execute("SELECT * FROM eval_summary")
     sql = {(r["round"], r["benchmark"]): r for r in (dict(zip([d[0] for d in cur.description], x)) for x in cur.fetchall())}
-    py = summarize_eval(pa.Table.from_pylist(rows, schema=EVAL_SCHEMA)).to_pylist()
+    con.close()
+    py = summarize_eval(table).to_pylist()
     assert len(sql) == len(py) == 3
     for r in py:
         got = sql[(r["round"], r["benchmark"])]
@@ -166,11 +171,11 @@ def test_evaluate_policy_prompts_calls_and_pass_k(scripted, data_dir):
 
 
 # ------------------------------------------------------------------------------------------- stage
-def test_eval_stage_round0_skip_rerun_and_round1(scripted, tmp_path, data_dir, repo, monkeypatch):
+def test_eval_stage_round0_skip_rerun_and_round1(scripted, tmp_path, data_dir, repo):
     from pipeline.report import write_report
 
-    cfg = load_config(repo / "configs" / "tiny.yaml", [f"runs_dir={tmp_path}", f"data_dir={data_dir}", "run_id=ev"])
-    monkeypatch.setattr(evaluate, "eval_config", lambda c: EvalConfig(benchmarks=["gsm8k", "aime24"], sample_size=2))
+    over = [f"runs_dir={tmp_path}", f"data_dir={data_dir}", "run_id=ev", "eval.benchmarks=[gsm8k, aime24]"]
+    cfg = load_config(repo / "configs" / "tiny.yaml", over + ["eval.sample_size=2"])
     res = eval_stage(cfg, 0)
     out = tmp_path / "ev" / "round_000" / "eval.parquet"
     assert not res.skipped and res.rows == 4 and res.path == str(out) == str(eval_path(cfg, 0))
@@ -179,7 +184,7 @@ def test_eval_stage_round0_skip_rerun_and_round1(scripted, tmp_path, data_dir, r
     t = pq.read_table(out)
     assert t.column("variant").null_count == 4 and set(t.column("round").to_pylist()) == {0}
     assert eval_stage(cfg, 0).skipped  # current: no engine
-    monkeypatch.setattr(evaluate, "eval_config", lambda c: EvalConfig(benchmarks=["gsm8k", "aime24"], sample_size=3))
+    cfg = load_config(repo / "configs" / "tiny.yaml", over + ["eval.sample_size=3"])
     again = eval_stage(cfg, 0)
     assert not again.skipped and again.rows == 6 and "changed: ['eval']" in again.reason
     assert len(list((out.parent / "superseded").glob("eval-*.parquet"))) == 1
@@ -194,6 +199,15 @@ def test_eval_stage_round0_skip_rerun_and_round1(scripted, tmp_path, data_dir, r
     assert set(pq.read_table(r1.path).column("variant").to_pylist()) == {cfg.variant}
     html = write_report(tmp_path, "ev")["report_html"].read_text()
     assert "<td>start policy</td><td>0</td>" in html and f"<td>{cfg.variant}</td><td>1</td>" in html
+
+
+def test_eval_config_names_valid_benchmarks():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"unknown benchmark 'math'; valid: \['aime24'"):
+        load_config(None, ["eval.benchmarks=[gsm8k, math]"])
+    cfg = load_config(None, ["eval.engine.type=transformers", "eval.sample_size=null"])
+    assert cfg.eval.engine.type == "transformers" and cfg.eval.sample_size is None
 
 
 # ------------------------------------------------------------------------------------- real model
