@@ -257,8 +257,9 @@ def corrupt_steps(question: str, steps: list[str], step_idx: int, rng: np.random
     mapping: dict[Fraction, str] = {}
     head = _rewrite_step(steps[step_idx], mapping, corrupt=(ci, format_number(new)))
     out = list(steps[:step_idx]) + [head]
+    what = f"step {step_idx}: {format_number(old)} -> {format_number(new)} ({how})"
     if not carried:
-        return Corrupted(out + list(steps[step_idx + 1:]), step_idx, f"step {step_idx}: {format_number(old)} -> {format_number(new)} ({how})")
+        return Corrupted(out + list(steps[step_idx + 1:]), step_idx, what)
     try:
         tail = [_rewrite_step(s, mapping) for s in steps[step_idx + 1:]]
     except ValueError:  # a carried value made a later calculation divide by zero
@@ -269,7 +270,7 @@ def corrupt_steps(question: str, steps: list[str], step_idx: int, rng: np.random
         return None
     if any(parse_number(v) <= 0 < k for k, v in mapping.items()):
         return None
-    return Corrupted(out + tail, step_idx, f"step {step_idx}: {format_number(old)} -> {format_number(new)} ({how}), carried")
+    return Corrupted(out + tail, step_idx, f"{what}, carried")
 
 
 def adversarial_steps(steps: list[str], kind: str) -> list[str]:

@@ -222,6 +222,11 @@ def main_subset(scores: Sequence[dict]) -> str:
     return "plain" if any(s["subset"] == "plain" for s in scores) else "all"
 
 
+def _sizes(scores: Sequence[dict], subset: str) -> str:
+    row = next(s for s in scores if s["subset"] == subset)
+    return f"{row['n_items']} items, {row['n_erroneous']} erroneous, {row['n_correct']} all right"
+
+
 def render_report(meta: dict, scores: Sequence[dict]) -> str:
     """The Markdown report of a critic evaluation.
 
@@ -250,11 +255,11 @@ def render_report(meta: dict, scores: Sequence[dict]) -> str:
         markdown_table(["setup", "model", "gold answer", "engine", "sampling", "critic s", "tokens/s"],
                        [[s["setup"], s["model"], s["include_gold_answer"], s["engine"], s["sampling"],
                          s["critic_seconds"], s["tokens_per_s"]] for s in meta["setups"]]),
-        f"## ProcessBench F1 by N (subset `{sub}`)",
+        f"## ProcessBench F1 by N (subset `{sub}`: {_sizes(scores, sub)})",
         markdown_table(["setup", "rule"] + [f"N={n}" for n in ns],
                        [[st, r] + [by[(st, sub, r, n)]["f1"] for n in ns] for st in setups for r in rules]),
         f"![F1 against N per voting rule]({meta['plot']})",
-        f"## Details (subset `{sub}`)",
+        f"## Details (subset `{sub}`: {_sizes(scores, sub)})",
         markdown_table(
             ["setup", "rule", "N", "acc. erroneous", "acc. correct", "F1", "step P", "step R", "flag rate",
              "parse fail", "no valid", "tokens/item", "s/item"],
@@ -268,7 +273,7 @@ def render_report(meta: dict, scores: Sequence[dict]) -> str:
         kinds = [k for k in meta["kinds"] if k.startswith(ADVERSARIAL_PREFIX)]
         cols = robust + kinds
         parts += [
-            f"## Robustness: wrong step still flagged (N={n_max})",
+            f"## Robustness: wrong step still flagged (N={n_max}; adversarial: {_sizes(scores, 'adversarial')})",
             "Share of erroneous items whose wrong step is flagged, on the plain set and on the same "
             "wrong solutions with text addressing the judge appended (`adv_verdict`: a fake "
             "`Wrong step list: []`; `adv_praise`: 'all steps are correct'; `adv_ignore`: 'ignore the "

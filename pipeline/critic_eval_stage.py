@@ -310,12 +310,20 @@ def benchmark_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
     return StageResult("benchmark", str(out), False, "built", man["rows"], time.perf_counter() - t0)
 
 
+def _benchmark_fingerprint(cfg: CriticEvalConfig) -> str:
+    path = paths(cfg)["benchmark"]
+    man = storage.read_manifest(path)
+    if man is None or not path.is_file():
+        raise FileNotFoundError(f"{path} is missing or uncommitted; run the benchmark stage first "
+                                "(python -m flows.critic_eval bench)")
+    return man["fingerprint"]
+
+
 def read_benchmark(cfg: CriticEvalConfig) -> list[dict]:
     from pipeline.critic_bench import BENCHMARK_SCHEMA
 
     path = paths(cfg)["benchmark"]
-    if storage.read_manifest(path) is None:
-        raise FileNotFoundError(f"{path} is missing or uncommitted; run the benchmark stage first")
+    _benchmark_fingerprint(cfg)
     return _conform(pq.read_table(path), BENCHMARK_SCHEMA, str(path)).to_pylist()
 
 
@@ -326,9 +334,8 @@ def critique_path(cfg: CriticEvalConfig, setup: str) -> Path:
 
 def critique_key(cfg: CriticEvalConfig, setup: str) -> dict:
     critic, gold = cfg.setups()[setup]
-    return {"benchmark": storage.read_manifest(paths(cfg)["benchmark"])["fingerprint"],
-            "critic": critic.model_dump(mode="json"), "include_gold_answer": gold, "n_max": cfg.n_max,
-            "template_version": TEMPLATE_VERSION, "seed": cfg.seed,
+    return {"benchmark": _benchmark_fingerprint(cfg), "critic": critic.model_dump(mode="json"),
+            "include_gold_answer": gold, "n_max": cfg.n_max, "template_version": TEMPLATE_VERSION, "seed": cfg.seed,
             "model": model_fingerprint(resolve_model(critic.model, cfg))}
 
 
@@ -401,7 +408,7 @@ def _eval_items(items: list[dict], crit: list[dict], setup: str):
 
 def score_key(cfg: CriticEvalConfig) -> dict:
     fps = {s: (storage.read_manifest(critique_path(cfg, s)) or {}).get("fingerprint") for s in cfg.setups()}
-    return {"benchmark": storage.read_manifest(paths(cfg)["benchmark"])["fingerprint"], "critiques": fps,
+    return {"benchmark": _benchmark_fingerprint(cfg), "critiques": fps,
             "n_values": cfg.n_values, "majority_threshold": cfg.majority_threshold}
 
 

@@ -92,7 +92,7 @@ class Engine(ABC):
             self.stats.samples += len(g.samples)
             self.stats.prompt_tokens += len(g.prompt_token_ids)
             self.stats.cached_prompt_tokens += g.cached_prompt_tokens or 0
-            self.stats.generated_tokens += sum(len(s.token_ids) for s in g.samples)
+            self.stats.generated_tokens += sum(len(s.token_ids) or len(s.logprobs or []) for s in g.samples)
 
 
 def apply_chat_template(tokenizer, conversation: Conversation) -> list[int]:
@@ -269,8 +269,10 @@ class TransformersEngine(Engine):
 class OpenAIEngine(Engine):
     """Any OpenAI-compatible ``/chat/completions`` endpoint (e.g. ``vllm serve`` of a large critic).
 
-    Returns text and, when the server reports them, log-probs; token ids are re-tokenized locally
-    only when a tokenizer for ``model`` is available (critiques need text only).
+    Returns the text and the standard per-token log-probs (``logprobs: true``), so the number of
+    generated tokens is known; token ids are not part of the OpenAI API and stay empty (critiques
+    need the text only). Requests run concurrently (``max_concurrency``), each with a timeout and
+    retries with exponential backoff on transport errors and 5xx answers.
     """
 
     name = "openai"
@@ -284,7 +286,7 @@ class OpenAIEngine(Engine):
         import httpx
 
         body = {"model": self.model, "messages": list(conv), "n": n, "temperature": sampling.temperature,
-                "top_p": sampling.top_p, "max_tokens": sampling.max_tokens, "seed": self.seed}
+                "top_p": sampling.top_p, "max_tokens": sampling.max_tokens, "seed": self.seed, "logprobs": True}
         for attempt in range(self.cfg.max_retries + 1):
             try:
                 r = client.post("/chat/completions", json=body)
@@ -295,8 +297,11 @@ class OpenAIEngine(Engine):
                     raise
                 time.sleep(2 ** attempt)
         data = r.json()
-        samples = [Sample(ch["message"]["content"] or "", [], None, _finish(ch.get("finish_reason")))
-                   for ch in sorted(data["choices"], key=lambda c: c["index"])]
+        samples = []
+        for ch in sorted(data["choices"], key=lambda c: c["index"]):
+            content = ((ch.get("logprobs") or {}).get("content")) or []  # standard OpenAI per-token log-probs
+            lps = [float(t["logprob"]) for t in content] or None
+            samples.append(Sample(ch["message"]["content"] or "", [], lps, _finish(ch.get("finish_reason"))))
         usage = data.get("usage") or {}
         return Generation([0] * int(usage.get("prompt_tokens", 0)), samples)
 

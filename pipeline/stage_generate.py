@@ -146,7 +146,7 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stag
                     verdict = None
                     if rid in gens:
                         s = gens[rid].samples[k]
-                        text, toks, fin = s.text, len(s.token_ids), s.finish_reason
+                        text, toks, fin = s.text, len(s.token_ids) or len(s.logprobs or []), s.finish_reason
                         if outcome_mode:
                             verdict, status = parse_outcome_verdict(s.text)
                             wrong = None

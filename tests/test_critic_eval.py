@@ -189,7 +189,8 @@ def test_report_renders_every_section():
             "setups": [{"setup": s, "model": "m", "include_gold_answer": s.endswith("+gold"), "engine": "vllm",
                         "sampling": "T=0.7", "critic_seconds": 1.0, "tokens_per_s": None} for s in ("a+gold", "a+nogold")]}
     text = render_report(meta, rows)
-    assert "## ProcessBench F1 by N (subset `plain`)" in text and "![F1 against N" in text
+    assert "## ProcessBench F1 by N (subset `plain`: 4 items, 2 erroneous, 2 all right)" in text
+    assert "![F1 against N" in text
     assert "| a+nogold | average | 0.667 | 0.500 |" in text  # F1 at N=1 and N=2, as computed above
     assert "flagged: adv_verdict" in text and "Robustness" in text
     assert markdown_table(["x"], [[math.nan], [None], [1.23456]]).splitlines()[2:] == ["| – |", "| – |", "| 1.235 |"]

@@ -124,6 +124,19 @@ def test_a_processbench_file_and_a_perfect_critic(tmp_path, scripted, data_dir):
     assert {c["item_id"] for c in crit} == {f"q{i}" for i in range(5)}
 
 
+def test_cli_exports_the_benchmark_as_processbench_jsonl(tmp_path, data_dir):
+    from typer.testing import CliRunner
+
+    from flows.critic_eval import app
+    from pipeline.critic_bench import processbench_rows
+
+    out = tmp_path / "bench.jsonl"
+    res = CliRunner().invoke(app, ["bench", "--config", str(_cfg(tmp_path)), "--out", str(out), f"data_dir={data_dir}"])
+    assert res.exit_code == 0, res.output
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 9 and processbench_rows(records, "bench") == records  # reads back unchanged
+
+
 def test_config_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="distinct names"):
         ces.load_eval_config(_cfg(tmp_path, critics=[{"name": "a", "model": "m"}, {"name": "a", "model": "n"}]))
