@@ -241,14 +241,15 @@ def corrupt_steps(question: str, steps: list[str], step_idx: int, rng: np.random
                   carried: bool) -> Corrupted | None:
     """Corrupt the last calculation of ``steps[step_idx]`` whose stated result is exact and shown.
 
-    ``carried``: later steps use the new value (None when no later step uses the old one, or when
-    the old values also appear in the problem or earlier steps, which would make the replacement
-    ambiguous, or when a carried result stops being positive or divides by zero). Otherwise later steps stay as they
-    were. Returns None when the step has no such calculation.
+    ``carried``: later steps use the new value. None when no later step uses the old one, when a
+    changed value also appears in the problem or earlier steps (the replacement would be
+    ambiguous), or when a carried result stops being positive or divides by zero. Otherwise the
+    later steps stay as they were. Also None when the step has no such calculation.
     """
-    calcs = parse_calcs(steps[step_idx])
-    usable = [i for i, c in enumerate(calcs) if c.shown is not None and safe_eval(c.expr) == parse_number(c.result)
-              and parse_number(steps[step_idx][c.shown[0]:c.shown[1]]) == parse_number(c.result)]
+    step = steps[step_idx]
+    calcs = parse_calcs(step)
+    usable = [i for i, c in enumerate(calcs) if c.shown is not None
+              and safe_eval(c.expr) == parse_number(c.result) == parse_number(step[c.shown[0]:c.shown[1]])]
     if not usable:
         return None
     ci = usable[-1]
