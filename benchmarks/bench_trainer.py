@@ -1,0 +1,189 @@
+"""Benchmark 4: one PPO update, our trainer vs TRL's GRPOTrainer loss path, same model and batch.
+
+The batch: B sequences of exactly P prompt + R response tokens (random token ids from a fixed
+seed; lengths fixed so both layouts hold the same tensors), the same per-token advantages
+(standard normal), float32 weights, AdamW with the same hyper-parameters, clip 0.2/0.2,
+token-mean loss, no KL. One *update* is, for both:
+
+  old log-probs (no grad) -> log-probs -> clipped loss -> backward -> clip grad norm 1.0 -> AdamW step
+
+  * ``ours``: ``train.trainer.ppo_update`` (one mini-batch of one micro-batch of B sequences),
+    with the model and ``torch.optim.AdamW`` prepared by Accelerate as ``train_stage`` does;
+  * ``trl``: a real ``trl.GRPOTrainer`` (dummy reward function and dataset; TRL's fused LM head
+    patched in by its constructor), its optimizer from ``create_optimizer()``; old log-probs from
+    ``_get_per_token_logps_and_entropies`` under ``no_grad`` (what ``_generate_and_score_completions``
+    does when old log-probs are needed), then ``compute_loss`` on the inputs dict that
+    ``_generate_and_score_completions`` returns (left-padded prompt, completion, masks, (B, T)
+    advantages, ``old_per_token_logps``, ``num_items_in_batch``), ``accelerator.backward``,
+    ``clip_grad_norm_``, ``optimizer.step``;
+  * ``trl_no_old``: the same without the old log-prob pass (TRL skips it when
+    ``num_iterations == 1`` and generation is aligned with optimizer steps; ours always computes it).
+
+Updates alternate ours / TRL (best of ``--repeats`` each, after one warm-up each), so both see
+the same machine noise. Tokens/s counts all B*(P+R) positions the forward covers and, apart,
+the B*R response tokens. MFU = 6 * params * B*(P+R) / seconds / peak, the peak being the best of
+5 float32 ``torch.matmul`` of two 2048x2048 matrices measured in the same run (the 6NT count
+leaves out the old log-prob forward, 2NT more, and attention).
+
+    .venv/bin/python benchmarks/bench_trainer.py --batch 8 --prompt-len 128 --response-len 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of the best of ``repeats`` float32 (n, n) @ (n, n) products."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    torch.matmul(a, b)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def make_batch(B: int, P: int, R: int, vocab: int, seed: int):
+    """(B, P) prompt ids, (B, R) response ids, (B, R) float32 advantages."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, vocab, (B, P))
+    resp = rng.integers(0, vocab, (B, R))
+    adv = rng.standard_normal((B, R)).astype(np.float32)
+    return prompt, resp, adv
+
+
+def ours(model_path: str, prompt, resp, adv, lr: float, pad_id: int):
+    """A closure running one ``ppo_update`` on the batch; returns (update, n_params)."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.config import TrainConfig
+    from train.trainer import Example, ppo_update
+
+    B = prompt.shape[0]
+    tc = TrainConfig(learning_rate=lr, num_mini_batches=1, micro_batch_size=B, ppo_epochs=1, max_grad_norm=1.0)
+    accelerator = Accelerator()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=tc.learning_rate,
+                            weight_decay=tc.weight_decay)
+    model, opt = accelerator.prepare(model, opt)
+    examples = [Example(p.tolist(), r.tolist(), a) for p, r, a in zip(prompt, resp, adv)]
+
+    def update():
+        return ppo_update(model, opt, examples, tc, pad_id, seed=0, accelerator=accelerator)
+
+    return update, sum(q.numel() for q in model.parameters())
+
+
+def trl(model_path: str, prompt, resp, adv, lr: float, pad_id: int, tmp: str):
+    """Closures running one TRL GRPO update on the batch, with and without the old log-prob pass."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    B, P = prompt.shape
+    R = resp.shape[1]
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    args = GRPOConfig(output_dir=tmp, per_device_train_batch_size=B, num_generations=B, gradient_accumulation_steps=1,
+                      learning_rate=lr, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2, loss_type="dapo",
+                      temperature=1.0, max_completion_length=R, num_iterations=1, use_cpu=True, bf16=False,
+                      report_to=[], save_strategy="no", logging_strategy="no", lr_scheduler_type="constant",
+                      optim="adamw_torch")
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["1 + 1 ="] * B}), processing_class=tok)
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1
+    m = trainer.model
+    m.train()
+    comp_mask = torch.ones((B, R), dtype=torch.long)
+    inputs = {"prompt_ids": torch.as_tensor(prompt), "prompt_mask": torch.ones((B, P), dtype=torch.long),
+              "completion_ids": torch.as_tensor(resp), "completion_mask": comp_mask,
+              "advantages": torch.as_tensor(adv), "num_items_in_batch": comp_mask.sum()}
+
+    def update(with_old: bool):
+        batch = dict(inputs)
+        if with_old:
+            with torch.no_grad():
+                ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+                att = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+                batch["old_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(m, ids, att, R, batch_size=B)
+        loss = trainer.compute_loss(m, batch)
+        trainer.accelerator.backward(loss)
+        gn = trainer.accelerator.clip_grad_norm_(m.parameters(), args.max_grad_norm)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach()), float(gn)
+
+    return update, sum(q.numel() for q in m.parameters()), type(trainer.optimizer).__name__
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(ROOT / "data" / "models" / "smollm2-135m-instruct"))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--response-len", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    logging.getLogger("capo.train").setLevel(logging.WARNING)
+    from transformers import AutoConfig, AutoTokenizer
+
+    torch.manual_seed(a.seed)
+    peak = matmul_peak()
+    vocab = AutoConfig.from_pretrained(a.model).vocab_size
+    tok = AutoTokenizer.from_pretrained(a.model)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    prompt, resp, adv = make_batch(a.batch, a.prompt_len, a.response_len, vocab, a.seed)
+    B, P, R = a.batch, a.prompt_len, a.response_len
+    env = {"machine": platform.machine(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+           "model": Path(a.model).name, "dtype": "float32", "batch": B, "prompt_len": P, "response_len": R,
+           "matmul_peak_gflops": round(peak / 1e9, 1)}
+    with tempfile.TemporaryDirectory() as tmp:
+        ours_update, n_params = ours(a.model, prompt, resp, adv, a.lr, pad_id)
+        trl_update, n_params_trl, trl_opt = trl(a.model, prompt, resp, adv, a.lr, pad_id, tmp)
+        assert n_params == n_params_trl, (n_params, n_params_trl)
+        runs = {"ours": lambda: ours_update(), "trl": lambda: trl_update(True), "trl_no_old": lambda: trl_update(False)}
+        best = {k: float("inf") for k in runs}
+        warm = {k: f() for k, f in runs.items()}  # warm-up (allocator, first-call costs), from the same weights
+        for _ in range(a.repeats):  # best of N, interleaved: the machine is shared and noisy
+            for k, f in runs.items():
+                t0 = time.perf_counter()
+                f()
+                best[k] = min(best[k], time.perf_counter() - t0)
+    tokens, resp_tokens = B * (P + R), B * R
+    flops = 6 * n_params * tokens
+    for k, s in best.items():
+        print(json.dumps({"bench": "trainer", "impl": k, "seconds": round(s, 3), "tokens_per_s": round(tokens / s, 1),
+                          "response_tokens_per_s": round(resp_tokens / s, 1), "params": n_params,
+                          "model_tflops_per_s": round(flops / s / 1e12, 4), "mfu": round(flops / s / peak, 4),
+                          "optimizer": "AdamW" if k == "ours" else trl_opt, **env}), flush=True)
+    # Same objective: at the first update (same weights, ratio 1) loss and gradient norm agree.
+    o, (t_loss, t_gn) = warm["ours"][0], warm["trl"]
+    same = bool(np.isclose(o["loss"], t_loss, rtol=1e-4, atol=1e-6) and np.isclose(o["grad_norm"], t_gn, rtol=1e-3))
+    print(json.dumps({"bench": "trainer", "first_update": {"ours_loss": o["loss"], "trl_loss": t_loss,
+                      "ours_grad_norm": o["grad_norm"], "trl_grad_norm": t_gn}, "same_objective": same, **env}))
+    print(json.dumps({"bench": "trainer", "speedup_ours_vs_trl": round(best["trl"] / best["ours"], 2),
+                      "speedup_ours_vs_trl_no_old": round(best["trl_no_old"] / best["ours"], 2),
+                      "goal": 1.0, "goal_met": best["trl"] / best["ours"] >= 1.0, **env}))
+
+
+if __name__ == "__main__":
+    main()
