@@ -6,6 +6,7 @@
     capo stage eval --round 0        held-out eval of the starting policy (round k: round k's checkpoint)
     capo report                      plots and the paper-style table of a run (runs/<run>/report/)
     capo sql "SELECT ..."            query the DuckDB catalog read-only
+    capo critic-eval run|bench|critique   measure a critic (ProcessBench F1 per voting rule and N)
 """
 
 from __future__ import annotations
@@ -146,6 +147,15 @@ def catalog(runs_dir: str = "runs", data_dir: str = "data") -> None:
     from pipeline.storage import refresh_catalog
 
     typer.echo(str(refresh_catalog(Path(runs_dir), Path(data_dir))))
+
+
+@app.command("critic-eval", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def critic_eval_cmd(ctx: typer.Context) -> None:
+    """Measure a critic: ProcessBench F1 per voting rule and N (`capo critic-eval --help`)."""
+    from flows.critic_eval import app as sub  # imported lazily: it imports Prefect
+
+    sub(args=ctx.args, prog_name="capo critic-eval")
 
 
 if __name__ == "__main__":

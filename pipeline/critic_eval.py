@@ -250,7 +250,8 @@ def render_report(meta: dict, scores: Sequence[dict]) -> str:
         "A step is flagged when its vote weight is >= 0.5 (`average`: at least half of the valid "
         "critiques; `majority`: strictly more than half). Prediction = earliest flagged step (-1: none). "
         "N = the first N of the critiques sampled per item (one request), so every N uses the same samples. "
-        "Shares are over items; `–` = undefined (no such items).",
+        "Shares are over items; `–` = undefined (no such items). s/item = critic tokens per item x the "
+        "run's measured seconds per generated token (batched requests, engine load excluded).",
         "## Critics",
         markdown_table(["setup", "model", "gold answer", "engine", "sampling", "critic s", "tokens/s"],
                        [[s["setup"], s["model"], s["include_gold_answer"], s["engine"], s["sampling"],

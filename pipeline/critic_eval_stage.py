@@ -179,6 +179,7 @@ def write_resolved_config(cfg: CriticEvalConfig) -> Path:
 
 # ------------------------------------------------------------------------------------------ tables
 CRITIQUES_SCHEMA = pa.schema([
+    pa.field("eval_name", pa.string(), nullable=False),  # CriticEvalConfig.name (for SQL across runs)
     pa.field("setup", pa.string(), nullable=False),
     pa.field("item_id", pa.string(), nullable=False),
     pa.field("critique_idx", pa.int32(), nullable=False),
@@ -194,7 +195,8 @@ CRITIQUES_SCHEMA = pa.schema([
 ])
 
 SCORES_SCHEMA = pa.schema(
-    [pa.field("setup", pa.string(), nullable=False), pa.field("subset", pa.string(), nullable=False),
+    [pa.field("eval_name", pa.string(), nullable=False),
+     pa.field("setup", pa.string(), nullable=False), pa.field("subset", pa.string(), nullable=False),
      pa.field("rule", pa.string(), nullable=False), pa.field("n", pa.int32(), nullable=False)]
     + [pa.field(k, pa.int32()) for k in ("n_items", "n_erroneous", "n_correct")]
     + [pa.field(k, pa.float64()) for k in (
@@ -203,6 +205,7 @@ SCORES_SCHEMA = pa.schema(
 )
 
 PREDICTIONS_SCHEMA = pa.schema([
+    pa.field("eval_name", pa.string(), nullable=False),
     pa.field("setup", pa.string(), nullable=False),
     pa.field("item_id", pa.string(), nullable=False),
     pa.field("kind", pa.string()),
@@ -367,8 +370,8 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
     for it, gen in zip(items, gens):
         for k, s in enumerate(gen.samples):
             parsed = parse_critique(s.text, len(it["steps"]))
-            rows.append({"setup": setup, "item_id": it["id"], "critique_idx": k, "critic_model": model,
-                         "template_version": TEMPLATE_VERSION, "include_gold_answer": gold,
+            rows.append({"eval_name": cfg.name, "setup": setup, "item_id": it["id"], "critique_idx": k,
+                         "critic_model": model, "template_version": TEMPLATE_VERSION, "include_gold_answer": gold,
                          "n_steps": len(it["steps"]), "raw_text": s.text,
                          "wrong_steps": None if parsed.wrong_steps is None else list(parsed.wrong_steps),
                          "parse_status": parsed.status, "critic_tokens": len(s.token_ids),
@@ -435,15 +438,16 @@ def score_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
         for subset, idx in groups.items():
             for s in score_grid([evals[i] for i in idx], cfg.n_values, tuple(VOTING_RULES),
                                 cfg.majority_threshold, seconds_per_token=spt):
-                row = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in s.as_dict().items()}
-                scores.append({"setup": setup, "subset": subset, **row})  # undefined share -> SQL NULL
+                row = {k: None if isinstance(v, float) and math.isnan(v) else v  # undefined -> SQL NULL
+                       for k, v in s.as_dict().items()}
+                scores.append({"eval_name": cfg.name, "setup": setup, "subset": subset, **row})
         for it, ev in zip(items, evals):
             for rule in VOTING_RULES:
                 for n in cfg.n_values:
                     pr = predict(ev, n, rule, cfg.majority_threshold)
-                    preds.append({"setup": setup, "item_id": it["id"], "kind": it["kind"], "rule": rule, "n": n,
-                                  "label": it["label"], "earliest_flagged": pr.earliest, "n_valid": pr.n_valid,
-                                  "weights": pr.weights.tolist()})
+                    preds.append({"eval_name": cfg.name, "setup": setup, "item_id": it["id"], "kind": it["kind"],
+                                  "rule": rule, "n": n, "label": it["label"], "earliest_flagged": pr.earliest,
+                                  "n_valid": pr.n_valid, "weights": pr.weights.tolist()})
     write_output(pa.Table.from_pylist(preds, schema=PREDICTIONS_SCHEMA), p["predictions"], PREDICTIONS_SCHEMA,
                  stage="score", key=key)
     man = write_output(pa.Table.from_pylist(scores, schema=SCORES_SCHEMA), p["scores"], SCORES_SCHEMA,

@@ -1,5 +1,5 @@
 """critic-eval end to end: the stages with a scripted critic (fast), a ProcessBench file, and the
-Prefect flow with SmolLM2-135M through the transformers engine (slow)."""
+Prefect flow with SmolLM2-135M through vLLM, as configs/tiny.yaml's critic (slow, ~2-3 min)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pipeline.engines import Engine, Generation, Sample
 
 TINY = {"name": "tiny", "model": "smollm2-135m-instruct",
         "sampling": {"temperature": 0.7, "top_p": 0.95, "max_tokens": 32},
-        "engine": {"type": "transformers", "dtype": "float32", "batch_size": 8}}
+        "engine": {"type": "vllm", "dtype": "float32", "max_model_len": 2048, "kv_cache_gib": 1}}
 
 
 class ScriptedCritic(Engine):
@@ -78,6 +78,7 @@ def test_stages_with_a_scripted_critic(tmp_path, scripted, data_dir):
     rows = pq.read_table(crit[0].path).to_pylist()
     assert len(rows) == len(items) * 4 and {r["parse_status"] for r in rows} == {"ok", "no_verdict"}
     assert all(r["parse_status"] in PARSE_STATUSES and r["template_version"] == cfg.template_version for r in rows)
+    assert {r["eval_name"] for r in rows} == {"t"}
     scores = pq.read_table(cfg.run_dir() / "scores.parquet").to_pylist()
     subsets = {"all", "plain", "adversarial", "original", "carried", "as_was", "adv_verdict", "adv_praise", "adv_ignore"}
     assert {s["subset"] for s in scores} == subsets
@@ -124,11 +125,14 @@ def test_a_processbench_file_and_a_perfect_critic(tmp_path, scripted, data_dir):
     assert {c["item_id"] for c in crit} == {f"q{i}" for i in range(5)}
 
 
-def test_cli_exports_the_benchmark_as_processbench_jsonl(tmp_path, data_dir):
+def test_cli_exports_the_benchmark_as_processbench_jsonl(tmp_path, data_dir, monkeypatch):
     from typer.testing import CliRunner
 
     from flows.critic_eval import app
     from pipeline.critic_bench import processbench_rows
+
+    # the CLI points the root logger at its stderr, which CliRunner closes afterwards
+    monkeypatch.setattr("flows.critic_eval._setup_logging", lambda: None)
 
     out = tmp_path / "bench.jsonl"
     res = CliRunner().invoke(app, ["bench", "--config", str(_cfg(tmp_path)), "--out", str(out), f"data_dir={data_dir}"])

@@ -165,7 +165,8 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     log.info("[train] running: %s", cur.reason)
     t0 = time.perf_counter()
     tc = cfg.train
-    accelerator = Accelerator(log_with=tc.report_to or None, project_dir=str(cfg.run_dir() / "tracking"))
+    accelerator = Accelerator(mixed_precision=tc.mixed_precision, log_with=tc.report_to or None,
+                              project_dir=str(cfg.run_dir() / "tracking"))
     if tc.report_to:
         accelerator.init_trackers(cfg.run_id, config={"variant": cfg.variant, **cfg.model_dump(mode="json")["train"]})
     set_seed(cfg.seed + round_idx)
