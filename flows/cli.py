@@ -2,6 +2,7 @@
 
     capo setup                       convert embedded models, ingest GSM8K (idempotent)
     capo round --round 1             run one round here, without Prefect (same stages)
+    capo run --rounds 3              run K on-policy rounds, without Prefect
     capo stage critique --round 1    one stage (what the flows start in child processes)
     capo stage eval --round 0        held-out eval of the starting policy (round k: round k's checkpoint)
     capo report                      plots and the paper-style table of a run (runs/<run>/report/)
@@ -69,20 +70,43 @@ def round_cmd(
     overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value overrides"),
 ) -> None:
     """Run one round (every stage, skipping finished ones) without Prefect."""
+    _setup_logging()
+    cfg = _cfg(config, overrides, preset)
+    _run_round(cfg, round, force or [])
+
+
+@app.command("run")
+def run_cmd(
+    rounds: int = typer.Option(2, "--rounds", "-k", help="number of on-policy rounds"),
+    start_round: int = typer.Option(1, help="first round (earlier rounds must be finished)"),
+    config: str = typer.Option(DEFAULT_CONFIG, help="YAML config"),
+    preset: Optional[str] = typer.Option(None, help="a name from configs/presets/"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value overrides"),
+) -> None:
+    """Run K on-policy rounds without Prefect (round k+1 samples from round k's checkpoint); a
+    killed run started again continues from the first unfinished stage of the first unfinished round."""
+    _setup_logging()
+    cfg = _cfg(config, overrides, preset)
+    for k in range(start_round, start_round + rounds):
+        _run_round(cfg, k, [])
+
+
+def _run_round(cfg, round_idx: int, force: list[str]) -> None:
     import time
 
-    _setup_logging()
     from flows.runner import eval_rounds, run_stage, write_round_summary
+    from pipeline.report import write_report
     from pipeline.stages import STAGES
     from pipeline.storage import refresh_catalog
 
     t0 = time.perf_counter()
-    cfg = _cfg(config, overrides, preset)
-    results = [dataclasses.asdict(run_stage(name, cfg, round, force=name in (force or []))) for name in STAGES]
-    results += [dataclasses.asdict(run_stage("eval", cfg, k, force="eval" in (force or []))) for k in eval_rounds(round)]
-    summary = write_round_summary(cfg, round, results, time.perf_counter() - t0)
-    typer.echo(f"round summary: {summary}")
+    results = [dataclasses.asdict(run_stage(name, cfg, round_idx, force=name in force)) for name in STAGES]
+    results += [dataclasses.asdict(run_stage("eval", cfg, k, force="eval" in force)) for k in eval_rounds(round_idx)]
+    summary = write_round_summary(cfg, round_idx, results, time.perf_counter() - t0)
+    typer.echo(f"round {round_idx} summary: {summary}")
     typer.echo(f"catalog: {refresh_catalog(Path(cfg.runs_dir), Path(cfg.data_dir))}")
+    report = write_report(Path(cfg.runs_dir), cfg.run_id)
+    typer.echo(f"report: {report.get('report_html', '')}")
 
 
 @app.command()
