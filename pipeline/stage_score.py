@@ -196,7 +196,7 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
     return _run("reward", p["token_rewards"], "token_rewards", key, compute, force)
 
 
-def _genorm_outcomes(p, ro: list[dict], rule_r_v: np.ndarray) -> tuple[np.ndarray, dict]:
+def _genorm_outcomes(p, rollout_ids: list[str], rule_r_v: np.ndarray) -> tuple[np.ndarray, dict]:
     """GenORM outcome reward: 1 iff strictly more than half of the valid verdicts say correct.
 
     A response with no valid verdict gets 0. Returns (B,) rewards and agreement statistics with
@@ -207,8 +207,8 @@ def _genorm_outcomes(p, ro: list[dict], rule_r_v: np.ndarray) -> tuple[np.ndarra
     for c in crit.to_pylist():
         if c["parse_status"] == "ok":
             yes.setdefault(c["rollout_id"], []).append(bool(c["outcome_verdict"]))
-    r = np.array([1.0 if sum(yes.get(x["rollout_id"], [])) * 2 > len(yes.get(x["rollout_id"], [])) else 0.0 for x in ro])
-    no_valid = sum(1 for x in ro if not yes.get(x["rollout_id"]))
+    r = np.array([1.0 if sum(yes.get(x, [])) * 2 > len(yes.get(x, [])) else 0.0 for x in rollout_ids])
+    no_valid = sum(1 for x in rollout_ids if not yes.get(x))
     return r, {"genorm_agreement_with_rule": float((r == rule_r_v).mean()) if len(r) else None,
                "genorm_no_valid_verdict": no_valid}
 
