@@ -80,3 +80,16 @@ def test_lora_trains_adapters_and_merges_into_plain_weights(tiny):
     k0 = dict(tiny.named_parameters())["model.layers.0.self_attn.k_proj.weight"]
     k1 = dict(merged.named_parameters())["model.layers.0.self_attn.k_proj.weight"]
     assert not torch.equal(q0, q1) and torch.equal(k0, k1)  # only targeted modules moved
+
+
+def test_kl_to_a_frozen_reference_is_measured_and_pulls_back(tiny):
+    """With kl_coef > 0 the k3 KL to the reference is reported, and it is 0 before any update."""
+    from accelerate import Accelerator
+
+    m = copy.deepcopy(tiny)
+    ref = copy.deepcopy(tiny).eval().requires_grad_(False)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    cfg = TrainConfig(micro_batch_size=2, num_mini_batches=2, kl_coef=0.1, max_grad_norm=1e12)
+    metrics = ppo_update(m, opt, _examples(), cfg, pad_id=0, seed=0, accelerator=Accelerator(cpu=True), ref_model=ref)
+    assert metrics[0]["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at the first step
+    assert metrics[1]["kl_ref"] > 0  # the first update moved the policy away from the reference
