@@ -141,6 +141,7 @@ def main() -> None:
             "engine_cached_prompt_tokens": sum(g.cached_prompt_tokens or 0 for g in gens),
             "engine_stats_prompt_tokens": s1["prompt_tokens"] - s0["prompt_tokens"],
             "engine_stats_cached_prompt_tokens": s1["cached_prompt_tokens"] - s0["cached_prompt_tokens"],
+            "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
             **env,
         }), flush=True)
     engine.close()

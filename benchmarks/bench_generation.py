@@ -85,7 +85,7 @@ def child(a: argparse.Namespace) -> None:
         "hit_max_tokens": sum(s.finish_reason == "length" for s in samples),
         "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs, 2), "load_seconds": round(load_s, 2),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-        "machine": platform.machine(), "cpus": os.cpu_count(),
+        "machine": platform.machine(), "cpus": os.cpu_count(), "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
     }), flush=True)
     engine.close()
 

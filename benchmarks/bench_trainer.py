@@ -2,7 +2,8 @@
 
 The batch: B sequences of exactly P prompt + R response tokens (random token ids from a fixed
 seed; lengths fixed so both layouts hold the same tensors), the same per-token advantages
-(standard normal), float32 weights, AdamW with the same hyper-parameters, clip 0.2/0.2,
+(standard normal), float32 weights (``--mixed-precision bf16``: bf16 autocast for both, through
+Accelerate as ``train_stage`` does and through ``GRPOConfig(bf16=True)``), AdamW with the same hyper-parameters, clip 0.2/0.2,
 token-mean loss, no KL. One *update* is, for both:
 
   old log-probs (no grad) -> log-probs -> clipped loss -> backward -> clip grad norm 1.0 -> AdamW step
@@ -22,7 +23,8 @@ token-mean loss, no KL. One *update* is, for both:
 Updates alternate ours / TRL (best of ``--repeats`` each, after one warm-up each), so both see
 the same machine noise. Tokens/s counts all B*(P+R) positions the forward covers and, apart,
 the B*R response tokens. MFU = 6 * params * B*(P+R) / seconds / peak, the peak being the best of
-5 float32 ``torch.matmul`` of two 2048x2048 matrices measured in the same run (the 6NT count
+5 ``torch.matmul`` of two 2048x2048 matrices (float32; bfloat16 under ``--mixed-precision bf16``)
+measured in the same run (the 6NT count
 leaves out the old log-prob forward, 2NT more, and attention).
 
     .venv/bin/python benchmarks/bench_trainer.py --batch 8 --prompt-len 128 --response-len 128
@@ -35,6 +37,7 @@ import json
 import logging
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,10 +48,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of the best of ``repeats`` float32 (n, n) @ (n, n) products."""
+def matmul_peak(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of the best of ``repeats`` (n, n) @ (n, n) products in ``dtype``."""
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
     torch.matmul(a, b)  # warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -67,7 +70,7 @@ def make_batch(B: int, P: int, R: int, vocab: int, seed: int):
     return prompt, resp, adv
 
 
-def ours(model_path: str, prompt, resp, adv, lr: float, pad_id: int):
+def ours(model_path: str, prompt, resp, adv, lr: float, pad_id: int, mixed_precision: str):
     """A closure running one ``ppo_update`` on the batch; returns (update, n_params)."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
@@ -76,8 +79,9 @@ def ours(model_path: str, prompt, resp, adv, lr: float, pad_id: int):
     from train.trainer import Example, ppo_update
 
     B = prompt.shape[0]
-    tc = TrainConfig(learning_rate=lr, num_mini_batches=1, micro_batch_size=B, ppo_epochs=1, max_grad_norm=1.0)
-    accelerator = Accelerator()
+    tc = TrainConfig(learning_rate=lr, num_mini_batches=1, micro_batch_size=B, ppo_epochs=1, max_grad_norm=1.0,
+                     mixed_precision=mixed_precision)
+    accelerator = Accelerator(mixed_precision=tc.mixed_precision)  # as train_stage builds it
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=tc.learning_rate,
                             weight_decay=tc.weight_decay)
@@ -90,7 +94,7 @@ def ours(model_path: str, prompt, resp, adv, lr: float, pad_id: int):
     return update, sum(q.numel() for q in model.parameters())
 
 
-def trl(model_path: str, prompt, resp, adv, lr: float, pad_id: int, tmp: str):
+def trl(model_path: str, prompt, resp, adv, lr: float, pad_id: int, tmp: str, mixed_precision: str):
     """Closures running one TRL GRPO update on the batch, with and without the old log-prob pass."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -102,7 +106,7 @@ def trl(model_path: str, prompt, resp, adv, lr: float, pad_id: int, tmp: str):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     args = GRPOConfig(output_dir=tmp, per_device_train_batch_size=B, num_generations=B, gradient_accumulation_steps=1,
                       learning_rate=lr, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2, loss_type="dapo",
-                      temperature=1.0, max_completion_length=R, num_iterations=1, use_cpu=True, bf16=False,
+                      temperature=1.0, max_completion_length=R, num_iterations=1, use_cpu=True, bf16=mixed_precision == "bf16",
                       report_to=[], save_strategy="no", logging_strategy="no", lr_scheduler_type="constant",
                       optim="adamw_torch")
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
@@ -142,23 +146,26 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
+                    help="autocast for both (weights and optimizer stay float32); the trainer's default is bf16")
     a = ap.parse_args()
     logging.getLogger("capo.train").setLevel(logging.WARNING)
     from transformers import AutoConfig, AutoTokenizer
 
     torch.manual_seed(a.seed)
-    peak = matmul_peak()
+    peak = matmul_peak(dtype=torch.bfloat16 if a.mixed_precision == "bf16" else torch.float32)
     vocab = AutoConfig.from_pretrained(a.model).vocab_size
     tok = AutoTokenizer.from_pretrained(a.model)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     prompt, resp, adv = make_batch(a.batch, a.prompt_len, a.response_len, vocab, a.seed)
     B, P, R = a.batch, a.prompt_len, a.response_len
     env = {"machine": platform.machine(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-           "model": Path(a.model).name, "dtype": "float32", "batch": B, "prompt_len": P, "response_len": R,
-           "matmul_peak_gflops": round(peak / 1e9, 1)}
+           "model": Path(a.model).name, "dtype": "float32", "mixed_precision": a.mixed_precision, "batch": B, "prompt_len": P, "response_len": R,
+           "matmul_peak_gflops": round(peak / 1e9, 1),
+           "matmul_peak_dtype": "bfloat16" if a.mixed_precision == "bf16" else "float32", "loadavg_1m_at_start": round(os.getloadavg()[0], 2)}
     with tempfile.TemporaryDirectory() as tmp:
-        ours_update, n_params = ours(a.model, prompt, resp, adv, a.lr, pad_id)
-        trl_update, n_params_trl, trl_opt = trl(a.model, prompt, resp, adv, a.lr, pad_id, tmp)
+        ours_update, n_params = ours(a.model, prompt, resp, adv, a.lr, pad_id, a.mixed_precision)
+        trl_update, n_params_trl, trl_opt = trl(a.model, prompt, resp, adv, a.lr, pad_id, tmp, a.mixed_precision)
         assert n_params == n_params_trl, (n_params, n_params_trl)
         runs = {"ours": lambda: ours_update(), "trl": lambda: trl_update(True), "trl_no_old": lambda: trl_update(False)}
         best = {k: float("inf") for k in runs}
@@ -167,7 +174,9 @@ def main() -> None:
             for k, f in runs.items():
                 t0 = time.perf_counter()
                 f()
-                best[k] = min(best[k], time.perf_counter() - t0)
+                secs = time.perf_counter() - t0
+                print(f"{k}: {secs:.2f}s (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+                best[k] = min(best[k], secs)
     tokens, resp_tokens = B * (P + R), B * R
     flops = 6 * n_params * tokens
     for k, s in best.items():

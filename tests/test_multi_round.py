@@ -92,9 +92,19 @@ def test_round_2_samples_from_round_1_checkpoint(two_runs, data_dir):
     assert pol == {str(ckpt)}
     man = json.loads((a / "round_002" / "rollouts.parquet.manifest.json").read_text())
     assert man["policy"] == str(ckpt)
-    new = load_file(str(ckpt / "model.safetensors"))
-    old = load_file(str(data_dir / "models" / "smollm2-135m-instruct" / "model.safetensors"))
-    assert any(not np.array_equal(new[k].float().numpy(), old[k].float().numpy()) for k in new if k in old)
+    base = load_file(str(data_dir / "models" / "smollm2-135m-instruct" / "model.safetensors"))
+
+    def moved(k: int) -> bool:
+        w = load_file(str(a / f"round_{k:03d}" / "variants" / "capo-intersection" / "checkpoint" / "model.safetensors"))
+        return any(not np.array_equal(w[n].float().numpy(), base[n].float().numpy()) for n in w if n in base)
+
+    def has_signal(k: int) -> bool:
+        t = pq.read_table(a / f"round_{k:03d}" / "variants" / "capo-intersection" / "token_rewards.parquet")
+        return any(abs(x) > 0 for row in t.column("advantages").to_pylist() for x in row)
+
+    # a round with a non-zero advantage moves the weights; one without leaves them exactly as they were
+    assert moved(1) == has_signal(1)
+    assert has_signal(2) and moved(2), "round 2 must train on a non-zero signal and write new weights"
     # prompts do not repeat across rounds
     p1 = set(pq.read_table(a / "round_001" / "rollouts.parquet").column("prompt_id").to_pylist())
     p2 = set(pq.read_table(a / "round_002" / "rollouts.parquet").column("prompt_id").to_pylist())
