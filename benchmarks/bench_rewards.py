@@ -20,7 +20,6 @@ import math
 import platform
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -123,7 +122,6 @@ def main() -> None:
             stage_s = min(stage_s, time.perf_counter() - t0)
         out = storage.read_table(round_paths(cfg, 1)["token_rewards"], "token_rewards")
     C, P, eps = cfg.reward.correct_weight, cfg.reward.process_weight, cfg.reward.eps
-    offsets = np.concatenate([[0], np.cumsum(n_tok)])
     W, L, r_v, g = np.concatenate(weights), np.concatenate(step_len), correct.astype(float), np.unique(pids, return_inverse=True)[1]
     n_steps = np.array([len(x) for x in step_len])
     pos_S = np.repeat(np.arange(len(n_tok)), n_steps)

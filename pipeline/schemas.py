@@ -163,8 +163,6 @@ SCHEMAS: dict[str, pa.Schema] = {
     "eval": EVAL_SCHEMA,
 }
 
-ROUND_TABLES = ("rollouts", "outcomes", "steps", "critiques")
-VARIANT_TABLES = ("step_verdicts", "token_rewards", "train_metrics")
 
 
 def check_schema(table: pa.Table, name: str, source: str = "", cast: bool = False) -> pa.Table:

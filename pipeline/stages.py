@@ -17,11 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 from pipeline import storage
 from pipeline.config import CAPOConfig, section_hash
-from pipeline.schemas import SCHEMAS
 
 log = logging.getLogger("capo.stages")
 
@@ -210,13 +208,6 @@ the starting policy): see :mod:`pipeline.evaluate` and :func:`flows.runner.eval_
 HEAVY_STAGES = ("rollout", "critique", "train", "eval")
 
 
-def config_provenance(cfg: CAPOConfig) -> dict:
-    return {"config_hash": section_hash(cfg), "resolved_config": cfg.model_dump(mode="json")}
-
-
 def _with_prov(cfg: CAPOConfig, extra: dict | None = None) -> dict:
-    return {**config_provenance(cfg), **(extra or {})}
-
-
-def empty_table(name: str) -> pa.Table:
-    return SCHEMAS[name].empty_table()
+    """Manifest fields every stage records: the resolved config and its hash, plus ``extra``."""
+    return {"config_hash": section_hash(cfg), "resolved_config": cfg.model_dump(mode="json"), **(extra or {})}

@@ -26,7 +26,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.schemas import SCHEMAS, check_schema
+from pipeline.schemas import check_schema
 
 log = logging.getLogger("capo.storage")
 
