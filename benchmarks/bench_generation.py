@@ -46,7 +46,7 @@ def conversations(prompts_file: Path, k: int) -> list[list[dict]]:
 
 
 def engine_config(name: str, dtype: str | None, batch_size: int):
-    from pipeline.config import TransformersEngineConfig, VLLMEngineConfig, load_config
+    from pipeline.config import TransformersEngineConfig, load_config
 
     if name == "vllm":  # the rollout engine of configs/default.yaml
         base = load_config(ROOT / "configs" / "default.yaml").rollout.engine

@@ -186,7 +186,8 @@ def main() -> None:
                           "optimizer": "AdamW" if k == "ours" else trl_opt, **env}), flush=True)
     # Same objective: at the first update (same weights, ratio 1) loss and gradient norm agree.
     o, (t_loss, t_gn) = warm["ours"][0], warm["trl"]
-    same = bool(np.isclose(o["loss"], t_loss, rtol=1e-4, atol=1e-6) and np.isclose(o["grad_norm"], t_gn, rtol=1e-3))
+    gn_rtol = 1e-3 if a.mixed_precision == "no" else 3e-2  # bf16 autocast: two summation orders, ~1% apart
+    same = bool(np.isclose(o["loss"], t_loss, rtol=1e-4, atol=1e-6) and np.isclose(o["grad_norm"], t_gn, rtol=gn_rtol))
     print(json.dumps({"bench": "trainer", "first_update": {"ours_loss": o["loss"], "trl_loss": t_loss,
                       "ours_grad_norm": o["grad_norm"], "trl_grad_norm": t_gn}, "same_objective": same, **env}))
     print(json.dumps({"bench": "trainer", "speedup_ours_vs_trl": round(best["trl"] / best["ours"], 2),

@@ -169,6 +169,8 @@ def write_round_summary(cfg: CAPOConfig, round_idx: int, results: list[dict], wa
     zero critic calls" is a fact in a file (and in the catalog's ``manifests`` neighbours).
     """
     path = round_paths(cfg, round_idx)["run_summary"]
+    if path.exists() and all(r.get("skipped") for r in results):
+        path = path.with_name("round_summary.resume.json")  # keep the real run's times and memory
     path.parent.mkdir(parents=True, exist_ok=True)
     summary = {
         "run_id": cfg.run_id, "round": round_idx, "variant": cfg.variant, "config_hash": section_hash(cfg),
