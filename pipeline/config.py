@@ -246,6 +246,34 @@ class EvalConfig(_Strict):
         return self
 
 
+class CritiqueFanoutConfig(_Strict):
+    """Where the critique shards run. Not part of any stage key: it changes where critiques are
+    computed, not what they are."""
+
+    runner: Literal["local", "dask", "ray"] = "local"
+    """local: one critic engine in one child process (the default); dask / ray: the round's
+    shards are split into ``workers`` chunks, each a Prefect task on a ``DaskTaskRunner`` /
+    ``RayTaskRunner`` (extras ``prefect-dask`` / ``prefect-ray``) that runs its shards in its own
+    critic process. Workers must see ``runs_dir`` and ``data_dir`` (one machine or a shared
+    filesystem)."""
+    workers: int = Field(2, ge=1)
+    """Chunks of shards submitted at once (and local Dask workers started when ``address`` is None)."""
+    address: str | None = None
+    """An existing Dask scheduler (``tcp://host:8786``) or Ray cluster (``ray://host:10001``,
+    ``auto``); None starts a local cluster for the stage and stops it afterwards."""
+
+
+class ScaleConfig(_Strict):
+    """Scale-out and engine-reuse settings. Not part of any stage key (results do not depend on them)."""
+
+    critique: CritiqueFanoutConfig = CritiqueFanoutConfig()
+    policy_engine: Literal["per-stage", "persistent"] = "per-stage"
+    """per-stage: the rollout and eval stages each start a vLLM engine for the policy;
+    persistent: one vLLM engine process serves the policy for the whole ``capo run`` / flow and
+    loads each round's new checkpoint in place (``collective_rpc("reload_weights")``) instead of
+    restarting. It stays resident while the trainer runs, so it needs memory for both."""
+
+
 class CAPOConfig(_Strict):
     """A whole run. ``configs/default.yaml`` is the embedded default."""
 
@@ -265,6 +293,7 @@ class CAPOConfig(_Strict):
     reward: RewardConfig = RewardConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    scale: ScaleConfig = ScaleConfig()
 
     @model_validator(mode="after")
     def _coherent(self) -> "CAPOConfig":
