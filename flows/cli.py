@@ -71,8 +71,11 @@ def round_cmd(
 ) -> None:
     """Run one round (every stage, skipping finished ones) without Prefect."""
     _setup_logging()
+    from pipeline.engine_host import policy_engine_session
+
     cfg = _cfg(config, overrides, preset)
-    _run_round(cfg, round, force or [])
+    with policy_engine_session(cfg):
+        _run_round(cfg, round, force or [])
 
 
 @app.command("run")
@@ -86,9 +89,12 @@ def run_cmd(
     """Run K on-policy rounds without Prefect (round k+1 samples from round k's checkpoint); a
     killed run started again continues from the first unfinished stage of the first unfinished round."""
     _setup_logging()
+    from pipeline.engine_host import policy_engine_session
+
     cfg = _cfg(config, overrides, preset)
-    for k in range(start_round, start_round + rounds):
-        _run_round(cfg, k, [])
+    with policy_engine_session(cfg):  # scale.policy_engine=persistent: one policy engine for all rounds
+        for k in range(start_round, start_round + rounds):
+            _run_round(cfg, k, [])
 
 
 def _run_round(cfg, round_idx: int, force: list[str]) -> None:
@@ -116,17 +122,38 @@ def stage(
     config: str = typer.Option(DEFAULT_CONFIG),
     preset: Optional[str] = typer.Option(None),
     force: bool = typer.Option(False, help="recompute even when current"),
+    shards: Optional[str] = typer.Option(
+        None, help="critique only: compute and commit just these shards of the round's plan (comma-separated "
+                   "ids, e.g. 0,3,5), not the table: what a fan-out worker runs (flows/fanout.py)"),
     overrides: Optional[list[str]] = typer.Argument(None),
 ) -> None:
-    """Run a single stage in this process."""
+    """Run a single stage in this process (the critique stage with scale.critique.runner=dask|ray
+    fans its shards out to the cluster and finalizes here)."""
     _setup_logging()
-    from flows.runner import RESULT_TAG, stage_function
+    from flows.runner import RESULT_TAG, run_stage, stage_function
 
     import resource
 
-    res = stage_function(name)(_cfg(config, overrides, preset), round, force=force)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
-    res = dataclasses.replace(res, peak_rss_mb=float(f"{peak:.1f}"))  # (`round` is the CLI option here)
+    cfg = _cfg(config, overrides, preset)
+    if shards is not None:
+        if name != "critique":
+            raise typer.BadParameter(f"--shards applies to the critique stage only, not {name!r}")
+        try:
+            ids = [int(x) for x in shards.split(",") if x.strip()]
+        except ValueError:
+            raise typer.BadParameter(f"--shards takes comma-separated shard ids (e.g. 0,3,5), got {shards!r}")
+        from pipeline.stage_generate import critique_shards
+
+        out = critique_shards(cfg, round, ids)
+        out["peak_rss_mb"] = float(f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f}")
+        print(RESULT_TAG + json.dumps(out), flush=True)
+        return
+    if name == "critique" and cfg.scale.critique.runner != "local":
+        res = run_stage(name, cfg, round, force=force)  # skips when current, else fans out (flows/fanout.py)
+    else:
+        res = stage_function(name)(cfg, round, force=force)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+        res = dataclasses.replace(res, peak_rss_mb=float(f"{peak:.1f}"))  # (`round` is the CLI option here)
     print(RESULT_TAG + json.dumps(dataclasses.asdict(res)), flush=True)
 
 

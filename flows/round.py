@@ -19,6 +19,7 @@ import time
 
 from flows.runner import eval_rounds, run_stage, write_round_summary
 from pipeline.config import load_config
+from pipeline.engine_host import policy_engine_session
 from pipeline.stages import STAGES
 from pipeline.storage import refresh_catalog
 
@@ -66,10 +67,11 @@ def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional
             capo-average, grpo, grpo-genorm); it also names the variant.
     """
     overrides = list(overrides or [])
-    load_config(config, overrides, preset)  # fail before any work on a bad config
+    cfg = load_config(config, overrides, preset)  # fail before any work on a bad config
     t0 = time.perf_counter()
-    results = [stage_task(name, config, overrides, round, preset) for name in STAGES]
-    results += [stage_task("eval", config, overrides, k, preset) for k in eval_rounds(round)]
+    with policy_engine_session(cfg, get_run_logger()):  # a no-op unless scale.policy_engine=persistent
+        results = [stage_task(name, config, overrides, round, preset) for name in STAGES]
+        results += [stage_task("eval", config, overrides, k, preset) for k in eval_rounds(round)]
     catalog_task(config, overrides, round, results, time.perf_counter() - t0, preset)
     report_task(config, overrides, preset)
     logger = get_run_logger()
@@ -81,6 +83,12 @@ def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional
 @flow(name="capo-run", log_prints=True)
 def capo_run(rounds: int = 2, start_round: int = 1, config: str = DEFAULT_CONFIG,
              overrides: Optional[list[str]] = None, preset: Optional[str] = None) -> None:
-    """Run rounds ``start_round .. start_round + rounds - 1`` on-policy (each from the last checkpoint)."""
-    for k in range(start_round, start_round + rounds):
-        capo_round(round=k, config=config, overrides=overrides, preset=preset)
+    """Run rounds ``start_round .. start_round + rounds - 1`` on-policy (each from the last checkpoint).
+
+    With ``scale.policy_engine=persistent`` one vLLM policy engine serves every round's rollout
+    and eval stages, loading each new checkpoint in place (:mod:`pipeline.engine_host`).
+    """
+    cfg = load_config(config, list(overrides or []), preset)
+    with policy_engine_session(cfg, get_run_logger()):
+        for k in range(start_round, start_round + rounds):
+            capo_round(round=k, config=config, overrides=overrides, preset=preset)

@@ -7,6 +7,7 @@ checked here first, in-process, so resuming a finished round never starts a chil
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -89,8 +90,12 @@ def run_stage(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger
               force: bool = False) -> StageResult:
     """Run stage ``name`` of round ``round_idx`` unless it is current; return what happened.
 
+    The critique stage with ``scale.critique.runner`` dask or ray is fanned out over that cluster
+    (:func:`flows.fanout.run_critique_fanout`); every other heavy stage runs in a child process.
+
     Raises:
         RuntimeError: a child process failed (its exit code and last output lines are in the message).
+        flows.fanout.MissingExtraError: the fan-out runner's package is not installed.
     """
     logger = logger or logging.getLogger("capo.flows")
     why_not = _not_applicable(name, cfg)
@@ -104,9 +109,59 @@ def run_stage(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger
             res = StageResult(name, str(round_paths(cfg, round_idx)[_OUTPUT[name]]), True, cur.reason)
             logger.info(res.line())
             return res
+    if name == "critique" and cfg.scale.critique.runner != "local":
+        from flows.fanout import run_critique_fanout  # Dask / Ray fan-out of the critique shards
+
+        return run_critique_fanout(cfg, round_idx, logger, force)
     if name not in HEAVY_STAGES:
-        return stage_function(name)(cfg, round_idx, force=force)
+        with PeakRSS() as mem:
+            res = stage_function(name)(cfg, round_idx, force=force)
+        return dataclasses.replace(res, peak_rss_mb=mem.peak_mb)
     return _run_child(name, cfg, round_idx, logger, force)
+
+
+class PeakRSS:
+    """Peak resident memory (MiB) of this process plus its children while the block runs.
+
+    A light stage runs inside the orchestrator, whose lifetime ``ru_maxrss`` says nothing about
+    one stage; a daemon thread samples ``psutil`` every ``interval_s`` seconds instead (the verify
+    stage's math-verify worker processes included). Peaks shorter than the interval can be missed.
+    """
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.peak_mb: float | None = None
+
+    def _sample(self) -> float:
+        import psutil
+
+        me = psutil.Process()
+        rss = me.memory_info().rss
+        for child in me.children(recursive=True):
+            try:
+                rss += child.memory_info().rss
+            except psutil.Error:  # a worker that just exited
+                pass
+        return rss / 2**20
+
+    def __enter__(self) -> "PeakRSS":
+        import threading
+
+        self._stop = threading.Event()
+        self._peak = self._sample()
+
+        def loop() -> None:
+            while not self._stop.wait(self.interval_s):
+                self._peak = max(self._peak, self._sample())
+
+        self._thread = threading.Thread(target=loop, name="capo-peak-rss", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mb = round(max(self._peak, self._sample()), 1)
 
 
 def _lines(fd: int):
@@ -129,12 +184,30 @@ def _lines(fd: int):
 def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger, force: bool) -> StageResult:
     conf = write_resolved_config(cfg, round_idx)
     if name == "train" and cfg.train.launcher:
-        cmd = [*cfg.train.launcher, "-m", "train.trainer", "--config", str(conf), "--round", str(round_idx)]
+        exe, *rest = cfg.train.launcher
+        local = Path(sys.executable).parent / exe  # e.g. .venv/bin/accelerate when .venv/bin is not on PATH
+        cmd = [str(local) if os.sep not in exe and local.is_file() else exe, *rest,
+               "-m", "train.trainer", "--config", str(conf), "--round", str(round_idx)]
     else:
         cmd = [sys.executable, "-m", "flows.cli", "stage", name, "--config", str(conf), "--round", str(round_idx)]
     if force:
         cmd.append("--force")
-    logger.info("[%s] starting child process: %s", name, " ".join(cmd))
+    payload = stream_child(cmd, name, logger, f"stage {name!r} of round {round_idx}")
+    result = StageResult(**payload) if payload is not None else \
+        StageResult(name, "", False, "child process finished (no result line)")
+    logger.info(result.line())
+    return result
+
+
+def stream_child(cmd: list[str], tag: str, logger: logging.Logger, what: str) -> dict | None:
+    """Run ``cmd`` (a ``capo stage`` child) from the repo root, log its output lines as ``[tag] ...``
+    (progress redraws at most every 10 s) and return the JSON payload of its result line
+    (``RESULT_TAG``), or None when it printed none.
+
+    Raises:
+        RuntimeError: the child exited non-zero (``what`` failed, with its last 20 output lines).
+    """
+    logger.info("[%s] starting child process: %s", tag, " ".join(cmd))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CAPO_CHILD": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             cwd=Path(__file__).resolve().parent.parent)
@@ -144,21 +217,18 @@ def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logge
     assert proc.stdout is not None
     for line, is_progress in _lines(proc.stdout.fileno()):
         if line.startswith(RESULT_TAG):
-            result = StageResult(**json.loads(line[len(RESULT_TAG):]))
+            result = json.loads(line[len(RESULT_TAG):])
             continue
         # progress bars redraw with \r: log them at most every 10 s, and the final state
         now = time.monotonic()
         if is_progress and now - last_progress < 10 and "100%" not in line:
             continue
         last_progress = now if is_progress else last_progress
-        logger.info("[%s] %s", name, line)
+        logger.info("[%s] %s", tag, line)
         tail = (tail + [line])[-20:]
     code = proc.wait()
     if code != 0:
-        raise RuntimeError(f"stage {name!r} of round {round_idx} failed (exit code {code}); last output:\n" + "\n".join(tail))
-    if result is None:
-        result = StageResult(name, "", False, "child process finished (no result line)")
-    logger.info(result.line())
+        raise RuntimeError(f"{what} failed (exit code {code}); last output:\n" + "\n".join(tail))
     return result
 
 

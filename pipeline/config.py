@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -204,6 +204,11 @@ class TrainConfig(_Strict):
     """Accelerate mixed precision for forward/backward (autocast; master weights stay in ``dtype``).
     bf16 roughly doubles matmul throughput on CPUs with AVX512-BF16/AMX and on GPUs; "no" computes
     old and new log-probs in full precision."""
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, v: Any) -> Any:
+        return "no" if v is False else v  # YAML reads a bare `no` as false: train.mixed_precision=no
+
     save_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """dtype of the checkpoint written for the next round's engine."""
     gradient_checkpointing: bool = False
@@ -253,11 +258,13 @@ class CritiqueFanoutConfig(_Strict):
     runner: Literal["local", "dask", "ray"] = "local"
     """local: one critic engine in one child process (the default); dask / ray: the round's
     shards are split into ``workers`` chunks, each a Prefect task on a ``DaskTaskRunner`` /
-    ``RayTaskRunner`` (extras ``prefect-dask`` / ``prefect-ray``) that runs its shards in its own
-    critic process. Workers must see ``runs_dir`` and ``data_dir`` (one machine or a shared
-    filesystem)."""
+    ``RayTaskRunner`` (optional extra ``fanout``: ``prefect-dask``, ``prefect-ray``) that runs its
+    shards in its own critic process (``capo stage critique --shards ...``). Workers must see
+    ``runs_dir`` and ``data_dir`` at the same paths (one machine or a shared filesystem) and have
+    the same environment (see ``flows/fanout.py``)."""
     workers: int = Field(2, ge=1)
-    """Chunks of shards submitted at once (and local Dask workers started when ``address`` is None)."""
+    """Chunks of shards submitted at once, i.e. critic processes running side by side (and the
+    local Dask worker processes / Ray CPUs started when ``address`` is None)."""
     address: str | None = None
     """An existing Dask scheduler (``tcp://host:8786``) or Ray cluster (``ray://host:10001``,
     ``auto``); None starts a local cluster for the stage and stops it afterwards."""

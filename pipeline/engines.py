@@ -55,16 +55,27 @@ class Generation:
 
 @dataclass
 class EngineStats:
+    """What an engine did, summed over its ``generate`` calls.
+
+    ``prompt_tokens`` counts each request's prompt once; ``scheduled_prompt_tokens`` counts it
+    once per sample (what an engine without prefix sharing computes for ``n`` samples), and
+    ``cached_prompt_tokens`` the part of those served from a prefix cache (vLLM's
+    ``vllm:prompt_tokens_cached`` counter, which counts the ``n`` samples of a request; 0 where
+    the engine does not report it). ``prompt_tokens_computed`` = scheduled - cached.
+    """
+
     requests: int = 0
     samples: int = 0
     prompt_tokens: int = 0
-    generated_tokens: int = 0
+    scheduled_prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d["prompt_tokens_computed"] = self.scheduled_prompt_tokens - self.cached_prompt_tokens
         d["generated_tokens_per_s"] = self.generated_tokens / self.seconds if self.seconds else None
         return {**d, **self.extra}
 
@@ -85,14 +96,20 @@ class Engine(ABC):
     def close(self) -> None:  # pragma: no cover - trivial
         """Release the model."""
 
-    def _account(self, gens: list[Generation], seconds: float) -> None:
+    def _account(self, gens: list[Generation], seconds: float, scheduled: int | None = None,
+                 cached: int | None = None) -> None:
+        """Add one ``generate`` call to :attr:`stats`. ``scheduled`` / ``cached`` are the engine's
+        own prompt-token counters for the call when it has them (else derived from ``gens``)."""
         self.stats.requests += len(gens)
         self.stats.seconds += seconds
         for g in gens:
             self.stats.samples += len(g.samples)
             self.stats.prompt_tokens += len(g.prompt_token_ids)
-            self.stats.cached_prompt_tokens += g.cached_prompt_tokens or 0
             self.stats.generated_tokens += sum(len(s.token_ids) or len(s.logprobs or []) for s in g.samples)
+        self.stats.scheduled_prompt_tokens += (scheduled if scheduled is not None else
+                                               sum(len(g.prompt_token_ids) * max(1, len(g.samples)) for g in gens))
+        self.stats.cached_prompt_tokens += (cached if cached is not None else
+                                            sum(g.cached_prompt_tokens or 0 for g in gens))
 
 
 def apply_chat_template(tokenizer, conversation: Conversation) -> list[int]:
@@ -138,6 +155,7 @@ class VLLMEngine(Engine):
             enforce_eager=cfg.enforce_eager or not on_gpu,
             enable_prefix_caching=True,
             max_num_seqs=cfg.max_num_seqs,
+            disable_log_stats=False,  # keeps the prompt-token counters that EngineStats reads
         )
         if on_gpu:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -159,8 +177,11 @@ class VLLMEngine(Engine):
             skip_special_tokens=True,
         )
         prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
+        before = self.prompt_counters()
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+        seconds = time.perf_counter() - t0
+        after = self.prompt_counters()
         gens = []
         for p, out in zip(prompts, outs):
             samples = []
@@ -170,8 +191,41 @@ class VLLMEngine(Engine):
                     lps = [float(d[t].logprob) if d and t in d else float("nan") for t, d in zip(c.token_ids, c.logprobs)]
                 samples.append(Sample(c.text, [int(t) for t in c.token_ids], lps, _finish(c.finish_reason)))
             gens.append(Generation(p, samples, getattr(out, "num_cached_tokens", None)))
-        self._account(gens, time.perf_counter() - t0)
+        if before is not None and after is not None:
+            self._account(gens, seconds, scheduled=after[0] - before[0], cached=after[1] - before[1])
+        else:
+            self._account(gens, seconds)
         return gens
+
+    def prompt_counters(self) -> tuple[int, int] | None:
+        """vLLM's cumulative (prompt tokens scheduled, prompt tokens served from the prefix cache).
+
+        Read from ``LLM.get_metrics()`` (``vllm:prompt_tokens`` and ``vllm:prompt_tokens_cached``),
+        which count all ``n`` samples of a request; ``RequestOutput.num_cached_tokens`` reports one
+        sample's hits only and under-counts sharing for n > 1. None when the metrics are off.
+        """
+        try:
+            vals: dict[str, float] = {}
+            for m in self.llm.get_metrics():
+                if hasattr(m, "value"):  # counters and gauges, summed over their labels
+                    vals[m.name] = vals.get(m.name, 0) + m.value
+        except Exception:  # metrics disabled (disable_log_stats) or an older vLLM
+            return None
+        if "vllm:prompt_tokens" not in vals or "vllm:prompt_tokens_cached" not in vals:
+            return None
+        return int(vals["vllm:prompt_tokens"]), int(vals["vllm:prompt_tokens_cached"])
+
+    def reload(self, model: str) -> float:
+        """Load the weights of checkpoint ``model`` (same architecture) into the running engine,
+        in place (``collective_rpc("reload_weights")``), and drop the prefix cache, whose KV
+        entries were computed with the old weights. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": model})
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(f"vLLM could not reset its prefix cache after loading {model!r}; "
+                               "stale KV entries would mix old and new weights")
+        self.model = model
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         del self.llm

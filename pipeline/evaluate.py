@@ -112,7 +112,7 @@ def evaluate_policy(model: str, benchmarks: list[str], sample_size: int | None, 
     The engine is loaded once; each decoding mode is one ``generate`` call over all benchmarks.
     ``eval_root`` is where benchmark tables live (default ``<data_dir>/eval``).
     """
-    from pipeline.engines import make_engine
+    from pipeline.engine_host import policy_engine
     from pipeline.stage_generate import policy_messages
 
     if not instruction:
@@ -123,7 +123,7 @@ def evaluate_policy(model: str, benchmarks: list[str], sample_size: int | None, 
     runs = [("greedy", problems, 1, SamplingConfig(temperature=0.0, top_p=1.0, max_tokens=max_tokens))]
     if sampled:
         runs.append(("sample", sampled, pass_k, SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=max_tokens)))
-    engine = make_engine(model, engine_cfg, seed=seed)
+    engine = policy_engine(model, engine_cfg, seed=seed)  # the persistent host's, when one runs
     rows = []
     try:
         for decoding, probs, n, sampling in runs:

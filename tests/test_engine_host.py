@@ -1,0 +1,129 @@
+"""The persistent policy engine (``scale.policy_engine=persistent``) with real vLLM and SmolLM2-135M.
+
+Slow: it starts vLLM twice. It checks that one host engine serves several stages, that loading a
+new checkpoint reloads the weights in place instead of restarting, and that what the reloaded
+engine generates equals what a fresh engine of the new checkpoint generates (greedy), which also
+proves the prefix cache of the old weights was dropped (the same prompt is sent before and after).
+Then ``capo run --rounds 2`` on the tiny config: one engine start serves both rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import SamplingConfig, load_config
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingConfig(temperature=0.0, top_p=1.0, max_tokens=24)
+# vLLM on CPU caches whole blocks of 128 tokens: the shared system prompt is longer than one block
+SYSTEM = {"role": "system", "content": " ".join(["You are a careful assistant who answers briefly."] * 30)}
+CONVS = [[SYSTEM, {"role": "user", "content": "What is 12 + 30? Answer with a number."}],
+         [SYSTEM, {"role": "user", "content": "Name three prime numbers."}]]
+
+
+def _tiny(repo: Path, data_dir: Path, runs: Path, *extra: str):
+    return load_config(repo / "configs" / "tiny.yaml",
+                       [f"runs_dir={runs}", f"data_dir={data_dir}", "scale.policy_engine=persistent", *extra])
+
+
+@pytest.fixture(scope="module")
+def perturbed_checkpoint(data_dir, tmp_path_factory) -> tuple[str, str]:
+    """(the tiny model, a copy whose weights moved enough to change greedy answers)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = str(data_dir / "models" / "smollm2-135m-instruct")
+    out = tmp_path_factory.mktemp("ckpt") / "perturbed"
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed" not in name:
+                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.3)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return src, str(out)
+
+
+def test_host_reloads_weights_in_place_and_matches_a_fresh_engine(repo, data_dir, tmp_path, perturbed_checkpoint):
+    from pipeline.engine_host import ADDRESS_ENV, RemoteEngine, policy_engine, policy_engine_session
+
+    base, moved = perturbed_checkpoint
+    cfg = _tiny(repo, data_dir, tmp_path)
+    ecfg = cfg.rollout.engine
+    with policy_engine_session(cfg) as address:
+        assert address and Path(address).exists()
+        e1 = policy_engine(base, ecfg, seed=1)  # what the rollout stage gets
+        assert isinstance(e1, RemoteEngine) and e1.stats.extra["host_action"] == "started"
+        before = [g.samples[0].token_ids for g in e1.generate(CONVS, 1, GREEDY)]
+        e1.close()
+        e2 = RemoteEngine(base, ecfg, seed=2)  # the next stage, same checkpoint
+        assert e2.stats.extra["host_action"] == "reused"
+        again = [g.samples[0].token_ids for g in e2.generate(CONVS, 1, GREEDY)]
+        assert e2.stats.cached_prompt_tokens > 0  # the prefix cache served the repeated prompts
+        e2.close()
+        e3 = RemoteEngine(moved, ecfg, seed=3)  # the next round's checkpoint
+        assert e3.stats.extra["host_action"] == "reloaded"
+        assert e3.stats.extra["host_engine_starts"] == 1 and e3.stats.extra["host_reloads"] == 1
+        assert e3.stats.extra["load_seconds"] < 30
+        after = [g.samples[0].token_ids for g in e3.generate(CONVS, 1, GREEDY)]
+        # the old weights' KV entries were dropped: fewer hits than the same prompts got before
+        assert e3.stats.cached_prompt_tokens < e2.stats.cached_prompt_tokens
+        e3.close()
+    assert ADDRESS_ENV not in __import__("os").environ and not Path(address).exists()
+    assert again == before
+    assert after != before  # the perturbation changes the greedy answers
+
+    with policy_engine_session(_tiny(repo, data_dir, tmp_path / "fresh")):
+        fresh = RemoteEngine(moved, ecfg, seed=3)
+        assert fresh.stats.extra["host_action"] == "started"
+        expected = [g.samples[0].token_ids for g in fresh.generate(CONVS, 1, GREEDY)]
+    assert after == expected
+    assert "reloaded" in (tmp_path / "tiny" / "policy_engine.log").read_text()
+
+
+def test_host_reports_a_bad_checkpoint_and_keeps_serving(repo, data_dir, tmp_path, perturbed_checkpoint):
+    from pipeline.engine_host import RemoteEngine, policy_engine_session
+
+    base, _ = perturbed_checkpoint
+    cfg = _tiny(repo, data_dir, tmp_path)
+    with policy_engine_session(cfg):
+        RemoteEngine(base, cfg.rollout.engine).close()
+        with pytest.raises(RuntimeError, match="policy engine host failed on 'load'"):
+            RemoteEngine(str(tmp_path / "no-such-checkpoint"), cfg.rollout.engine)
+        e = RemoteEngine(base, cfg.rollout.engine)
+        assert len(e.generate(CONVS[:1], 2, SamplingConfig(max_tokens=4))[0].samples) == 2
+
+
+def test_two_rounds_share_one_engine_start(repo, data_dir, tmp_path):
+    """``capo run --rounds 2``: round 1 starts the engine; eval of round 1 reloads its checkpoint;
+    round 2's rollouts reuse it (the same policy) and its eval reloads again."""
+    from pipeline.stages import round_paths
+    from pipeline.storage import read_manifest
+
+    runs = tmp_path / "runs"
+    over = [f"runs_dir={runs}", f"data_dir={data_dir}", "scale.policy_engine=persistent",
+            "data.prompts_per_round=1", "critique.num_critiques=1", "eval.benchmarks=[gsm8k]"]
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--rounds", "2", "--config",
+                           str(repo / "configs" / "tiny.yaml"), *over],
+                          cwd=repo, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cfg = load_config(repo / "configs" / "tiny.yaml", over)
+
+    def engine(path):
+        return read_manifest(path)["engine"]
+
+    r1, r2 = round_paths(cfg, 1), round_paths(cfg, 2)
+    assert engine(r1["rollouts"])["host_action"] == "started"
+    assert engine(r2["rollouts"])["host_action"] == "reused"
+    assert engine(r2["rollouts"])["host_engine_starts"] == 1
+    log = (runs / "tiny" / "policy_engine.log").read_text()
+    assert log.count("engine starts 1, reloads 2") >= 1 and "engine starts 2" not in log
+    summary = json.loads(r2["run_summary"].read_text())
+    assert not any(s["skipped"] for s in summary["stages"] if s["stage"] in ("rollout", "train"))

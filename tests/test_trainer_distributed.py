@@ -1,0 +1,208 @@
+"""The trainer under ``accelerate launch`` with two CPU processes (gloo) equals one process.
+
+One hand-built round of the tiny model (SmolLM2-135M): 5 responses in two prompt groups, real
+CAPO token rewards and group-normalized advantages (some positive, some negative). With
+``micro_batch_size=2`` and ``num_mini_batches=2`` the 3 micro-batches (2, 2 and 1 sequences) make
+mini-batches of 2 and 1 micro-batches, so with 2 processes the second mini-batch leaves rank 1
+with nothing (it runs a zero-weighted dummy) and the micro-batches have different sizes.
+
+The train stage runs through :func:`flows.runner.run_stage`, as a round runs it: once with no
+launcher (one child process) and once with ``train.launcher = [accelerate, launch, --config_file,
+configs/accelerate/cpu_2proc.yaml]``. Both checkpoints must agree tensor by tensor (float32,
+no autocast) and differ from the starting weights; the logged loss and token counts must agree.
+
+Fast tests below: the mini-batch schedule does not depend on the number of processes, and the
+FSDP / ZeRO-3 save path (a gathered state dict) writes the same checkpoint as the plain one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from flows.runner import run_stage
+from pipeline import storage
+from pipeline.config import load_config
+from pipeline.rewards import group_token_advantages, token_rewards
+from pipeline.schemas import SCHEMAS
+from pipeline.stages import round_paths
+
+LR = 2e-4
+TOL = 2e-6  # max |w_1proc - w_2proc| allowed; AdamW moves weights by ~LR per step, 100x more
+
+# (group, question, response, outcome r_v, penalized share of tokens at the end of the response)
+ROLLOUTS = [
+    (0, "Sam has 6 apples, eats half, then buys 2. How many now?",
+     "Half of 6 is 3. Then 3 + 2 = 5. The answer is \\boxed{5}.", 1.0, 0.0),
+    (0, "Sam has 6 apples, eats half, then buys 2. How many now?",
+     "6 - 2 = 4 apples, so \\boxed{4}.", 0.0, 0.5),
+    (0, "Sam has 6 apples, eats half, then buys 2. How many now?",
+     "Half of six is three, and two more makes five: \\boxed{5}", 1.0, 0.4),
+    (1, "How many grams are in a kilogram?", "A kilogram is 1000 grams. \\boxed{1000}", 1.0, 0.0),
+    (1, "How many grams are in a kilogram?", "There are 100 grams in a kilogram, so the answer is \\boxed{100}.", 0.0, 0.3),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(data_dir):
+    from pipeline.assets import ensure_model
+
+    return ensure_model("smollm2-135m-instruct", root=data_dir / "models")
+
+
+def _write_round(cfg, tiny_path) -> None:
+    """rollouts + token_rewards of round 1 (C=2, P=1, advantages over all tokens of each group)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    ro, lengths, outcome, weights = [], [], [], []
+    for i, (g, q, text, r_v, bad) in enumerate(ROLLOUTS):
+        chat = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        prompt = tok(chat, add_special_tokens=False)["input_ids"]
+        resp = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ro.append({"run_id": cfg.run_id, "round": 1, "rollout_id": f"r{i}", "prompt_id": f"p{g}", "sample_idx": i,
+                   "policy": str(tiny_path), "prompt_token_ids": prompt, "response_text": text,
+                   "response_token_ids": resp, "rollout_logprobs": [-1.0] * len(resp), "finish_reason": "stop",
+                   "num_tokens": len(resp)})
+        n_bad = int(round(bad * len(resp)))
+        lengths.append(len(resp))
+        outcome.append(r_v)
+        weights.append(np.r_[np.zeros(len(resp) - n_bad), np.ones(n_bad)])
+    off = np.r_[0, np.cumsum(lengths)]
+    rewards = token_rewards(np.array(outcome), np.concatenate(weights), off, C=2.0, P=1.0)
+    adv = group_token_advantages(rewards, off, np.array([g for g, *_ in ROLLOUTS]))
+    assert (adv > 0).any() and (adv < 0).any()
+    tr = [{"run_id": cfg.run_id, "round": 1, "variant": cfg.variant, "rollout_id": f"r{i}", "prompt_id": f"p{g}",
+           "outcome_correct": bool(r_v), "outcome_reward": r_v, "rule": "intersection", "n_valid_critiques": 1,
+           "n_penalized_tokens": int(weights[i].sum()), "rewards": rewards[off[i]:off[i + 1]].tolist(),
+           "advantages": adv[off[i]:off[i + 1]].tolist(), "reward_config_hash": "hand"}
+          for i, (g, _, _, r_v, _) in enumerate(ROLLOUTS)]
+    p = round_paths(cfg, 1)
+    storage.write_table(pa.Table.from_pylist(ro, schema=SCHEMAS["rollouts"]), p["rollouts"], "rollouts",
+                        stage="rollout", key={"hand": "rollouts"})
+    storage.write_table(pa.Table.from_pylist(tr, schema=SCHEMAS["token_rewards"]), p["token_rewards"], "token_rewards",
+                        stage="reward", key={"hand": "token_rewards"})
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _train(tmp_path, tiny_path, repo, mode: str, launcher: list[str]):
+    """Run the train stage of a fresh round through the runner; return (cfg, result, logged lines, seconds)."""
+    name = "w2" if launcher else "w1"
+    cfg = load_config(None, [f"runs_dir={tmp_path / name}", f"data_dir={tmp_path / 'data'}", "run_id=dist",
+                             f"rollout.policy={tiny_path}", f"train.loss_agg_mode={mode}", f"train.learning_rate={LR}",
+                             "train.micro_batch_size=2", "train.num_mini_batches=2", "train.ppo_epochs=1",
+                             "train.dtype=float32", "train.mixed_precision='no'", "train.save_dtype=float32",
+                             f"train.launcher={launcher!r}".replace("'", "")])
+    assert cfg.train.launcher == launcher
+    _write_round(cfg, tiny_path)
+    logger = logging.getLogger(f"capo.test.dist.{name}.{mode}")
+    logger.setLevel(logging.INFO)
+    h = _Lines()
+    logger.addHandler(h)
+    t0 = time.perf_counter()
+    res = run_stage("train", cfg, 1, logger=logger)
+    return cfg, res, h.lines, time.perf_counter() - t0
+
+
+def _weights(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
+
+
+def _metrics(cfg) -> dict[tuple[int, str], float]:
+    t = storage.read_table(round_paths(cfg, 1)["train_metrics"], "train_metrics").to_pylist()
+    return {(r["step"], r["name"]): r["value"] for r in t}
+
+
+# seq-mean-token-mean passes too (its checkpoints were bit-identical when last run): left out to keep
+# this under 2 minutes on a 2-core machine. The micro-batching tests in test_trainer.py cover every
+# mode's weighting in one process; what two processes add (shares, x world, dummies) is mode-independent.
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_two_cpu_processes_equal_one(tmp_path, tiny_path, repo, mode):
+    launcher = ["accelerate", "launch", "--config_file", str(repo / "configs/accelerate/cpu_2proc.yaml")]
+    cfg1, res1, _, s1 = _train(tmp_path, tiny_path, repo, mode, [])
+    cfg2, res2, lines2, s2 = _train(tmp_path, tiny_path, repo, mode, launcher)
+    print(f"{mode}: 1 process {s1:.1f}s, 2 processes {s2:.1f}s")
+
+    # both ranks ran to the end; rank 0 alone wrote the result line the runner parsed
+    out = "\n".join(lines2)
+    assert "[train] running on 2 process(es) (MULTI_CPU)" in out, out[-3000:]  # gloo, not 2 lone trainers
+    assert "[train] rank 0/2 finished" in out and "[train] rank 1/2 finished" in out, out[-3000:]
+    if os.environ.get("CAPO_TEST_SHOW_LAUNCH"):
+        print(out)
+    assert not res1.skipped and not res2.skipped and res1.rows == res2.rows == 2
+    man = storage.read_manifest(round_paths(cfg2, 1)["checkpoint"])
+    assert man["num_processes"] == 2 and man["examples"] == len(ROLLOUTS)
+    assert storage.read_manifest(round_paths(cfg1, 1)["checkpoint"])["num_processes"] == 1
+
+    w0 = _weights(tiny_path)
+    w1 = _weights(round_paths(cfg1, 1)["checkpoint"])
+    w2 = _weights(round_paths(cfg2, 1)["checkpoint"])
+    assert w1.keys() == w2.keys() == w0.keys()
+    diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
+    moved = max(float((w1[k] - w0[k]).abs().max()) for k in w1)
+    print(f"{mode}: max |w(1 proc) - w(2 procs)| = {diff:.3e}; max |w(1 proc) - w(start)| = {moved:.3e}")
+    assert moved > 100 * TOL, "the update is too small to tell the runs apart"
+    assert diff <= TOL, f"{mode}: 1 vs 2 processes differ by {diff:.3e} > {TOL:.0e}"
+
+    m1, m2 = _metrics(cfg1), _metrics(cfg2)
+    assert {k for k in m1 if k[1] == "loss"} == {(0, "loss"), (1, "loss")}
+    for step in (0, 1):
+        assert m1[(step, "tokens")] == m2[(step, "tokens")] > 0
+        for name in ("loss", "pg_loss", "clip_frac", "approx_kl", "ratio_mean", "grad_norm"):
+            assert m2[(step, name)] == pytest.approx(m1[(step, name)], rel=1e-4, abs=1e-6), (step, name)
+
+
+# ----------------------------------------------------------------------- fast: schedule and saving
+
+
+@pytest.mark.parametrize("n_micro,mini,epochs", [(3, 2, 1), (5, 3, 2), (1, 4, 1), (8, 2, 3)])
+def test_schedule_is_the_same_for_any_number_of_processes(n_micro, mini, epochs):
+    from pipeline.config import TrainConfig
+    from train.trainer import plan_steps, rank_share
+
+    tc = TrainConfig(num_mini_batches=mini, ppo_epochs=epochs)
+    steps = plan_steps(n_micro, tc, seed=3)
+    assert steps == plan_steps(n_micro, tc, seed=3) and len(steps) == epochs * min(mini, n_micro)
+    for e in range(epochs):  # every micro-batch exactly once per epoch
+        assert sorted(j for ep, chunk in steps if ep == e for j in chunk) == list(range(n_micro))
+    for world in (1, 2, 3, 4):
+        for _, chunk in steps:  # the ranks' shares partition the mini-batch; ranks beyond it get nothing
+            shares = [rank_share(chunk, r, world) for r in range(world)]
+            assert sorted(j for s in shares for j in s) == sorted(chunk)
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_saving_a_gathered_state_dict_equals_saving_the_model(tmp_path, tiny_path):
+    """The FSDP / ZeRO-3 save path (unwrapped model + a full state dict of separate tensors, as
+    ``accelerator.get_state_dict`` returns) writes the same checkpoint as the plain one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from train.trainer import _save
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    a = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    b = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    gathered = {k: v.detach().clone() for k, v in b.state_dict().items()}  # no shared storage, like a gather
+    _save(a, tok, tmp_path / "plain", "bfloat16")
+    _save(b, tok, tmp_path / "gathered", "bfloat16", state_dict=gathered)
+    wa, wb = _weights(tmp_path / "plain"), _weights(tmp_path / "gathered")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ca = AutoModelForCausalLM.from_pretrained(tmp_path / "gathered").config
+    assert ca.dtype == torch.bfloat16 and ca.tie_word_embeddings
