@@ -86,6 +86,7 @@ def child(a: argparse.Namespace) -> None:
         "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs, 2), "load_seconds": round(load_s, 2),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "machine": platform.machine(), "cpus": os.cpu_count(), "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
     }), flush=True)
     engine.close()
 
@@ -114,7 +115,11 @@ def main() -> None:
     results = {}
     for name in a.engines:
         cmd = [sys.executable, __file__, "--engine", name, *sys.argv[1:]]
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, check=True).stdout
+        # each engine's process gets what the pipeline gives its generation stages (tcmalloc on CPU)
+        from pipeline.engines import engine_process_env
+
+        env = {**os.environ, **engine_process_env()}
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, check=True, env=env).stdout
         for line in out.splitlines():
             if line.startswith("{") and '"bench": "generation"' in line:
                 print(line, flush=True)

@@ -139,11 +139,13 @@ def critique_chunk(config_path: str, round_idx: int, chunk_idx: int, shard_ids: 
         RuntimeError: the child process failed (exit code and last output lines in the message).
     """
     from flows.runner import stream_child
+    from pipeline.engines import engine_process_env
 
     cmd = [sys.executable, "-m", "flows.cli", "stage", "critique", "--config", config_path,
            "--round", str(round_idx), "--shards", ",".join(str(s) for s in shard_ids)]
     out = stream_child(cmd, f"critique chunk {chunk_idx}", get_run_logger(),
-                       f"critique chunk {chunk_idx} (shards {shard_ids}) of round {round_idx}")
+                       f"critique chunk {chunk_idx} (shards {shard_ids}) of round {round_idx}",
+                       engine_process_env())
     if out is None:
         raise RuntimeError(f"critique chunk {chunk_idx} of round {round_idx}: the child printed no result line")
     return {"runner": runner, "chunk": chunk_idx, **out, "worker_pid": os.getpid(), "worker_host": socket.gethostname()}

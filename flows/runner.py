@@ -192,23 +192,27 @@ def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logge
         cmd = [sys.executable, "-m", "flows.cli", "stage", name, "--config", str(conf), "--round", str(round_idx)]
     if force:
         cmd.append("--force")
-    payload = stream_child(cmd, name, logger, f"stage {name!r} of round {round_idx}")
+    from pipeline.engines import engine_process_env
+
+    extra = engine_process_env() if name in ("rollout", "critique", "eval") else {}
+    payload = stream_child(cmd, name, logger, f"stage {name!r} of round {round_idx}", extra)
     result = StageResult(**payload) if payload is not None else \
         StageResult(name, "", False, "child process finished (no result line)")
     logger.info(result.line())
     return result
 
 
-def stream_child(cmd: list[str], tag: str, logger: logging.Logger, what: str) -> dict | None:
+def stream_child(cmd: list[str], tag: str, logger: logging.Logger, what: str,
+                 env_extra: dict[str, str] | None = None) -> dict | None:
     """Run ``cmd`` (a ``capo stage`` child) from the repo root, log its output lines as ``[tag] ...``
     (progress redraws at most every 10 s) and return the JSON payload of its result line
-    (``RESULT_TAG``), or None when it printed none.
+    (``RESULT_TAG``), or None when it printed none. ``env_extra`` is added to its environment.
 
     Raises:
         RuntimeError: the child exited non-zero (``what`` failed, with its last 20 output lines).
     """
     logger.info("[%s] starting child process: %s", tag, " ".join(cmd))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CAPO_CHILD": "1"}
+    env = {**os.environ, **(env_extra or {}), "PYTHONUNBUFFERED": "1", "CAPO_CHILD": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             cwd=Path(__file__).resolve().parent.parent)
     tail: list[str] = []

@@ -237,7 +237,7 @@ def policy_engine_session(cfg: CAPOConfig, logger: logging.Logger | None = None)
     authkey = secrets.token_bytes(16)
     log_path = cfg.run_dir() / "policy_engine.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, AUTHKEY_ENV: authkey.hex(), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **engines.engine_process_env(), AUTHKEY_ENV: authkey.hex(), "PYTHONUNBUFFERED": "1"}
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen([sys.executable, "-m", "pipeline.engine_host", "--address", address],
                                 stdout=log_file, stderr=subprocess.STDOUT, env=env,

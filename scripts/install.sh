@@ -22,6 +22,22 @@ fi
 if [ "$ENGINE_EXTRA" = cpu ]; then
   .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# vLLM's CPU backend wants tcmalloc in LD_PRELOAD (about 8 % faster decoding here); the runner
+# preloads .venv/lib/capo-preload/libtcmalloc_minimal.so.4 into the vLLM stage processes.
+# Unpacked from Debian's package without root; skipped (with a note) where apt is unavailable.
+if [ "$ENGINE_EXTRA" = cpu ] && [ ! -f .venv/lib/capo-preload/libtcmalloc_minimal.so.4 ]; then
+  TMP_DEB=$(mktemp -d)
+  if (cd "$TMP_DEB" && apt-get download -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+        && dpkg -x libtcmalloc-minimal4_*.deb x) \
+     && LIB=$(find "$TMP_DEB/x" -name 'libtcmalloc_minimal.so.4.*' ! -name '*debug*' | head -1) && [ -n "$LIB" ]; then
+    mkdir -p .venv/lib/capo-preload
+    cp "$LIB" .venv/lib/capo-preload/libtcmalloc_minimal.so.4
+    echo "tcmalloc: .venv/lib/capo-preload/libtcmalloc_minimal.so.4"
+  else
+    echo "note: could not fetch libtcmalloc-minimal4 (apt-get download); vLLM runs without it, a little slower"
+  fi
+  rm -rf "$TMP_DEB"
+fi
 .venv/bin/python - <<'PY'
 import importlib
 for m in ("vllm", "prefect", "duckdb", "polars", "transformers", "accelerate", "math_verify", "torch"):

@@ -36,3 +36,38 @@ def test_engine_stats_count_scheduled_cached_and_computed_prompt_tokens():
     eng._account(gens, 1.0, scheduled=48, cached=36)
     d = eng.stats.as_dict()
     assert (d["scheduled_prompt_tokens"], d["cached_prompt_tokens"], d["prompt_tokens_computed"]) == (96, 40, 56)
+
+
+def test_engine_process_env_preloads_tcmalloc_before_what_was_there(monkeypatch, tmp_path):
+    import sys
+
+    from pipeline import engines
+
+    lib = tmp_path / "lib" / "capo-preload" / engines.TCMALLOC_NAME
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    monkeypatch.setattr(engines, "_has_cuda", lambda: False)
+    monkeypatch.setenv("LD_PRELOAD", "/opt/other.so")
+    monkeypatch.delenv("CAPO_NO_PRELOAD", raising=False)
+    assert engines.engine_process_env() == {"LD_PRELOAD": f"{lib}:/opt/other.so"}
+    monkeypatch.setenv("LD_PRELOAD", f"{lib}")
+    assert engines.engine_process_env() == {}  # already there
+    monkeypatch.delenv("LD_PRELOAD")
+    monkeypatch.setenv("CAPO_NO_PRELOAD", "1")
+    assert engines.engine_process_env() == {}
+    monkeypatch.delenv("CAPO_NO_PRELOAD")
+    monkeypatch.setattr(engines, "_has_cuda", lambda: True)
+    assert engines.engine_process_env() == {}  # GPU machines: nothing
+
+
+def test_stream_child_adds_env_and_returns_the_result_line(tmp_path):
+    import logging
+    import sys
+
+    from flows.runner import RESULT_TAG, stream_child
+
+    code = ("import os, json; print('hello'); "
+            f"print({RESULT_TAG!r} + json.dumps({{'x': os.environ['CAPO_TEST_X'], 'child': os.environ['CAPO_CHILD']}}))")
+    out = stream_child([sys.executable, "-c", code], "t", logging.getLogger("t"), "test child", {"CAPO_TEST_X": "42"})
+    assert out == {"x": "42", "child": "1"}
