@@ -127,3 +127,21 @@ def test_two_rounds_share_one_engine_start(repo, data_dir, tmp_path):
     assert log.count("engine starts 1, reloads 2") >= 1 and "engine starts 2" not in log
     summary = json.loads(r2["run_summary"].read_text())
     assert not any(s["skipped"] for s in summary["stages"] if s["stage"] in ("rollout", "train"))
+
+
+def test_capo_run_flow_keeps_one_host_for_its_rounds(repo, data_dir, tmp_path):
+    """The ``capo-run`` Prefect flow starts the host once; its nested ``capo-round`` reuses it
+    (round 0's eval reuses the rollout engine, round 1's eval reloads the new checkpoint)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.round import capo_run
+
+    runs = tmp_path / "runs"
+    with prefect_test_harness(server_startup_timeout=120):
+        capo_run(rounds=1, config=str(repo / "configs" / "tiny.yaml"),
+                 overrides=[f"runs_dir={runs}", f"data_dir={data_dir}", "scale.policy_engine=persistent",
+                            "data.prompts_per_round=1", "critique.num_critiques=1", "eval.benchmarks=[gsm8k]"])
+    log = (runs / "tiny" / "policy_engine.log").read_text()
+    actions = [w for line in log.splitlines() if "capo.engine_host: " in line
+               for w in line.split("capo.engine_host: ")[1].split()[:1] if w in ("started", "reused", "reloaded")]
+    assert actions == ["started", "reused", "reloaded"]
