@@ -139,9 +139,11 @@ def critique_shard_plan(cfg: CAPOConfig, round_idx: int) -> list[list[str]]:
         FileNotFoundError: the round has no rollouts table yet.
     """
     p = round_paths(cfg, round_idx)
-    ids = storage.read_table(p["rollouts"], "rollouts").column("rollout_id").to_pylist()
-    bs = cfg.critique.batch_rollouts
-    return [ids[i : i + bs] for i in range(0, len(ids), bs)]
+    return _cut(storage.read_table(p["rollouts"], "rollouts").column("rollout_id").to_pylist(), cfg.critique.batch_rollouts)
+
+
+def _cut(ids: list[str], size: int) -> list[list[str]]:
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
 def _shard_committed(parts_dir: Path, shard: int, shard_key: str, ids: list[str]) -> bool:
@@ -215,9 +217,8 @@ def _critique_inputs(cfg: CAPOConfig, round_idx: int) -> _CritiqueInputs:
         by_rollout.setdefault(r["rollout_id"], []).append(r["step_text"])
         if r["empty_response"]:
             empty.add(r["rollout_id"])
-    ids = [r["rollout_id"] for r in rollouts]
-    bs = cfg.critique.batch_rollouts
-    return _CritiqueInputs(critic, [ids[i : i + bs] for i in range(0, len(ids), bs)], {r["rollout_id"]: r for r in rollouts},
+    plan = _cut([r["rollout_id"] for r in rollouts], cfg.critique.batch_rollouts)  # = critique_shard_plan
+    return _CritiqueInputs(critic, plan, {r["rollout_id"]: r for r in rollouts},
                            by_rollout, empty, prompts, storage.key_hash(stage_key("critique", cfg, round_idx)),
                            critique_parts_dir(cfg, round_idx))
 
