@@ -102,8 +102,10 @@ def main() -> None:
     crit = load_config(ROOT / "configs" / "default.yaml").critique
     sampling = crit.sampling.model_copy(update={"max_tokens": a.max_tokens})
     ids, convs = critique_conversations(Path(a.rollouts), Path(a.prompts_file), a.responses)
-    env = {"machine": platform.machine(), "cpus": os.cpu_count(), "critic": Path(a.critic).name,
-           "dtype": crit.engine.dtype, "responses": len(convs), "max_tokens": a.max_tokens,
+    from pipeline.precision import bench_context, resolve_dtype
+
+    env = {**bench_context(), "machine": platform.machine(), "cpus": os.cpu_count(), "critic": Path(a.critic).name,
+           "dtype": resolve_dtype(crit.engine.dtype).value, "responses": len(convs), "max_tokens": a.max_tokens,
            "temperature": sampling.temperature, "cache": "fresh-engine" if a.fresh_engine else "reset_prefix_cache"}
     print(json.dumps({"bench": "critique_n", "rollout_ids": ids, **env}), flush=True)
 

@@ -65,8 +65,10 @@ def main() -> None:
                 assert e.stats.extra["host_action"] == "reloaded", e.stats.extra
                 e.close()
         reload_client, reload_host = min(reloads)
-        env = {"machine": platform.machine(), "cpus": os.cpu_count(), "model": Path(model).name,
-               "dtype": cfg.rollout.engine.dtype, "loadavg_1m_at_end": round(os.getloadavg()[0], 2)}
+        from pipeline.precision import bench_context, resolve_dtype
+
+        env = {**bench_context(), "machine": platform.machine(), "cpus": os.cpu_count(), "model": Path(model).name,
+               "dtype": resolve_dtype(cfg.rollout.engine.dtype).value, "loadavg_1m_at_end": round(os.getloadavg()[0], 2)}
         print(json.dumps({"bench": "engine_reload", "way": "start", "client_seconds": round(start_client, 2),
                           "host_seconds": round(start_host, 2), **env}), flush=True)
         print(json.dumps({"bench": "engine_reload", "way": "reload", "client_seconds": round(reload_client, 2),

@@ -105,7 +105,9 @@ def main() -> None:
     a = ap.parse_args()
     n_tok, correct, rids, pids, step_len, weights = synth(a.prompts, a.group, a.seed)
     N = int(n_tok.sum())
-    env = {"machine": platform.machine(), "cpus": __import__("os").cpu_count(), "tokens": N, "responses": len(rids)}
+    from pipeline.precision import bench_context
+
+    env = {**bench_context(), "machine": platform.machine(), "cpus": __import__("os").cpu_count(), "tokens": N, "responses": len(rids)}
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, [f"runs_dir={tmp}/runs", f"data_dir={tmp}/data", "run_id=bench"])
         write_inputs(cfg, n_tok, correct, rids, pids, step_len, weights)

@@ -190,7 +190,9 @@ def main() -> None:
     a = ap.parse_args()
     runs_dir, data_dir = Path(a.runs_dir).resolve(), Path(a.data_dir).resolve()
     round_dir = runs_dir / a.run / f"round_{a.round:03d}"
-    env = {"machine": platform.machine(), "cpus": os.cpu_count(), "run": a.run, "round": a.round, "variant": a.variant}
+    from pipeline.precision import bench_context
+
+    env = {**bench_context(), "machine": platform.machine(), "cpus": os.cpu_count(), "run": a.run, "round": a.round, "variant": a.variant}
 
     summary_path = round_dir / "variants" / a.variant / "round_summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None

@@ -27,7 +27,16 @@ the B*R response tokens. MFU = 6 * params * B*(P+R) / seconds / peak, the peak b
 measured in the same run (the 6NT count
 leaves out the old log-prob forward, 2NT more, and attention).
 
+Precision: first, our update alone runs once per ``--precisions`` (default ``bf16 no``: bf16
+autocast vs full fp32), each in its own child process (so each has its own peak RSS), warm-up plus
+best of ``--precision-repeats``; a ``precision`` line says what ``train.mixed_precision: auto``
+resolves to on this machine (:mod:`pipeline.precision`), which was faster, and whether the pick is
+the faster one. The ours-vs-TRL comparison then runs in ``--mixed-precision`` (default ``auto``:
+the resolved one). Every line carries the CPU model, cores, torch's CPU capability and the ``auto``
+resolution (``bench_context``).
+
     .venv/bin/python benchmarks/bench_trainer.py --batch 8 --prompt-len 128 --response-len 128
+    .venv/bin/python benchmarks/bench_trainer.py --skip-trl            # the precision comparison only
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ import json
 import logging
 import os
 import platform
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -137,6 +148,62 @@ def trl(model_path: str, prompt, resp, adv, lr: float, pad_id: int, tmp: str, mi
     return update, sum(q.numel() for q in m.parameters()), type(trainer.optimizer).__name__
 
 
+def precision_child(a: argparse.Namespace) -> None:
+    """Our update alone in ``a.child_precision``: warm-up, best of ``--precision-repeats``; one JSON line."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pipeline.precision import bench_context
+
+    torch.manual_seed(a.seed)
+    vocab = AutoConfig.from_pretrained(a.model).vocab_size
+    tok = AutoTokenizer.from_pretrained(a.model)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    prompt, resp, adv = make_batch(a.batch, a.prompt_len, a.response_len, vocab, a.seed)
+    update, n_params = ours(a.model, prompt, resp, adv, a.lr, pad_id, a.child_precision)
+    t0 = time.perf_counter()
+    update()
+    warm = time.perf_counter() - t0
+    best = float("inf")
+    for _ in range(a.precision_repeats):
+        t0 = time.perf_counter()
+        update()
+        best = min(best, time.perf_counter() - t0)
+        print(f"{a.child_precision}: {best:.2f}s (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+    B, P, R = a.batch, a.prompt_len, a.response_len
+    print(json.dumps({"bench": "trainer", "impl": "ours", "mixed_precision": a.child_precision,
+                      "step_seconds": round(best, 3), "warmup_seconds": round(warm, 3),
+                      "tokens_per_s": round(B * (P + R) / best, 1), "params": n_params,
+                      "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                      "model": Path(a.model).name, "batch": B, "prompt_len": P, "response_len": R,
+                      "torch_threads": torch.get_num_threads(), **bench_context()}), flush=True)
+
+
+def compare_precisions(a: argparse.Namespace) -> None:
+    """One child per ``--precisions``; then the pick line."""
+    from pipeline.precision import bench_context
+
+    times = {}
+    for mp in a.precisions:
+        args = [x for x in sys.argv[1:]]
+        out = subprocess.run([sys.executable, __file__, *args, "--child-precision", mp], stdout=subprocess.PIPE,
+                             text=True, cwd=ROOT, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("{"):
+                print(line, flush=True)
+                r = json.loads(line)
+                times[mp] = (r["step_seconds"], r["peak_rss_mb"])
+    ctx = bench_context()
+    if len(times) > 1:
+        pick, fastest = ctx["auto_mixed_precision"], min(times, key=lambda k: times[k][0])
+        print(json.dumps({"bench": "trainer", "precision": "train.mixed_precision",
+                          "step_seconds_by_precision": {k: v[0] for k, v in times.items()},
+                          "peak_rss_mb_by_precision": {k: v[1] for k, v in times.items()},
+                          "auto_picks": pick, "fastest": fastest,
+                          "pick_is_fastest": pick == fastest if pick in times else None,
+                          "slowest_over_pick": round(max(v[0] for v in times.values()) / times[pick][0], 2)
+                          if pick in times else None, **ctx}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "data" / "models" / "smollm2-135m-instruct"))
@@ -146,26 +213,42 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
-                    help="autocast for both (weights and optimizer stay float32); the trainer's default is bf16")
+    ap.add_argument("--precisions", nargs="*", default=["bf16", "no"], choices=["no", "bf16", "fp16"],
+                    help="autocast settings measured side by side (our update only); none to skip")
+    ap.add_argument("--precision-repeats", type=int, default=1)
+    ap.add_argument("--mixed-precision", choices=["auto", "no", "bf16"], default="auto",
+                    help="autocast for the ours-vs-TRL comparison (weights and optimizer stay float32)")
+    ap.add_argument("--skip-trl", action="store_true", help="only the precision comparison")
+    ap.add_argument("--child-precision", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     logging.getLogger("capo.train").setLevel(logging.WARNING)
+    if a.child_precision:
+        precision_child(a)
+        return
+    if a.precisions:
+        compare_precisions(a)
+    if a.skip_trl:
+        return
     from transformers import AutoConfig, AutoTokenizer
 
+    from pipeline.precision import bench_context, resolve_mixed_precision
+
+    mixed = resolve_mixed_precision(a.mixed_precision).value
     torch.manual_seed(a.seed)
-    peak = matmul_peak(dtype=torch.bfloat16 if a.mixed_precision == "bf16" else torch.float32)
+    peak = matmul_peak(dtype=torch.bfloat16 if mixed == "bf16" else torch.float32)
     vocab = AutoConfig.from_pretrained(a.model).vocab_size
     tok = AutoTokenizer.from_pretrained(a.model)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     prompt, resp, adv = make_batch(a.batch, a.prompt_len, a.response_len, vocab, a.seed)
     B, P, R = a.batch, a.prompt_len, a.response_len
     env = {"machine": platform.machine(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-           "model": Path(a.model).name, "dtype": "float32", "mixed_precision": a.mixed_precision, "batch": B, "prompt_len": P, "response_len": R,
+           "model": Path(a.model).name, "dtype": "float32", "mixed_precision": mixed, "batch": B, "prompt_len": P, "response_len": R,
            "matmul_peak_gflops": round(peak / 1e9, 1),
-           "matmul_peak_dtype": "bfloat16" if a.mixed_precision == "bf16" else "float32", "loadavg_1m_at_start": round(os.getloadavg()[0], 2)}
+           "matmul_peak_dtype": "bfloat16" if mixed == "bf16" else "float32", "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
+           **bench_context()}
     with tempfile.TemporaryDirectory() as tmp:
-        ours_update, n_params = ours(a.model, prompt, resp, adv, a.lr, pad_id, a.mixed_precision)
-        trl_update, n_params_trl, trl_opt = trl(a.model, prompt, resp, adv, a.lr, pad_id, tmp, a.mixed_precision)
+        ours_update, n_params = ours(a.model, prompt, resp, adv, a.lr, pad_id, mixed)
+        trl_update, n_params_trl, trl_opt = trl(a.model, prompt, resp, adv, a.lr, pad_id, tmp, mixed)
         assert n_params == n_params_trl, (n_params, n_params_trl)
         runs = {"ours": lambda: ours_update(), "trl": lambda: trl_update(True), "trl_no_old": lambda: trl_update(False)}
         best = {k: float("inf") for k in runs}
@@ -186,7 +269,7 @@ def main() -> None:
                           "optimizer": "AdamW" if k == "ours" else trl_opt, **env}), flush=True)
     # Same objective: at the first update (same weights, ratio 1) loss and gradient norm agree.
     o, (t_loss, t_gn) = warm["ours"][0], warm["trl"]
-    gn_rtol = 1e-3 if a.mixed_precision == "no" else 3e-2  # bf16 autocast: two summation orders, ~1% apart
+    gn_rtol = 1e-3 if mixed == "no" else 3e-2  # bf16 autocast: two summation orders, ~1% apart
     same = bool(np.isclose(o["loss"], t_loss, rtol=1e-4, atol=1e-6) and np.isclose(o["grad_norm"], t_gn, rtol=gn_rtol))
     print(json.dumps({"bench": "trainer", "first_update": {"ours_loss": o["loss"], "trl_loss": t_loss,
                       "ours_grad_norm": o["grad_norm"], "trl_grad_norm": t_gn}, "same_objective": same, **env}))

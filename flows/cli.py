@@ -105,6 +105,9 @@ def _run_round(cfg, round_idx: int, force: list[str]) -> None:
     from pipeline.stages import STAGES
     from pipeline.storage import refresh_catalog
 
+    from pipeline.precision import describe, precision_record
+
+    typer.echo(describe(precision_record(cfg)))
     t0 = time.perf_counter()
     results = [dataclasses.asdict(run_stage(name, cfg, round_idx, force=name in force)) for name in STAGES]
     results += [dataclasses.asdict(run_stage("eval", cfg, k, force="eval" in force)) for k in eval_rounds(round_idx)]

@@ -68,6 +68,9 @@ def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional
     """
     overrides = list(overrides or [])
     cfg = load_config(config, overrides, preset)  # fail before any work on a bad config
+    from pipeline.precision import describe, precision_record
+
+    get_run_logger().info(describe(precision_record(cfg)))
     t0 = time.perf_counter()
     with policy_engine_session(cfg, get_run_logger()):  # a no-op unless scale.policy_engine=persistent
         results = [stage_task(name, config, overrides, round, preset) for name in STAGES]

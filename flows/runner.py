@@ -242,6 +242,8 @@ def write_round_summary(cfg: CAPOConfig, round_idx: int, results: list[dict], wa
     Records per stage skipped/ran, seconds and critic calls, so "re-training a cached round made
     zero critic calls" is a fact in a file (and in the catalog's ``manifests`` neighbours).
     """
+    from pipeline.precision import precision_record
+
     path = round_paths(cfg, round_idx)["run_summary"]
     if path.exists() and all(r.get("skipped") for r in results):
         path = path.with_name("round_summary.resume.json")  # keep the real run's times and memory
@@ -251,6 +253,7 @@ def write_round_summary(cfg: CAPOConfig, round_idx: int, results: list[dict], wa
         "critic_calls": int(sum(r.get("critic_calls", 0) for r in results)),
         "stages": results, "stage_seconds": round(sum(r.get("seconds", 0.0) for r in results), 3),
         "wall_seconds": None if wall_s is None else round(wall_s, 3),
+        "precision": precision_record(cfg),  # what each auto setting resolved to here, and the device
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     tmp = path.with_suffix(f".tmp{os.getpid()}")

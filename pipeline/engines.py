@@ -187,9 +187,12 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
+        from pipeline.precision import engine_dtype
+
+        self.dtype = engine_dtype(cfg.dtype, "vllm engine dtype")  # auto -> bf16 only where it is native
         kwargs = dict(
             model=model,
-            dtype=cfg.dtype,
+            dtype=self.dtype,
             seed=seed,
             max_model_len=cfg.max_model_len,
             enforce_eager=cfg.enforce_eager or not on_gpu,
@@ -291,9 +294,11 @@ class TransformersEngine(Engine):
         self.cfg = cfg
         self.seed = seed
         self.tokenizer = load_tokenizer(model)
-        dtype = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+        from pipeline.precision import engine_dtype
+
+        self.dtype = engine_dtype(cfg.dtype, "transformers engine dtype")  # auto -> bf16 only where it is native
         t0 = time.perf_counter()
-        self.lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+        self.lm = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, self.dtype)).eval()
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.lm.to(self.device)
         self.stats.extra["load_seconds"] = time.perf_counter() - t0

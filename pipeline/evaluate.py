@@ -201,10 +201,12 @@ def eval_key(cfg: CAPOConfig, round_idx: int) -> dict:
     """What the eval table of a round depends on (policy, eval settings, engine, data, verifier)."""
     from importlib.metadata import version
 
+    from pipeline.precision import precision_record
+
     ec = cfg.eval
     engine = ec.engine or cfg.rollout.engine
     root = Path(cfg.data_dir).resolve() / "eval"
-    return {"round": round_idx, "variant": cfg.variant if round_idx else None,
+    return {"round": round_idx, "dtype": precision_record(cfg)["eval_dtype"], "variant": cfg.variant if round_idx else None,
             "policy": model_fingerprint(eval_policy(cfg, round_idx)),
             "eval": ec.model_dump(mode="json", exclude={"enabled", "engine"}), "engine": engine.model_dump(mode="json"),
             "instruction": cfg.instruction(),

@@ -161,11 +161,15 @@ def select_prompt_indices(n_prompts: int, per_round: int, round_idx: int, seed: 
 # -------------------------------------------------------------------------------------------- keys
 def stage_key(stage: str, cfg: CAPOConfig, round_idx: int) -> dict:
     """The key of ``stage`` (what its output depends on). Inputs must already be committed."""
+    from pipeline.precision import precision_record
+
     p = round_paths(cfg, round_idx)
     c = cfg.model_dump(mode="json")
+    prec = precision_record(cfg)  # resolved dtypes: "auto" computes in bf16 on one machine, fp32 on another
     if stage == "rollout":
         policy = policy_for_round(cfg, round_idx)
         return {"round": round_idx, "seed": cfg.seed, "data": c["data"], "rollout": c["rollout"],
+                "dtype": prec["rollout_dtype"],
                 "policy": model_fingerprint(policy), "prompts": storage.file_sha256(prompts_path(cfg))}
     if stage == "verify":
         from importlib.metadata import version
@@ -180,6 +184,7 @@ def stage_key(stage: str, cfg: CAPOConfig, round_idx: int) -> dict:
         crit = {k: v for k, v in c["critique"].items() if k != "batch_rollouts"}
         return {"steps": input_fp(p["steps"]), "rollouts": input_fp(p["rollouts"]), "critique": crit,
                 "template_version": TEMPLATE_VERSION, "prompts": storage.file_sha256(prompts_path(cfg)),
+                "dtype": prec["critique_dtype"],
                 "critic": model_fingerprint(resolve_model(cfg.critique.critic, cfg))}
     if stage == "vote":
         return {"steps": input_fp(p["steps"]), "critiques": input_fp(p["critiques"]),
@@ -195,6 +200,7 @@ def stage_key(stage: str, cfg: CAPOConfig, round_idx: int) -> dict:
     if stage == "train":
         return {"rollouts": input_fp(p["rollouts"]), "token_rewards": input_fp(p["token_rewards"]),
                 "train": {k: v for k, v in c["train"].items() if k != "launcher"},
+                "mixed_precision": prec["train_mixed_precision"], "save_dtype": prec["train_save_dtype"],
                 "policy": model_fingerprint(policy_for_round(cfg, round_idx)), "seed": cfg.seed}
     if stage == "eval":
         from pipeline.evaluate import eval_key
@@ -210,5 +216,10 @@ HEAVY_STAGES = ("rollout", "critique", "train", "eval")
 
 
 def _with_prov(cfg: CAPOConfig, extra: dict | None = None) -> dict:
-    """Manifest fields every stage records: the resolved config and its hash, plus ``extra``."""
-    return {"config_hash": section_hash(cfg), "resolved_config": cfg.model_dump(mode="json"), **(extra or {})}
+    """Manifest fields every stage records: the resolved config and its hash, the precision each
+    ``auto`` setting resolved to on this machine and the device (:func:`pipeline.precision.precision_record`),
+    plus ``extra``."""
+    from pipeline.precision import precision_record
+
+    return {"config_hash": section_hash(cfg), "resolved_config": cfg.model_dump(mode="json"),
+            "precision": precision_record(cfg), **(extra or {})}

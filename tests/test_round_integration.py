@@ -137,6 +137,26 @@ def test_training_wrote_a_new_policy(tiny_round, data_dir):
         assert changed, "a non-zero advantage must move the weights"
 
 
+def test_manifests_record_the_resolved_precision_and_the_cpu(tiny_round):
+    """Every stage's manifest and the round summary say which dtypes were used and on which CPU."""
+    import json
+
+    from pipeline.precision import detect, resolve_mixed_precision
+    from pipeline.storage import read_manifest
+
+    cfg = tiny_round[0]
+    p = round_paths(cfg, 1)
+    want_autocast = resolve_mixed_precision("auto", detect()).value  # tiny.yaml leaves it on auto
+    for name in ("rollouts", "outcomes", "critiques", "token_rewards", "checkpoint", "eval"):
+        prec = read_manifest(p[name])["precision"]
+        assert (prec["rollout_dtype"], prec["critique_dtype"]) == ("float32", "float32")  # tiny.yaml: explicit
+        assert prec["train_mixed_precision"] == want_autocast
+        assert prec["device"]["cores"] >= 1 and prec["device"]["torch_cpu_capability"]
+        assert prec["device"]["cpu_model"] and isinstance(prec["device"]["native_bf16"], bool)
+    summary = json.loads(p["run_summary"].read_text())
+    assert summary["precision"]["device"]["cpu_model"] == detect().cpu_model
+
+
 def test_second_run_skips_every_stage_quickly(tiny_round):
     _, _, second, second_s = tiny_round
     assert all(r["skipped"] for r in second), [r for r in second if not r["skipped"]]

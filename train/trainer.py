@@ -296,7 +296,12 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
         return StageResult("train", str(ckpt), True, cur.reason)
     t0 = time.perf_counter()
     tc = cfg.train
-    accelerator = Accelerator(mixed_precision=tc.mixed_precision, log_with=tc.report_to or None,
+    from pipeline.precision import announce, precision_record, resolve_mixed_precision
+
+    prec = precision_record(cfg)
+    mixed = announce("train.mixed_precision", resolve_mixed_precision(tc.mixed_precision), log)
+    save_dtype = prec["train_save_dtype"]
+    accelerator = Accelerator(mixed_precision=mixed, log_with=tc.report_to or None,
                               project_dir=str(cfg.run_dir() / "tracking"), cpu=_force_cpu())
     if accelerator.is_main_process:
         log.info("[train] running on %d process(es) (%s): %s", accelerator.num_processes,
@@ -343,7 +348,7 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model) if sharded else None  # collective: every process gathers
     if accelerator.is_main_process:
-        _save(accelerator.unwrap_model(model), tok, ckpt, tc.save_dtype, state_dict)
+        _save(accelerator.unwrap_model(model), tok, ckpt, save_dtype, state_dict)
         secs = time.perf_counter() - t0
         rows = [{"run_id": cfg.run_id, "round": round_idx, "variant": cfg.variant, "step": i, "name": k, "value": float(v)}
                 for i, m in enumerate(metrics) for k, v in m.items()]
