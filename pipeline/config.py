@@ -216,6 +216,12 @@ class TrainConfig(_Strict):
     save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype of the checkpoint written for the next round's engines. ``auto``: the rollout engine's
     resolved dtype (the checkpoint is for that engine)."""
+    keep_states: int = Field(2, ge=1)
+    """Training states (fp32 master weights, AdamW moments and step, RNG states; Accelerate's
+    ``save_state``) kept per variant: the newest K rounds'. Round k+1 continues from round k's; K >= 2
+    lets the newest round be re-trained. Older states are deleted (their manifests stay);
+    checkpoints are always kept. Disk per state: about 12 bytes per trained parameter (6 GB for
+    the 0.5B policy, 1.6 GB for SmolLM2-135M)."""
     gradient_checkpointing: bool = False
     lora: "LoraConfig | None" = None
     """Train LoRA adapters (peft) instead of all weights; merged into the saved checkpoint."""

@@ -199,6 +199,9 @@ class VLLMEngine(Engine):
             enable_prefix_caching=True,
             max_num_seqs=cfg.max_num_seqs,
             disable_log_stats=False,  # keeps the prompt-token counters that EngineStats reads
+            # log-probs of the distribution actually sampled (after temperature and top-p/top-k), which
+            # the trainer's old log-probs are compared with (rollout/trainer mismatch diagnostic)
+            logprobs_mode="processed_logprobs",
         )
         if on_gpu:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,

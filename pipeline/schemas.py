@@ -39,7 +39,7 @@ ROLLOUTS_SCHEMA = pa.schema(
         pa.field("prompt_token_ids", pa.list_(pa.int32())),  # chat-templated prompt
         pa.field("response_text", pa.string()),
         pa.field("response_token_ids", pa.list_(pa.int32())),  # includes EOS when it stopped
-        pa.field("rollout_logprobs", pa.list_(pa.float32())),  # sampler's log-prob per token, nats
+        pa.field("rollout_logprobs", pa.list_(pa.float32())),  # sampler's log-prob per token, nats (vLLM: after temperature/top-p)
         pa.field("finish_reason", pa.string()),  # stop | length
         pa.field("num_tokens", pa.int32()),
     ]

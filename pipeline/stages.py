@@ -52,7 +52,7 @@ def round_paths(cfg: CAPOConfig, round_idx: int) -> dict[str, Path]:
     crit = "critiques" if cfg.critique.mode == "process" else "genorm_critiques"
     paths.update(critiques=rd / f"{crit}.parquet", step_verdicts=vd / "step_verdicts.parquet",
                  token_rewards=vd / "token_rewards.parquet", train_metrics=vd / "train_metrics.parquet",
-                 checkpoint=vd / "checkpoint", round_dir=rd, variant_dir=vd,
+                 checkpoint=vd / "checkpoint", train_state=vd / "train_state", round_dir=rd, variant_dir=vd,
                  run_summary=vd / "round_summary.json",
                  eval=(rd if round_idx == 0 else vd) / "eval.parquet")  # round 0: the starting policy, shared
     return paths
@@ -122,6 +122,27 @@ def policy_for_round(cfg: CAPOConfig, round_idx: int) -> str:
             f"round {round_idx} samples from round {round_idx - 1}'s checkpoint {prev}, which does not "
             f"exist yet: run round {round_idx - 1} first (capo round --round {round_idx - 1})")
     return str(prev)
+
+
+def previous_state_fp(cfg: CAPOConfig, round_idx: int) -> str | None:
+    """Fingerprint of the training state round ``round_idx`` starts from: None for round 1 (the
+    starting policy, a fresh optimizer), else round k-1's ``train_state`` of the same variant, read
+    from its manifest (which outlives a state pruned by ``train.keep_states``).
+
+    Raises:
+        FileNotFoundError: round k-1 of this variant committed no training state.
+    """
+    if round_idx <= 1:
+        return None
+    prev = round_paths(cfg, round_idx - 1)["train_state"]
+    man = storage.read_manifest(prev)
+    if man is None:
+        raise FileNotFoundError(
+            f"round {round_idx} of variant {cfg.variant!r} continues from round {round_idx - 1}'s training state "
+            f"{prev}, which was never committed: run round {round_idx - 1} first (capo round --round "
+            f"{round_idx - 1}); a run trained by a version without carried training state must be re-trained "
+            "from round 1 (or start a new run_id)")
+    return man["fingerprint"]
 
 
 def prompts_path(cfg: CAPOConfig) -> Path:
@@ -199,7 +220,8 @@ def stage_key(stage: str, cfg: CAPOConfig, round_idx: int) -> dict:
                 "vote": c["vote"], "reward": c["reward"], "variant": cfg.variant}
     if stage == "train":
         return {"rollouts": input_fp(p["rollouts"]), "token_rewards": input_fp(p["token_rewards"]),
-                "train": {k: v for k, v in c["train"].items() if k != "launcher"},
+                "state": previous_state_fp(cfg, round_idx),
+                "train": {k: v for k, v in c["train"].items() if k not in ("launcher", "keep_states")},
                 "mixed_precision": prec["train_mixed_precision"], "save_dtype": prec["train_save_dtype"],
                 "policy": model_fingerprint(policy_for_round(cfg, round_idx)), "seed": cfg.seed}
     if stage == "eval":

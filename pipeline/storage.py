@@ -146,6 +146,14 @@ def is_current(path: Path, key: dict) -> Currency:
     return Currency(True, f"{path.name} is current (key {man['key_hash']}, {man.get('rows')} rows)")
 
 
+def mark_pruned(path: Path) -> None:
+    """Record in ``path``'s manifest that the output was deliberately deleted (kept: its fingerprint,
+    which later stages' keys hold). :func:`is_current` reports a pruned output as missing."""
+    man = read_manifest(path)
+    if man is not None:
+        _atomic_write_text(manifest_path(path), json.dumps({**man, "pruned": True}, indent=1, default=str))
+
+
 def supersede(path: Path) -> Path | None:
     """Move an existing output (and its manifest) to ``superseded/`` beside it; return where."""
     if not path.exists():

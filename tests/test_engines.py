@@ -25,14 +25,14 @@ def tiny_model(data_dir) -> str:
     return str(ensure_model("smollm2-135m-instruct", root=data_dir / "models"))
 
 
-def _recompute(model_path: str, prompt_ids, samples) -> list[np.ndarray]:
+def _recompute(model_path: str, prompt_ids, samples, temperature: float = 1.0) -> list[np.ndarray]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     ex = [Example(prompt_ids, s.token_ids, np.zeros(len(s.token_ids), np.float32)) for s in samples]
     mb = collate(ex, pad_id=0)
     with torch.no_grad():
-        lp = token_logprobs(model, mb)
+        lp = token_logprobs(model, mb, temperature)
     return [lp[i, : len(s.token_ids)].numpy() for i, s in enumerate(samples)]
 
 
@@ -64,4 +64,35 @@ def test_vllm_engine_matches_the_reference(tiny_model):
     assert greedy.token_ids[:8] == ref_greedy.token_ids[:8]
     for samp, lp in zip(samples, _recompute(tiny_model, gens[0].prompt_token_ids, samples)):
         np.testing.assert_allclose(lp, samp.logprobs, atol=5e-2)
+    # at T = 0.6 the engine reports the log-probs of the tempered distribution it sampled from, and
+    # the trainer's log-probs at the same temperature match them; untempered ones do not
+    hot = eng.generate([CONV], n=3, sampling=SamplingConfig(temperature=0.6, max_tokens=16))[0]
+    tempered = _recompute(tiny_model, hot.prompt_token_ids, hot.samples, temperature=0.6)
+    plain = _recompute(tiny_model, hot.prompt_token_ids, hot.samples, temperature=1.0)
+    for samp, lp, lp1 in zip(hot.samples, tempered, plain):
+        np.testing.assert_allclose(lp, samp.logprobs, atol=5e-2)
+    worst_untempered = max(float(np.abs(lp1 - np.asarray(s.logprobs)).max()) for s, lp1 in zip(hot.samples, plain))
+    assert worst_untempered > 0.1, worst_untempered
     eng.close()
+
+
+def test_chunked_logprobs_equal_the_full_log_softmax(tiny_model):
+    """token_logprobs in small chunks (values and gradients) equals one full fp32 log-softmax, at T != 1."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    ex = [Example(rng.integers(0, 1000, 5).tolist(), rng.integers(0, 1000, 9).tolist(), np.ones(9, np.float32)),
+          Example(rng.integers(0, 1000, 8).tolist(), rng.integers(0, 1000, 4).tolist(), np.ones(4, np.float32))]
+    mb = collate(ex, pad_id=0)
+    lp = token_logprobs(model, mb, temperature=0.7, chunk=3)
+    lp.sum().backward()
+    g_chunked = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits / 0.7
+    full = torch.log_softmax(logits.float(), -1)
+    ref = torch.stack([full[i, mb["pos"][i]].gather(-1, mb["target"][i].unsqueeze(-1)).squeeze(-1) for i in range(2)])
+    ref = ref * mb["mask"]
+    ref.sum().backward()
+    torch.testing.assert_close(lp.detach(), ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_chunked, model.lm_head.weight.grad, atol=1e-5, rtol=1e-4)

@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -83,32 +82,102 @@ def test_resumed_run_continued_where_it_stopped(two_runs):
     assert "rollouts.parquet is current" in log  # round 1 was not sampled again
 
 
-def test_round_2_samples_from_round_1_checkpoint(two_runs, data_dir):
+def _weights(path: Path) -> dict:
     from safetensors.torch import load_file
 
+    return load_file(str(path / "model.safetensors"))
+
+
+def _variant(run: Path, k: int) -> Path:
+    return run / f"round_{k:03d}" / "variants" / "capo-intersection"
+
+
+def _share_changed(a: dict, b: dict) -> float:
+    changed = total = 0
+    for n in a:
+        if n in b:
+            changed += int((a[n].float() != b[n].float()).sum())
+            total += a[n].numel()
+    return changed / total
+
+
+def test_round_2_samples_from_round_1_checkpoint(two_runs, data_dir):
     a = two_runs[0]
-    ckpt = a / "round_001" / "variants" / "capo-intersection" / "checkpoint"
+    ckpt = _variant(a, 1) / "checkpoint"
     pol = set(pq.read_table(a / "round_002" / "rollouts.parquet").column("policy").to_pylist())
     assert pol == {str(ckpt)}
     man = json.loads((a / "round_002" / "rollouts.parquet.manifest.json").read_text())
     assert man["policy"] == str(ckpt)
-    base = load_file(str(data_dir / "models" / "smollm2-135m-instruct" / "model.safetensors"))
-
-    def moved(k: int) -> bool:
-        w = load_file(str(a / f"round_{k:03d}" / "variants" / "capo-intersection" / "checkpoint" / "model.safetensors"))
-        return any(not np.array_equal(w[n].float().numpy(), base[n].float().numpy()) for n in w if n in base)
+    base = _weights(data_dir / "models" / "smollm2-135m-instruct")
 
     def has_signal(k: int) -> bool:
-        t = pq.read_table(a / f"round_{k:03d}" / "variants" / "capo-intersection" / "token_rewards.parquet")
+        t = pq.read_table(_variant(a, k) / "token_rewards.parquet")
         return any(abs(x) > 0 for row in t.column("advantages").to_pylist() for x in row)
 
-    # a round with a non-zero advantage moves the weights; one without leaves them exactly as they were
-    assert moved(1) == has_signal(1)
-    assert has_signal(2) and moved(2), "round 2 must train on a non-zero signal and write new weights"
+    # each round's fp32 master weights move by that round's full update: round k against round k-1,
+    # in most elements (Adam moves every weight with a gradient), and the engine checkpoint is their cast
+    prev = {n: w.float() for n, w in base.items()}
+    for k in (1, 2):
+        state = _weights(_variant(a, k) / "train_state")
+        share = _share_changed(state, prev)
+        if has_signal(k):
+            assert share > 0.5, f"round {k}'s master weights differ from round {k - 1}'s in only {share:.1%}"
+        else:
+            assert share == 0.0, f"round {k} had no signal but moved {share:.1%} of the weights"
+        ckpt_w = _weights(_variant(a, k) / "checkpoint")
+        for n, w in ckpt_w.items():
+            assert torch_equal_cast(state[n], w), f"round {k} checkpoint {n} is not the cast of the master weights"
+        prev = state
+    assert has_signal(2), "round 2 must train on a non-zero signal"
     # prompts do not repeat across rounds
     p1 = set(pq.read_table(a / "round_001" / "rollouts.parquet").column("prompt_id").to_pylist())
     p2 = set(pq.read_table(a / "round_002" / "rollouts.parquet").column("prompt_id").to_pylist())
     assert p1.isdisjoint(p2)
+
+
+def torch_equal_cast(master, exported) -> bool:
+    return bool((master.to(exported.dtype) == exported).all())
+
+
+def test_two_rounds_equal_one_process_training_both(two_runs):
+    """Round 2 continued round 1's optimization: replaying both rounds' updates in one process, with
+    one model and one AdamW, ends at round 2's saved master weights and optimizer step count."""
+    import torch
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.config import load_config
+    from pipeline.precision import resolve_mixed_precision
+    from train.trainer import load_examples, ppo_update
+
+    a = two_runs[0]
+    cfg = load_config(None, json.loads((_variant(a, 1) / "train_metrics.parquet.manifest.json").read_text())["resolved_config"])
+    tc = cfg.train
+    start = json.loads((a / "round_001" / "rollouts.parquet.manifest.json").read_text())["policy"]
+    model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(start)
+    accelerator = Accelerator(mixed_precision=resolve_mixed_precision(tc.mixed_precision).value, cpu=True)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=tc.learning_rate,
+                            weight_decay=tc.weight_decay)
+    model, opt = accelerator.prepare(model, opt)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    steps = 0
+    for k in (1, 2):
+        steps += len(ppo_update(model, opt, load_examples(cfg, k), tc, pad, cfg.seed + k, accelerator,
+                                temperature=cfg.rollout.sampling.temperature))
+    saved = _weights(_variant(a, 2) / "train_state")
+    mine = accelerator.unwrap_model(model).state_dict()
+    worst = max(float((mine[n].float() - saved[n].float()).abs().max()) for n in saved)
+    assert worst < 1e-6, f"two rounds differ from one process by {worst:.2e}"
+    man = json.loads((_variant(a, 2) / "train_state.manifest.json").read_text())
+    assert man["optimizer_steps_total"] == steps
+
+
+def test_killed_run_resumed_to_the_same_training_state(two_runs):
+    a, b = two_runs[0], two_runs[1]
+    for k in (1, 2):
+        wa, wb = _weights(_variant(a, k) / "train_state"), _weights(_variant(b, k) / "train_state")
+        assert all(bool((wa[n] == wb[n]).all()) for n in wa), f"round {k}'s master weights differ after kill + resume"
 
 
 def test_eval_has_every_round_and_the_report_exists(two_runs):

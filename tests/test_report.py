@@ -154,3 +154,28 @@ def test_publish_artifacts(runs, tmp_path, monkeypatch, caplog):
     assert (k1, k2) == ("run-r1-round-1-report", "run-r1-round-1-accuracy")
     assert md.count("data:image/png;base64,") == 6 and f"| {CAPO} | 1 | 75.0 | 100.0 | 87.5 |" in md
     assert rows[0]["variant"] == "start policy"
+
+
+def test_round_changes_are_paired_and_noise_is_called_noise(tmp_path):
+    """3 -> 5 of 16 with six flips (what the issue's report drew as a gain) is within noise;
+    0 -> 40 of 40 is significant; both appear in the report with their interval."""
+    rd = tmp_path / "runs" / RUN
+    before = [1, 1, 1] + [0] * 13
+    after = [1, 0, 0, 1, 1, 1, 1] + [0] * 9
+    _write(rd / "round_000" / "eval.parquet", _eval_rows(0, None, "gsm8k", before) + _eval_rows(0, None, "svamp", [0] * 40),
+           EVAL_SCHEMA)
+    _write(rd / "round_001" / "variants" / CAPO / "eval.parquet",
+           _eval_rows(1, CAPO, "gsm8k", after) + _eval_rows(1, CAPO, "svamp", [1] * 40), EVAL_SCHEMA)
+    _write(rd / "round_001" / "variants" / CAPO / "train_metrics.parquet",
+           [{"run_id": RUN, "round": 1, "variant": CAPO, "step": 0, "name": n, "value": v}
+            for n, v in (("clip_frac", 0.0), ("approx_kl", 0.0), ("engine_logprob_diff_mean", 0.0125),
+                         ("engine_logprob_diff_max", 0.5))], TRAIN_METRICS_SCHEMA)
+    rep = write_report(tmp_path / "runs", RUN)
+    md = rep["report_md"].read_text()
+    section = md.split("### Changes between rounds")[1].split("###")[0]
+    gsm = next(line for line in section.splitlines() if "| GSM8K" in line)
+    svamp = next(line for line in section.splitlines() if "| SVAMP" in line)
+    assert "+12.5" in gsm and "within noise" in gsm and "2 / 4" in gsm
+    assert "+100.0" in svamp and "significant" in svamp and "within noise" not in svamp
+    assert "1.25e-02 / 5.00e-01" in md  # the rollout/trainer log-prob mismatch of the round
+    assert rep["accuracy"].read_bytes()[:8] == PNG_MAGIC

@@ -82,14 +82,76 @@ def test_lora_trains_adapters_and_merges_into_plain_weights(tiny):
     assert not torch.equal(q0, q1) and torch.equal(k0, k1)  # only targeted modules moved
 
 
-def test_kl_to_a_frozen_reference_is_measured_and_pulls_back(tiny):
-    """With kl_coef > 0 the k3 KL to the reference is reported, and it is 0 before any update."""
+def _accelerator(mixed_precision: str = "no"):
+    """A fresh Accelerator (Accelerate keeps one process-wide state; another precision needs a reset)."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
+    AcceleratorState._reset_state(True)
+    return Accelerator(cpu=True, mixed_precision=mixed_precision)
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_kl_to_a_frozen_reference_is_measured_and_pulls_back(tiny, mixed_precision):
+    """With kl_coef > 0 the k3 KL to the reference is reported, and it is exactly 0 before any update,
+    also under bf16 autocast (the reference's forward runs under the policy's autocast)."""
+    acc = _accelerator(mixed_precision)
     m = copy.deepcopy(tiny)
     ref = copy.deepcopy(tiny).eval().requires_grad_(False)
     opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    m, opt = acc.prepare(m, opt)
     cfg = TrainConfig(micro_batch_size=2, num_mini_batches=2, kl_coef=0.1, max_grad_norm=1e12)
-    metrics = ppo_update(m, opt, _examples(), cfg, pad_id=0, seed=0, accelerator=Accelerator(cpu=True), ref_model=ref)
-    assert metrics[0]["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at the first step
+    metrics = ppo_update(m, opt, _examples(), cfg, pad_id=0, seed=0, accelerator=acc, ref_model=ref)
+    _accelerator("no")
+    assert metrics[0]["kl_ref"] == 0.0  # policy == reference at the first step, in the same precision
     assert metrics[1]["kl_ref"] > 0  # the first update moved the policy away from the reference
+
+
+def test_temperature_is_applied_to_the_trainer_logprobs(tiny):
+    """The old log-probs (and so the ratio) are of logits / T: at T = 0.5 they equal
+    log_softmax(2 * logits), computed here by hand."""
+    from train.trainer import collate, token_logprobs
+
+    ex = _examples()[:2]
+    mb = collate(ex, pad_id=0)
+    with torch.no_grad():
+        lp = token_logprobs(tiny, mb, temperature=0.5)
+        logits = tiny(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits.float()
+    for i, e in enumerate(ex):
+        P, R = len(e.prompt_ids), len(e.response_ids)
+        ref = torch.log_softmax(2.0 * logits[i, P - 1:P + R - 1], -1).gather(-1, torch.tensor(e.response_ids)[:, None])[:, 0]
+        torch.testing.assert_close(lp[i, :R], ref, atol=1e-5, rtol=1e-5)
+    assert float((lp - token_logprobs(tiny, mb, temperature=1.0).detach()).abs().max()) > 0.1
+
+
+def test_exported_bf16_checkpoint_reloaded_from_disk_moves_logprobs_with_the_advantage(tiny, tmp_path, data_dir):
+    """A real update, exported as the engines get it (bf16 cast of the fp32 master weights), reloaded
+    from disk: tokens with a positive advantage gained log-prob, tokens with a negative one lost it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.assets import ensure_model
+    from train.trainer import _save, collate, token_logprobs
+
+    rng = np.random.default_rng(1)
+    ex = []
+    for _ in range(4):  # two repeated patterns, one pushed up and one down at every position
+        ex.append(Example(rng.integers(10, 2000, 6).tolist(), rng.integers(10, 2000, 8).tolist(), np.ones(8, np.float32)))
+        ex.append(Example(rng.integers(10, 2000, 6).tolist(), rng.integers(10, 2000, 8).tolist(), -np.ones(8, np.float32)))
+    acc = _accelerator("no")
+    m = copy.deepcopy(tiny)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    m, opt = acc.prepare(m, opt)
+    ppo_update(m, opt, ex, TrainConfig(micro_batch_size=4, num_mini_batches=1, ppo_epochs=2), pad_id=0, seed=0,
+               accelerator=acc)
+    tok = AutoTokenizer.from_pretrained(ensure_model("smollm2-135m-instruct", root=data_dir / "models"))
+    _save(acc.unwrap_model(m), tok, tmp_path / "ckpt", "bfloat16")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32).eval()
+    start = tiny.eval()
+    assert reloaded.config.dtype in ("bfloat16", torch.bfloat16)
+    mb = collate(ex, pad_id=0)
+    with torch.no_grad():
+        delta = (token_logprobs(reloaded, mb) - token_logprobs(start, mb))[mb["mask"]]
+    adv = mb["advantages"][mb["mask"]]
+    assert float(delta[adv > 0].mean()) > 0 > float(delta[adv < 0].mean())
+    agree = float(((delta > 0) == (adv > 0)).float().mean())
+    assert agree > 0.8, f"only {agree:.0%} of the tokens moved with their advantage"

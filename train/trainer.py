@@ -44,12 +44,14 @@ class Example:
     prompt_ids: list[int]
     response_ids: list[int]  # (T,)
     advantages: np.ndarray  # (T,) float32
+    engine_logprobs: np.ndarray | None = None  # (T,) float32: the sampler's log-prob of each token, if recorded
 
 
 def load_examples(cfg: CAPOConfig, round_idx: int) -> list[Example]:
     """Join rollouts with the variant's token advantages (checks every length matches)."""
     p = round_paths(cfg, round_idx)
-    ro = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_token_ids", "response_token_ids"])
+    ro = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_token_ids", "response_token_ids",
+                                                               "rollout_logprobs"])
     tr = storage.read_table(p["token_rewards"], "token_rewards").select(["rollout_id", "advantages"])
     adv = {r["rollout_id"]: r["advantages"] for r in tr.to_pylist()}
     out = []
@@ -59,7 +61,9 @@ def load_examples(cfg: CAPOConfig, round_idx: int) -> list[Example]:
             raise ValueError(f"rollout {r['rollout_id']}: {len(r['response_token_ids'])} tokens but "
                              f"{None if a is None else len(a)} advantages; re-run the reward stage")
         if r["response_token_ids"]:
-            out.append(Example(r["prompt_token_ids"], r["response_token_ids"], np.asarray(a, np.float32)))
+            elp = r["rollout_logprobs"]
+            elp = np.asarray(elp, np.float32) if elp is not None and len(elp) == len(a) else None
+            out.append(Example(r["prompt_token_ids"], r["response_token_ids"], np.asarray(a, np.float32), elp))
     return out
 
 
@@ -73,6 +77,7 @@ def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     tgt = torch.zeros((len(batch), T), dtype=torch.long)  # (B, T) response token ids
     mask = torch.zeros((len(batch), T), dtype=torch.bool)
     adv = torch.zeros((len(batch), T), dtype=torch.float32)
+    elp = torch.full((len(batch), T), float("nan"), dtype=torch.float32)  # (B, T) engine log-probs, NaN if unknown
     for i, e in enumerate(batch):
         P, R = len(e.prompt_ids), len(e.response_ids)
         ids[i, : P + R] = torch.tensor(e.prompt_ids + e.response_ids)
@@ -81,16 +86,69 @@ def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
         tgt[i, :R] = torch.tensor(e.response_ids)
         mask[i, :R] = True
         adv[i, :R] = torch.from_numpy(e.advantages)
-    return {"input_ids": ids, "attention_mask": attn, "pos": pos, "target": tgt, "mask": mask, "advantages": adv}
+        if e.engine_logprobs is not None:
+            elp[i, :R] = torch.from_numpy(e.engine_logprobs)
+    return {"input_ids": ids, "attention_mask": attn, "pos": pos, "target": tgt, "mask": mask, "advantages": adv,
+            "engine_logprobs": elp}
 
 
-def token_logprobs(model, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(B, T) log-prob (nats) of each response token under ``model`` (0 at padding)."""
+LOGPROB_CHUNK = 128
+"""Response positions per chunk of the vocabulary log-softmax in :func:`token_logprobs`."""
+
+
+def _chunk_logprobs(logits: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, inv_temp: float) -> torch.Tensor:
+    """(B, L', V) logits, (B, C) positions into them, (B, C) targets -> (B, C) fp32 log-softmax of
+    ``logits * inv_temp`` at the targets."""
+    sel = torch.gather(logits, 1, idx.unsqueeze(-1).expand(-1, -1, logits.size(-1)))  # (B, C, V)
+    z = sel.float() * inv_temp
+    return z.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+def token_logprobs(model, mb: dict[str, torch.Tensor], temperature: float = 1.0,
+                   chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
+    """(B, T) log-prob (nats) of each response token under ``model`` at sampling ``temperature``
+    (0 at padding).
+
+    The log-probs are those of the distribution the rollout engine sampled from:
+    ``log_softmax(logits / temperature)`` (temperature 0, greedy, counts as 1). Top-p/top-k
+    truncation is not applied, as in verl and TRL: the truncated distribution is undefined outside
+    the nucleus and the PPO ratio uses the untruncated one.
+
+    Memory: the model computes logits only from the first response position on
+    (``logits_to_keep``), and the fp32 log-softmax runs over ``chunk`` positions at a time under
+    activation checkpointing when gradients are on, so at most one (B, chunk, V) fp32 block is
+    alive besides the model's own (B, T', V) logits (V = 151,936 for Qwen2.5: a micro-batch of
+    2 x 320 tokens holds 0.39 GB of fp32 logits; the unchunked log-softmax kept three such tensors).
+
+    Args:
+        model: a causal LM (plain, prepared by Accelerate, or peft-wrapped) taking ``logits_to_keep``.
+        mb: a :func:`collate` micro-batch (``input_ids``/``attention_mask`` (B, L), ``pos``/``target``/
+            ``mask`` (B, T)).
+        temperature: the rollout's sampling temperature (``rollout.sampling.temperature``).
+        chunk: response positions per log-softmax block.
+    """
     dev = next(model.parameters()).device
-    logits = model(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev)).logits  # (B, L, V)
     pos = mb["pos"].to(dev)
-    sel = torch.gather(logits, 1, pos.unsqueeze(-1).expand(-1, -1, logits.size(-1))).float()  # (B, T, V)
-    lp = sel.gather(-1, mb["target"].to(dev).unsqueeze(-1)).squeeze(-1) - torch.logsumexp(sel, dim=-1)
+    L = mb["input_ids"].size(1)
+    first = int(pos[mb["mask"].to(dev)].min()) if bool(mb["mask"].any()) else L - 1
+    keep = L - first  # logits for positions first .. L-1
+    logits = model(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev),
+                   logits_to_keep=keep).logits  # (B, keep, V)
+    if logits.size(1) != keep:  # a model that ignores logits_to_keep returns every position
+        logits = logits[:, -keep:]
+    rel = (pos - first).clamp(min=0)  # (B, T) index into the kept positions
+    target = mb["target"].to(dev)
+    inv_temp = 1.0 / temperature if temperature > 0 else 1.0
+    out = []
+    for c0 in range(0, rel.size(1), chunk):
+        idx, tgt = rel[:, c0:c0 + chunk], target[:, c0:c0 + chunk]
+        if torch.is_grad_enabled() and logits.requires_grad:  # recompute the block in backward
+            from torch.utils.checkpoint import checkpoint
+
+            out.append(checkpoint(_chunk_logprobs, logits, idx, tgt, inv_temp, use_reentrant=False))
+        else:
+            out.append(_chunk_logprobs(logits, idx, tgt, inv_temp))
+    lp = torch.cat(out, dim=1) if out else torch.zeros(rel.shape, device=dev)
     return lp * mb["mask"].to(dev)
 
 
@@ -140,7 +198,7 @@ _TOKEN_MEANS = {"clip_frac", "approx_kl", "ratio_mean"}  # token means in any lo
 
 
 def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_id: int, seed: int,
-               accelerator, ref_model=None) -> list[dict]:
+               accelerator, ref_model=None, temperature: float = 1.0) -> list[dict]:
     """One round of PPO-clip: old log-probs first, then ``ppo_epochs`` x ``num_mini_batches`` steps.
 
     ``examples`` is the whole round, identical on every process. Micro-batches are fixed groups of
@@ -166,13 +224,23 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
         seed: seed of the mini-batch permutation (:func:`plan_steps`).
         accelerator: the ``accelerate.Accelerator``.
         ref_model: frozen reference for the k3 KL (plain module on this process's device), or None.
+            Its log-probs are computed under the same autocast as the policy's, so KL is exactly 0
+            while the policy equals the reference.
+        temperature: the rollouts' sampling temperature; every log-prob is of ``logits / temperature``
+            (:func:`token_logprobs`).
+
+    Old log-probs are computed in the update's own mode (``model.eval()``: no dropout; the same
+    autocast) before the first step. The rollout/trainer mismatch diagnostic compares them with the
+    engine's recorded log-prob of each sampled token (``rollouts.rollout_logprobs``).
 
     Returns:
         One metrics dict per optimizer step, the same on every process: ``loss``, ``pg_loss``,
         ``kl_ref`` (aggregated over the whole mini-batch by ``loss_agg_mode``), ``clip_frac``,
         ``approx_kl``, ``ratio_mean`` (token means over the whole mini-batch), ``grad_norm``,
         ``epoch``, ``tokens`` (response tokens of the mini-batch, all processes), ``seconds``,
-        ``tokens_per_s``.
+        ``tokens_per_s``, and the round's ``engine_logprob_diff_mean`` / ``engine_logprob_diff_max``
+        (mean and max over response tokens with an engine log-prob of |old log-prob - engine
+        log-prob|, nats; NaN when the engine recorded none) repeated in every step's dict.
 
     Raises:
         ValueError: ``examples`` is empty.
@@ -188,14 +256,27 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
     steps = plan_steps(len(micro), tc, seed)
     shares = [sorted({j for _, chunk in steps for j in rank_share(chunk, r, world)}) for r in range(world)]
     dummy = _dummy_micro_batch(pad_id)
+    T = temperature
     model.eval()
+    diff = torch.zeros(3, dtype=torch.float64)  # sum |old - engine|, tokens compared, max
     with torch.no_grad():  # old (and reference) log-probs of this process's micro-batches, before any update
         for j in shares[rank]:
-            micro[j]["old_logprobs"] = token_logprobs(model, micro[j]).cpu()
+            micro[j]["old_logprobs"] = token_logprobs(model, micro[j], T).cpu()
             if ref_model is not None:
-                micro[j]["ref_logprobs"] = token_logprobs(ref_model, micro[j]).cpu()
+                with accelerator.autocast():  # the policy's forward runs under this autocast too
+                    micro[j]["ref_logprobs"] = token_logprobs(ref_model, micro[j], T).cpu()
+            elp = micro[j]["engine_logprobs"]
+            ok = micro[j]["mask"] & torch.isfinite(elp)
+            if ok.any():
+                d = (micro[j]["old_logprobs"] - elp)[ok].abs().double()
+                diff += torch.tensor([float(d.sum()), float(ok.sum()), float(d.max())], dtype=torch.float64)
         for _ in range(max(map(len, shares)) - len(shares[rank])):
-            token_logprobs(model, dummy)  # forwards are collective under DDP (buffers) and FSDP/ZeRO-3
+            token_logprobs(model, dummy, T)  # forwards are collective under DDP (buffers) and FSDP/ZeRO-3
+    if world > 1:
+        mx = accelerator.reduce(diff[2:].to(accelerator.device), reduction="max")
+        diff = torch.cat([accelerator.reduce(diff[:2].to(accelerator.device), reduction="sum").cpu(), mx.cpu()])
+    mismatch = {"engine_logprob_diff_mean": float(diff[0] / diff[1]) if diff[1] > 0 else float("nan"),
+                "engine_logprob_diff_max": float(diff[2]) if diff[1] > 0 else float("nan")}
     model.train()
     params = list(model.parameters())  # all of them: FSDP's clip_grad_norm_ path needs exactly these
     metrics = []
@@ -213,7 +294,7 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
             if deepspeed:
                 accelerator.sync_gradients = sync  # DeepSpeed reduces and steps inside backward at the boundary
             with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                lp = token_logprobs(model, mb)
+                lp = token_logprobs(model, mb, T)
                 dev = lp.device
                 out = ppo_clip_loss(lp, mb["old_logprobs"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev),
                                     tc.clip_low, tc.clip_high, tc.loss_agg_mode,
@@ -237,7 +318,7 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
         secs = time.perf_counter() - t0
         metrics.append({**dict(zip(_METRICS, local.tolist())),
                         "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
-                        "epoch": epoch, "tokens": ntok, "seconds": secs, "tokens_per_s": ntok / secs})
+                        "epoch": epoch, "tokens": ntok, "seconds": secs, "tokens_per_s": ntok / secs, **mismatch})
         if accelerator.is_main_process:
             log.info("[train] step %d: %s", step, json.dumps({k: round(v, 5) for k, v in metrics[-1].items()}))
     return metrics
@@ -315,9 +396,20 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     if tc.report_to:
         accelerator.init_trackers(cfg.run_id, config={"variant": cfg.variant, **cfg.model_dump(mode="json")["train"]})
     set_seed(cfg.seed + round_idx)
-    policy = policy_for_round(cfg, round_idx)
+    from pipeline.stages import resolve_model
+
+    policy = policy_for_round(cfg, round_idx)  # the checkpoint that sampled the round (tokenizer)
+    start = resolve_model(cfg.rollout.policy, cfg)
+    prev_state = round_paths(cfg, round_idx - 1)["train_state"] if round_idx > 1 else None
+    if prev_state is not None and not (prev_state / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"round {round_idx} continues from round {round_idx - 1}'s training state {prev_state}, which is gone "
+            f"(train.keep_states={tc.keep_states} pruned it, or it was deleted): re-train from the newest round "
+            "that still has its state, or raise train.keep_states")
     tok = AutoTokenizer.from_pretrained(policy)
-    model = AutoModelForCausalLM.from_pretrained(policy, dtype=getattr(torch, tc.dtype))
+    # the architecture and, for round 1, the weights of the starting policy; round k > 1 replaces
+    # them with round k-1's fp32 master weights (load_state below), never with its engine checkpoint
+    model = AutoModelForCausalLM.from_pretrained(start, dtype=getattr(torch, tc.dtype))
     if tc.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if tc.lora is not None:
@@ -328,26 +420,43 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
                                                      target_modules=tc.lora.target_modules, task_type="CAUSAL_LM"))
     ref_model = None
     if tc.kl_coef > 0:
-        from pipeline.stages import resolve_model
-
-        ref_model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.rollout.policy, cfg), dtype=getattr(torch, tc.dtype)).eval()
+        ref_model = AutoModelForCausalLM.from_pretrained(start, dtype=getattr(torch, tc.dtype)).eval()
         ref_model.requires_grad_(False)
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=tc.learning_rate,
                                   weight_decay=tc.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if prev_state is not None:  # fp32 master weights, AdamW moments and step, RNG states of round k-1
+        accelerator.load_state(str(prev_state))
+        if accelerator.is_main_process:
+            log.info("[train] continuing from round %d's training state %s", round_idx - 1, prev_state)
     if ref_model is not None:
         ref_model.to(accelerator.device)
     examples = load_examples(cfg, round_idx)  # the whole round on every process; ppo_update shares it out
     if not examples:
         raise ValueError(f"round {round_idx} has no non-empty responses to train on")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    metrics = ppo_update(model, optimizer, examples, tc, pad_id, cfg.seed + round_idx, accelerator, ref_model)
+    metrics = ppo_update(model, optimizer, examples, tc, pad_id, cfg.seed + round_idx, accelerator, ref_model,
+                         temperature=cfg.rollout.sampling.temperature)
     if tc.report_to:  # global step: rounds are consecutive blocks of optimizer steps (main process only)
         for i, m in enumerate(metrics):
             accelerator.log({f"train/{k}": v for k, v in m.items()}, step=(round_idx - 1) * len(metrics) + i)
     accelerator.wait_for_everyone()
+    state_dir = p["train_state"]
+    state_tmp = state_dir.with_name(f".{state_dir.name}.tmp")
+    if accelerator.is_main_process:
+        shutil.rmtree(state_tmp, ignore_errors=True)
+        state_tmp.parent.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(state_tmp), safe_serialization=True)  # collective under FSDP / DeepSpeed
+    accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model) if sharded else None  # collective: every process gathers
     if accelerator.is_main_process:
+        if state_dir.exists():  # a re-trained round: its old state belongs to the superseded checkpoint
+            log.warning("[train] replacing round %d's earlier training state %s", round_idx, state_dir)
+            shutil.rmtree(state_dir)
+        os.replace(state_tmp, state_dir)
+        # the engines' checkpoint: the master weights cast to save_dtype (after the state is saved:
+        # _save casts the model in place)
         _save(accelerator.unwrap_model(model), tok, ckpt, save_dtype, state_dict)
         secs = time.perf_counter() - t0
         rows = [{"run_id": cfg.run_id, "round": round_idx, "variant": cfg.variant, "step": i, "name": k, "value": float(v)}
@@ -358,13 +467,44 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
                                  "distributed_type": accelerator.distributed_type.value})
         storage.write_table(pa.Table.from_pylist(rows, schema=TRAIN_METRICS_SCHEMA), p["train_metrics"], "train_metrics",
                             stage="train", key=key, extra=extra)
+        storage.commit_manifest(state_dir, stage="train", key=key, rows=None,
+                                extra={**extra, "optimizer_steps_total": _optimizer_steps(optimizer)})
         storage.commit_manifest(ckpt, stage="train", key=key, rows=None, extra=extra)
-        log.info("[train] wrote %s in %.1fs", ckpt, secs)
+        log.info("[train] wrote %s and its training state in %.1fs", ckpt, secs)
+        prune_states(cfg, round_idx, tc.keep_states)
     accelerator.wait_for_everyone()  # no process returns before the checkpoint is in place
     if tc.report_to:
         accelerator.end_training()
     log.info("[train] rank %d/%d finished", accelerator.process_index, accelerator.num_processes)
     return StageResult("train", str(ckpt), False, cur.reason, len(metrics), time.perf_counter() - t0)
+
+
+def _optimizer_steps(optimizer) -> int | None:
+    """AdamW's step count (the same for every parameter), None when it keeps none."""
+    opt = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer wraps the torch one
+    for st in opt.state.values():
+        if "step" in st:
+            return int(st["step"])
+    return None
+
+
+def prune_states(cfg: CAPOConfig, round_idx: int, keep: int) -> list[Path]:
+    """Delete the training states of this variant older than the newest ``keep`` (rounds
+    ``<= round_idx - keep``); their manifests stay, marked ``pruned``, so later rounds' keys
+    (which hold their fingerprints) still resolve. Checkpoints are never touched.
+
+    Returns:
+        The state folders deleted.
+    """
+    gone = []
+    for r in range(1, round_idx - keep + 1):
+        path = round_paths(cfg, r)["train_state"]
+        if path.is_dir():
+            shutil.rmtree(path)
+            storage.mark_pruned(path)
+            gone.append(path)
+            log.info("[train] pruned round %d's training state (train.keep_states=%d)", r, keep)
+    return gone
 
 
 def _save(model, tok, ckpt: Path, dtype: str, state_dict: dict | None = None) -> None:
