@@ -195,6 +195,10 @@ def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logge
     from pipeline.engines import engine_process_env
 
     extra = engine_process_env() if name in ("rollout", "critique", "eval") else {}
+    if name == "eval":
+        from pipeline.engines import batch_invariant_env
+
+        extra.update(batch_invariant_env())
     payload = stream_child(cmd, name, logger, f"stage {name!r} of round {round_idx}", extra)
     result = StageResult(**payload) if payload is not None else \
         StageResult(name, "", False, "child process finished (no result line)")

@@ -185,7 +185,9 @@ class LoraConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    learning_rate: float = Field(1e-6, gt=0)
+    learning_rate: float = Field(1e-6, ge=0)
+    """AdamW learning rate; 0 runs the whole round with no update (the control arm of
+    ``benchmarks/bench_learning.py``)."""
     weight_decay: float = Field(0.0, ge=0)
     clip_low: float = Field(0.2, gt=0, lt=1)
     """PPO clip epsilon below 1 (ratio floor 1 - clip_low)."""
@@ -194,6 +196,9 @@ class TrainConfig(_Strict):
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the k3 KL to the frozen starting policy (default off)."""
+    measure_kl_to_start: bool = False
+    """Load the starting policy as the reference and report ``kl_ref`` (k3 KL to it) even when
+    ``kl_coef`` is 0, without adding it to the loss (one more copy of the policy in memory)."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over the round's rollouts."""
     num_mini_batches: int = Field(2, ge=1)

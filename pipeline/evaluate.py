@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import zlib
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -228,6 +229,7 @@ def eval_stage(cfg: CAPOConfig, round_idx: int, force: bool = False):
         for s in summary:
             log.info("[eval] round %d %s: accuracy %.3f on %d problems, %.0f tokens on average", round_idx,
                      s["benchmark"], s["accuracy"] or 0.0, s["n_problems"], s["mean_response_tokens"] or 0.0)
-        return table, _with_prov(cfg, {"policy": policy, "summary": summary})
+        return table, _with_prov(cfg, {"policy": policy, "summary": summary,
+                                       "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1"})
 
     return _run("eval", eval_path(cfg, round_idx), "eval", eval_key(cfg, round_idx), compute, force)

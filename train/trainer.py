@@ -96,16 +96,22 @@ LOGPROB_CHUNK = 128
 """Response positions per chunk of the vocabulary log-softmax in :func:`token_logprobs`."""
 
 
-def _chunk_logprobs(logits: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, inv_temp: float) -> torch.Tensor:
+def _chunk_logprobs(logits: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, inv_temp: float,
+                    entropy: bool = False):
     """(B, L', V) logits, (B, C) positions into them, (B, C) targets -> (B, C) fp32 log-softmax of
-    ``logits * inv_temp`` at the targets."""
+    ``logits * inv_temp`` at the targets (and, with ``entropy``, the (B, C) entropy in nats of
+    that distribution: ``logsumexp(z) - sum(softmax(z) * z)``)."""
     sel = torch.gather(logits, 1, idx.unsqueeze(-1).expand(-1, -1, logits.size(-1)))  # (B, C, V)
     z = sel.float() * inv_temp
-    return z.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    lse = torch.logsumexp(z, dim=-1)
+    lp = z.gather(-1, target.unsqueeze(-1)).squeeze(-1) - lse
+    if not entropy:
+        return lp
+    return lp, lse - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 
 def token_logprobs(model, mb: dict[str, torch.Tensor], temperature: float = 1.0,
-                   chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
+                   chunk: int = LOGPROB_CHUNK, with_entropy: bool = False):
     """(B, T) log-prob (nats) of each response token under ``model`` at sampling ``temperature``
     (0 at padding).
 
@@ -126,6 +132,11 @@ def token_logprobs(model, mb: dict[str, torch.Tensor], temperature: float = 1.0,
             ``mask`` (B, T)).
         temperature: the rollout's sampling temperature (``rollout.sampling.temperature``).
         chunk: response positions per log-softmax block.
+        with_entropy: also return the (B, T) entropy (nats) of each position's tempered
+            distribution (no-grad passes only).
+
+    Returns:
+        (B, T) log-probs, or ``(log-probs, entropies)`` with ``with_entropy``.
     """
     dev = next(model.parameters()).device
     pos = mb["pos"].to(dev)
@@ -139,17 +150,26 @@ def token_logprobs(model, mb: dict[str, torch.Tensor], temperature: float = 1.0,
     rel = (pos - first).clamp(min=0)  # (B, T) index into the kept positions
     target = mb["target"].to(dev)
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
-    out = []
+    out, ent = [], []
     for c0 in range(0, rel.size(1), chunk):
         idx, tgt = rel[:, c0:c0 + chunk], target[:, c0:c0 + chunk]
         if torch.is_grad_enabled() and logits.requires_grad:  # recompute the block in backward
             from torch.utils.checkpoint import checkpoint
 
             out.append(checkpoint(_chunk_logprobs, logits, idx, tgt, inv_temp, use_reentrant=False))
+        elif with_entropy:
+            lp_c, ent_c = _chunk_logprobs(logits, idx, tgt, inv_temp, entropy=True)
+            out.append(lp_c)
+            ent.append(ent_c)
         else:
             out.append(_chunk_logprobs(logits, idx, tgt, inv_temp))
+    mask = mb["mask"].to(dev)
     lp = torch.cat(out, dim=1) if out else torch.zeros(rel.shape, device=dev)
-    return lp * mb["mask"].to(dev)
+    if with_entropy:
+        if len(ent) != len(out):
+            raise ValueError("token_logprobs(with_entropy=True) is for no-grad passes")
+        return lp * mask, (torch.cat(ent, dim=1) if ent else torch.zeros(rel.shape, device=dev)) * mask
+    return lp * mask
 
 
 def _normalizer(mode: str, mb: dict, t_global: int) -> float:
@@ -240,7 +260,9 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
         ``epoch``, ``tokens`` (response tokens of the mini-batch, all processes), ``seconds``,
         ``tokens_per_s``, and the round's ``engine_logprob_diff_mean`` / ``engine_logprob_diff_max``
         (mean and max over response tokens with an engine log-prob of |old log-prob - engine
-        log-prob|, nats; NaN when the engine recorded none) repeated in every step's dict.
+        log-prob|, nats; NaN when the engine recorded none) and ``entropy`` (token mean, nats, of
+        the rollout policy's tempered distribution over the round's responses), repeated in every
+        step's dict.
 
     Raises:
         ValueError: ``examples`` is empty.
@@ -258,10 +280,13 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
     dummy = _dummy_micro_batch(pad_id)
     T = temperature
     model.eval()
-    diff = torch.zeros(3, dtype=torch.float64)  # sum |old - engine|, tokens compared, max
+    diff = torch.zeros(5, dtype=torch.float64)  # sum |old - engine|, tokens compared, sum entropy, tokens, max
     with torch.no_grad():  # old (and reference) log-probs of this process's micro-batches, before any update
         for j in shares[rank]:
-            micro[j]["old_logprobs"] = token_logprobs(model, micro[j], T).cpu()
+            lp_old, ent = token_logprobs(model, micro[j], T, with_entropy=True)
+            micro[j]["old_logprobs"] = lp_old.cpu()
+            diff[2] += float(ent.sum())
+            diff[3] += float(micro[j]["mask"].sum())
             if ref_model is not None:
                 with accelerator.autocast():  # the policy's forward runs under this autocast too
                     micro[j]["ref_logprobs"] = token_logprobs(ref_model, micro[j], T).cpu()
@@ -269,14 +294,17 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
             ok = micro[j]["mask"] & torch.isfinite(elp)
             if ok.any():
                 d = (micro[j]["old_logprobs"] - elp)[ok].abs().double()
-                diff += torch.tensor([float(d.sum()), float(ok.sum()), float(d.max())], dtype=torch.float64)
+                diff[0] += float(d.sum())
+                diff[1] += float(ok.sum())
+                diff[4] = max(float(diff[4]), float(d.max()))
         for _ in range(max(map(len, shares)) - len(shares[rank])):
             token_logprobs(model, dummy, T)  # forwards are collective under DDP (buffers) and FSDP/ZeRO-3
     if world > 1:
-        mx = accelerator.reduce(diff[2:].to(accelerator.device), reduction="max")
-        diff = torch.cat([accelerator.reduce(diff[:2].to(accelerator.device), reduction="sum").cpu(), mx.cpu()])
+        mx = accelerator.reduce(diff[4:].to(accelerator.device), reduction="max")
+        diff = torch.cat([accelerator.reduce(diff[:4].to(accelerator.device), reduction="sum").cpu(), mx.cpu()])
     mismatch = {"engine_logprob_diff_mean": float(diff[0] / diff[1]) if diff[1] > 0 else float("nan"),
-                "engine_logprob_diff_max": float(diff[2]) if diff[1] > 0 else float("nan")}
+                "engine_logprob_diff_max": float(diff[4]) if diff[1] > 0 else float("nan"),
+                "entropy": float(diff[2] / diff[3]) if diff[3] > 0 else float("nan")}
     model.train()
     params = list(model.parameters())  # all of them: FSDP's clip_grad_norm_ path needs exactly these
     metrics = []
@@ -359,10 +387,20 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     FSDP / ZeRO-3 the full state dict is gathered with ``accelerator.get_state_dict`` (a collective,
     called by every process) and saved by the main process.
 
+    Training state (DESIGN §1.10): round 1 starts from ``rollout.policy`` (cast to ``train.dtype``)
+    with a fresh AdamW; round k > 1 loads round k-1's ``train_state`` of the same variant
+    (``accelerator.load_state``: fp32 master weights, AdamW moments and step, RNG states; the
+    learning rate and weight decay come from the config). After the update every process saves the
+    new state (``accelerator.save_state`` into a temporary folder, renamed into place by the main
+    process), then the checkpoint for the engines is exported from the master weights in
+    ``train.save_dtype`` (``auto``: the rollout engine's resolved dtype), and states older than
+    ``train.keep_states`` rounds are pruned.
+
     Raises:
         ValueError: the round has no non-empty responses; LoRA together with FSDP or ZeRO-3
             (merging the adapters needs the full weights in one process).
-        FileNotFoundError: the round's rollouts or token rewards were never committed.
+        FileNotFoundError: the round's rollouts or token rewards were never committed; round k-1's
+            training state is missing or was pruned.
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -419,7 +457,7 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
         model = get_peft_model(model, PeftLoraConfig(r=tc.lora.r, lora_alpha=tc.lora.alpha, lora_dropout=tc.lora.dropout,
                                                      target_modules=tc.lora.target_modules, task_type="CAUSAL_LM"))
     ref_model = None
-    if tc.kl_coef > 0:
+    if tc.kl_coef > 0 or tc.measure_kl_to_start:
         ref_model = AutoModelForCausalLM.from_pretrained(start, dtype=getattr(torch, tc.dtype)).eval()
         ref_model.requires_grad_(False)
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=tc.learning_rate,
@@ -427,6 +465,8 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     model, optimizer = accelerator.prepare(model, optimizer)
     if prev_state is not None:  # fp32 master weights, AdamW moments and step, RNG states of round k-1
         accelerator.load_state(str(prev_state))
+        for group in optimizer.param_groups:  # the state restores its own hyper-parameters; the config wins
+            group["lr"], group["weight_decay"] = tc.learning_rate, tc.weight_decay
         if accelerator.is_main_process:
             log.info("[train] continuing from round %d's training state %s", round_idx - 1, prev_state)
     if ref_model is not None:
