@@ -99,13 +99,33 @@ def select_training_items(a: argparse.Namespace) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps({"question": r["question"], "gold_answer": r["gold_answer"],
-                                       "solution": r.get("solution"), "origin": r["prompt_id"]}) + "\n" for r in keep))
+                                       "solution": r.get("gold_solution"), "origin": r["prompt_id"]}) + "\n" for r in keep))
     tmp.replace(out)
     print(json.dumps({"bench": "learning", "selection": str(out), "candidates": len(items), "kept": len(keep),
                       "pass_rate_histogram": np.histogram(rates, bins=a.select_k + 1, range=(0, 1))[0].tolist(),
                       "mean_pass_rate_kept": float(np.mean([p for p in rates if a.pass_lo <= p <= a.pass_hi])),
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     return out
+
+
+def selection_in_child(a: argparse.Namespace) -> Path:
+    """:func:`select_training_items` in a child process (vLLM's memory and threads end with it; the
+    child gets the environment the pipeline gives its generation stages). Returns the JSONL path."""
+    import subprocess
+
+    from pipeline.engines import engine_process_env
+
+    env = {**__import__("os").environ, **engine_process_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--select-only"], stdout=subprocess.PIPE,
+                         text=True, cwd=ROOT, check=True, env=env).stdout
+    path = None
+    for line in out.splitlines():
+        if line.startswith("{"):
+            print(line, flush=True)
+            path = json.loads(line).get("selection_file", path)
+    if path is None:
+        raise RuntimeError("the selection child printed no selection_file line")
+    return Path(path)
 
 
 # ------------------------------------------------------------------------------------------ runs
@@ -245,13 +265,17 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, choices=[0, 1], default=0, help="1: eval every round")
     ap.add_argument("--runs-dir", default=str(ROOT / "runs" / "bench_learning"))
     ap.add_argument("--data-dir", default=str(ROOT / "data"))
+    ap.add_argument("--select-only", action="store_true", help=argparse.SUPPRESS)  # child mode
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if a.select_only:
+        print(json.dumps({"bench": "learning", "selection_file": str(select_training_items(a))}), flush=True)
+        return
     from pipeline.precision import bench_context
 
     ctx = bench_context()
     t0 = time.perf_counter()
-    train_file = select_training_items(a)
+    train_file = selection_in_child(a)
     round0 = None
     for seed in a.seeds:
         for arm in a.arms:

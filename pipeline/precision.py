@@ -115,7 +115,7 @@ def detect() -> DeviceInfo:
     gpu_name = gpu_bf16 = None
     if torch.cuda.is_available():
         gpu_name = torch.cuda.get_device_name(0)
-        gpu_bf16 = bool(torch.cuda.is_bf16_supported())
+        gpu_bf16 = bool(torch.cuda.is_bf16_supported(including_emulation=False))  # Ampere+ only
     return DeviceInfo(cpu_model=model, cores=cores, arch=platform.machine(),
                       torch_cpu_capability=torch.backends.cpu.get_cpu_capability(), cpu_flags=flags,
                       gpu_name=gpu_name, gpu_bf16=gpu_bf16)

@@ -142,7 +142,7 @@ def previous_state_fp(cfg: CAPOConfig, round_idx: int) -> str | None:
             f"{prev}, which was never committed: run round {round_idx - 1} first (capo round --round "
             f"{round_idx - 1}); a run trained by a version without carried training state must be re-trained "
             "from round 1 (or start a new run_id)")
-    return man["fingerprint"]
+    return f"{man['key_hash']}:{man['fingerprint']}"  # the key chains through every earlier round's state
 
 
 def prompts_path(cfg: CAPOConfig) -> Path:
@@ -190,7 +190,7 @@ def stage_key(stage: str, cfg: CAPOConfig, round_idx: int) -> dict:
     if stage == "rollout":
         policy = policy_for_round(cfg, round_idx)
         return {"round": round_idx, "seed": cfg.seed, "data": c["data"], "rollout": c["rollout"],
-                "dtype": prec["rollout_dtype"],
+                "dtype": prec["rollout_dtype"], "engine_logprobs": "processed",  # after temperature/top-p
                 "policy": model_fingerprint(policy), "prompts": storage.file_sha256(prompts_path(cfg))}
     if stage == "verify":
         from importlib.metadata import version

@@ -146,6 +146,14 @@ def is_current(path: Path, key: dict) -> Currency:
     return Currency(True, f"{path.name} is current (key {man['key_hash']}, {man.get('rows')} rows)")
 
 
+def uncommit(path: Path) -> None:
+    """Delete ``path``'s manifest (the output stays but is no longer current): the first step of
+    replacing an output in several moves, so a crash in between leaves it visibly uncommitted."""
+    mp = manifest_path(path)
+    if mp.exists():
+        mp.unlink()
+
+
 def mark_pruned(path: Path) -> None:
     """Record in ``path``'s manifest that the output was deliberately deleted (kept: its fingerprint,
     which later stages' keys hold). :func:`is_current` reports a pruned output as missing."""

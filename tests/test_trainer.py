@@ -147,7 +147,9 @@ def test_exported_bf16_checkpoint_reloaded_from_disk_moves_logprobs_with_the_adv
     _save(acc.unwrap_model(m), tok, tmp_path / "ckpt", "bfloat16")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32).eval()
     start = tiny.eval()
-    assert reloaded.config.dtype in ("bfloat16", torch.bfloat16)
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(str(tmp_path / "ckpt" / "model.safetensors")).values()} == {torch.bfloat16}
     mb = collate(ex, pad_id=0)
     with torch.no_grad():
         delta = (token_logprobs(reloaded, mb) - token_logprobs(start, mb))[mb["mask"]]

@@ -48,7 +48,11 @@ class Example:
 
 
 def load_examples(cfg: CAPOConfig, round_idx: int) -> list[Example]:
-    """Join rollouts with the variant's token advantages (checks every length matches)."""
+    """Join rollouts with the variant's token advantages (checks every length matches).
+
+    The engine's log-probs ride along for the mismatch diagnostic only when the rollouts were
+    sampled without top-p truncation (``rollout.sampling.top_p == 1``): the engine reports log-probs
+    renormalized over the nucleus, the trainer the untruncated ones."""
     p = round_paths(cfg, round_idx)
     ro = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_token_ids", "response_token_ids",
                                                                "rollout_logprobs"])
@@ -61,7 +65,7 @@ def load_examples(cfg: CAPOConfig, round_idx: int) -> list[Example]:
             raise ValueError(f"rollout {r['rollout_id']}: {len(r['response_token_ids'])} tokens but "
                              f"{None if a is None else len(a)} advantages; re-run the reward stage")
         if r["response_token_ids"]:
-            elp = r["rollout_logprobs"]
+            elp = r["rollout_logprobs"] if cfg.rollout.sampling.top_p >= 1.0 else None
             elp = np.asarray(elp, np.float32) if elp is not None and len(elp) == len(a) else None
             out.append(Example(r["prompt_token_ids"], r["response_token_ids"], np.asarray(a, np.float32), elp))
     return out
@@ -439,11 +443,13 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     policy = policy_for_round(cfg, round_idx)  # the checkpoint that sampled the round (tokenizer)
     start = resolve_model(cfg.rollout.policy, cfg)
     prev_state = round_paths(cfg, round_idx - 1)["train_state"] if round_idx > 1 else None
-    if prev_state is not None and not (prev_state / "model.safetensors").is_file():
-        raise FileNotFoundError(
-            f"round {round_idx} continues from round {round_idx - 1}'s training state {prev_state}, which is gone "
-            f"(train.keep_states={tc.keep_states} pruned it, or it was deleted): re-train from the newest round "
-            "that still has its state, or raise train.keep_states")
+    if prev_state is not None:
+        prev_man = storage.read_manifest(prev_state)
+        if prev_man is None or prev_man.get("pruned") or not prev_state.is_dir():
+            raise FileNotFoundError(
+                f"round {round_idx} continues from round {round_idx - 1}'s training state {prev_state}, which is gone "
+                f"(train.keep_states={tc.keep_states} pruned it, or it was deleted): re-train from the newest round "
+                "that still has its state, or raise train.keep_states")
     tok = AutoTokenizer.from_pretrained(policy)
     # the architecture and, for round 1, the weights of the starting policy; round k > 1 replaces
     # them with round k-1's fp32 master weights (load_state below), never with its engine checkpoint
@@ -463,7 +469,14 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=tc.learning_rate,
                                   weight_decay=tc.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
+    layout = {"num_processes": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value}
     if prev_state is not None:  # fp32 master weights, AdamW moments and step, RNG states of round k-1
+        saved = {k: prev_man.get(k) for k in layout}
+        if saved != layout:  # Accelerate's state layout depends on them (DDP's module. prefix, FSDP shards)
+            raise ValueError(
+                f"round {round_idx - 1}'s training state was saved by {saved}, this round runs as {layout}: "
+                "Accelerate states cannot be moved between process layouts; keep train.launcher as it was for "
+                "this run, or start a new run_id")
         accelerator.load_state(str(prev_state))
         for group in optimizer.param_groups:  # the state restores its own hyper-parameters; the config wins
             group["lr"], group["weight_decay"] = tc.learning_rate, tc.weight_decay
@@ -491,7 +504,13 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model) if sharded else None  # collective: every process gathers
     if accelerator.is_main_process:
-        if state_dir.exists():  # a re-trained round: its old state belongs to the superseded checkpoint
+        # replace in an order a crash cannot confuse: the old checkpoint (with its manifest) goes to
+        # superseded/ and the old state is uncommitted before anything new is in place; the manifests
+        # of the new state and checkpoint are written last
+        if ckpt.exists() or storage.manifest_path(ckpt).exists():
+            storage.supersede(ckpt)
+        storage.uncommit(state_dir)
+        if state_dir.exists():  # a re-trained round: its old state belonged to the superseded checkpoint
             log.warning("[train] replacing round %d's earlier training state %s", round_idx, state_dir)
             shutil.rmtree(state_dir)
         os.replace(state_tmp, state_dir)
@@ -508,7 +527,7 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
         storage.write_table(pa.Table.from_pylist(rows, schema=TRAIN_METRICS_SCHEMA), p["train_metrics"], "train_metrics",
                             stage="train", key=key, extra=extra)
         storage.commit_manifest(state_dir, stage="train", key=key, rows=None,
-                                extra={**extra, "optimizer_steps_total": _optimizer_steps(optimizer)})
+                                extra={**extra, **layout, "optimizer_steps_total": _optimizer_steps(optimizer)})
         storage.commit_manifest(ckpt, stage="train", key=key, rows=None, extra=extra)
         log.info("[train] wrote %s and its training state in %.1fs", ckpt, secs)
         prune_states(cfg, round_idx, tc.keep_states)
