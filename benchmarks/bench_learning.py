@@ -209,8 +209,8 @@ def summarize(a: argparse.Namespace, rows: list[dict]) -> list[dict]:
         if ctrl and arm != "control":
             c_mean, c_spread = float(np.mean(ctrl)), float(np.max(ctrl) - np.min(ctrl))
             gain = mean - c_mean
-            s.update(gain_over_control=gain, control_spread=c_spread,
-                     beats_control=bool(gain > 2 * max(spread, c_spread)))
+            s.update(gain_over_control=gain, control_spread=c_spread,  # a spread needs >= 2 seeds per arm
+                     beats_control=bool(gain > 2 * max(spread, c_spread)) if min(len(accs), len(ctrl)) >= 2 else None)
         out.append(s)
     if end.get("capo") and end.get("grpo"):
         out.append({"bench": "learning", "capo_minus_grpo": float(np.mean(end["capo"]) - np.mean(end["grpo"])),
