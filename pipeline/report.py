@@ -241,7 +241,7 @@ def _accuracy_panels(acc: list[dict], changes: list[dict] | None = None) -> list
                 series[lab] = (xs, ys, spans, sig)
     if len(panels) > 1:
         means = [{**r, "variant": None if r["variant"] == START else r["variant"]} for r in accuracy_rows(acc)[2]]
-        panels.append(("Avg. over benchmarks", "accuracy (%)", _from_start(means, "mean")))
+        panels.append(("Avg. over benchmarks (no interval: read the panels)", "accuracy (%)", _from_start(means, "mean")))
     return panels
 
 
@@ -330,7 +330,7 @@ def training_rows(data: dict) -> tuple[list[str], list[list[str]]]:
         mode = "" if r["mode"] == "process" else f" ({r['mode']})"
         parse.setdefault(r["round"], []).append(_fmt(r["failure_rate"], ".1f", 100) + mode)
     headers = ["Variant", "Round", "train acc. (%)", "resp. tokens", "token reward", "steps flagged (%)",
-               "critic parse fail. (%)", "clip frac.", "approx. KL", "|trainer - engine| log-prob mean / max"]
+               "critic parse fail. (%)", "clip frac.", "approx. KL", "trainer vs engine log-prob diff, mean / max"]
     rows = []
     for v, k in keys:
         ro, tr = by["rollout"].get((v, k), {}), by["train"].get((v, k), {})
