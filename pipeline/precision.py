@@ -200,17 +200,12 @@ def resolve_mixed_precision(requested: str, info: DeviceInfo | None = None) -> R
     """
     if requested not in MIXED_PRECISIONS:
         raise ValueError(f"mixed_precision {requested!r} is not one of {list(MIXED_PRECISIONS)}")
-    info = info or detect()
-    native, why = native_bf16(info)
-    if requested == "auto":
-        if native:
-            return Resolution(requested, "bf16", why)
-        return Resolution(requested, "fp16" if info.gpu_name is not None else "no", why)
-    if requested == "bf16" and not native:
-        return Resolution(requested, requested, f"explicit choice; {why}", slow=True)
-    if requested == "fp16" and not _native_fp16(info):
-        return Resolution(requested, requested, "explicit choice; this CPU has no native fp16 arithmetic", slow=True)
-    return Resolution(requested, requested, "explicit choice")
+    res = resolve_dtype(_AUTOCAST_DTYPE[requested], info)  # the same decision, in dtype names
+    return Resolution(requested, _DTYPE_AUTOCAST[res.value], res.reason, res.slow)
+
+
+_AUTOCAST_DTYPE = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "no": "float32"}
+_DTYPE_AUTOCAST = {v: k for k, v in _AUTOCAST_DTYPE.items()}
 
 
 def resolve_save_dtype(requested: str, engine_dtype: str) -> Resolution:
