@@ -37,6 +37,19 @@ resolution (``bench_context``).
 
     .venv/bin/python benchmarks/bench_trainer.py --batch 8 --prompt-len 128 --response-len 128
     .venv/bin/python benchmarks/bench_trainer.py --skip-trl            # the precision comparison only
+    .venv/bin/python benchmarks/bench_trainer.py --memory              # peak memory of the default train stage
+
+Memory (``--memory``, issue 11): the default round's train stage in its own shape: the 0.5B
+policy (``--memory-model``), micro-batches of ``train.micro_batch_size`` = 2 sequences of 192
+prompt + 320 response tokens (``rollout.sampling.max_tokens``), two micro-batches per optimizer
+step, fp32 weights and ``train.mixed_precision: auto``; two ``ppo_update`` calls (the second runs
+with the AdamW moments allocated, as every step after a round's first does). Once per
+configuration, each in its own child process, so each reports its own peak RSS (``ru_maxrss``):
+``before`` = the trainer as it was (no activation checkpointing, the model's full (B, T, V)
+logits, multi-tensor AdamW, glibc malloc) and ``after`` = today's defaults
+(``train.gradient_checkpointing``, the output head applied chunk by chunk, fused AdamW, the
+process started with tcmalloc preloaded as the runner starts the train stage). One ``memory`` line compares them with the
+10 GB goal.
 """
 
 from __future__ import annotations
@@ -87,15 +100,14 @@ def ours(model_path: str, prompt, resp, adv, lr: float, pad_id: int, mixed_preci
     from transformers import AutoModelForCausalLM
 
     from pipeline.config import TrainConfig
-    from train.trainer import Example, ppo_update
+    from train.trainer import Example, make_optimizer, ppo_update
 
     B = prompt.shape[0]
     tc = TrainConfig(learning_rate=lr, num_mini_batches=1, micro_batch_size=B, ppo_epochs=1, max_grad_norm=1.0,
                      mixed_precision=mixed_precision)
     accelerator = Accelerator(mixed_precision=tc.mixed_precision)  # as train_stage builds it
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=tc.learning_rate,
-                            weight_decay=tc.weight_decay)
+    opt = make_optimizer(model, tc, accelerator)  # as train_stage builds it (fused AdamW where it applies)
     model, opt = accelerator.prepare(model, opt)
     examples = [Example(p.tolist(), r.tolist(), a) for p, r, a in zip(prompt, resp, adv)]
 
@@ -178,6 +190,71 @@ def precision_child(a: argparse.Namespace) -> None:
                       "torch_threads": torch.get_num_threads(), **bench_context()}), flush=True)
 
 
+MEMORY_VARIANTS = {
+    "before": {"gradient_checkpointing": False, "fuse_head": False, "fused_adamw": False},
+    "after": {"gradient_checkpointing": True, "fuse_head": True, "fused_adamw": True},
+}
+
+
+def memory_child(a: argparse.Namespace) -> None:
+    """One ``--memory`` configuration (``a.child_memory``): two updates of the default shape; one JSON line."""
+    from accelerate import Accelerator
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipeline.config import TrainConfig
+    from pipeline.precision import bench_context, resolve_mixed_precision
+    from train.trainer import Example, make_optimizer, ppo_update
+
+    v = MEMORY_VARIANTS[a.child_memory]
+    B, P, R, mb = 2 * a.memory_micro_batch, a.memory_prompt_len, a.memory_response_len, a.memory_micro_batch
+    vocab = AutoConfig.from_pretrained(a.memory_model).vocab_size
+    prompt, resp, adv = make_batch(B, P, R, vocab, a.seed)
+    tc = TrainConfig(learning_rate=a.lr, num_mini_batches=1, micro_batch_size=mb,
+                     gradient_checkpointing=v["gradient_checkpointing"])
+    mixed = resolve_mixed_precision(tc.mixed_precision).value
+    accelerator = Accelerator(mixed_precision=mixed)
+    model = AutoModelForCausalLM.from_pretrained(a.memory_model, dtype=torch.float32)
+    if tc.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = make_optimizer(model, tc, accelerator) if v["fused_adamw"] else \
+        torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=tc.learning_rate)
+    model, opt = accelerator.prepare(model, opt)
+    examples = [Example(p.tolist(), r.tolist(), x) for p, r, x in zip(prompt, resp, adv)]
+    secs = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        ppo_update(model, opt, examples, tc, 0, seed=0, accelerator=accelerator, fuse_head=v["fuse_head"])
+        secs.append(time.perf_counter() - t0)
+    print(json.dumps({"bench": "trainer", "memory": a.child_memory, **v,
+                      "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                      "update_seconds": [round(x, 1) for x in secs], "model": Path(a.memory_model).name,
+                      "params": sum(q.numel() for q in model.parameters()), "micro_batch": mb, "micro_batches": 2,
+                      "prompt_len": P, "response_len": R, "mixed_precision": mixed,
+                      "optimizer_fused": bool(opt.param_groups[0].get("fused")), **bench_context()}), flush=True)
+
+
+def compare_memory(a: argparse.Namespace) -> None:
+    """One child per :data:`MEMORY_VARIANTS`; then the ``memory`` line."""
+    from pipeline.precision import bench_context
+
+    peak = {}
+    for name in MEMORY_VARIANTS:
+        from pipeline.engines import engine_process_env
+
+        env = {**os.environ, **(engine_process_env() if name == "after" else {})}  # as the runner starts the stage
+        out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child-memory", name], stdout=subprocess.PIPE,
+                             text=True, cwd=ROOT, check=True, env=env).stdout
+        for line in out.splitlines():
+            if line.startswith("{"):
+                r = {**json.loads(line), "ld_preload": env.get("LD_PRELOAD", "")}
+                print(json.dumps(r), flush=True)
+                peak[name] = r["peak_rss_mb"]
+    print(json.dumps({"bench": "trainer", "memory": "summary", "peak_rss_mb": peak, "goal_mb": 10_000,
+                      "goal_met": peak.get("after", 1e9) <= 10_000,
+                      "saved_mb": peak["before"] - peak["after"] if len(peak) == 2 else None, **bench_context()}),
+          flush=True)
+
+
 def compare_precisions(a: argparse.Namespace) -> None:
     """One child per ``--precisions``; then the pick line."""
     from pipeline.precision import bench_context
@@ -220,8 +297,20 @@ def main() -> None:
                     help="autocast for the ours-vs-TRL comparison (weights and optimizer stay float32)")
     ap.add_argument("--skip-trl", action="store_true", help="only the precision comparison")
     ap.add_argument("--child-precision", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--memory", action="store_true", help="only the peak-memory comparison on the default shape")
+    ap.add_argument("--memory-model", default=str(ROOT / "data" / "models" / "qwen2.5-coder-0.5b-instruct"))
+    ap.add_argument("--memory-micro-batch", type=int, default=2)
+    ap.add_argument("--memory-prompt-len", type=int, default=192)
+    ap.add_argument("--memory-response-len", type=int, default=320)
+    ap.add_argument("--child-memory", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     logging.getLogger("capo.train").setLevel(logging.WARNING)
+    if a.child_memory:
+        memory_child(a)
+        return
+    if a.memory:
+        compare_memory(a)
+        return
     if a.child_precision:
         precision_child(a)
         return

@@ -5,6 +5,7 @@
     capo run --rounds 3              run K on-policy rounds, without Prefect
     capo stage critique --round 1    one stage (what the flows start in child processes)
     capo stage eval --round 0        held-out eval of the starting policy (round k: round k's checkpoint)
+    capo noise-floor --round 0       the eval's noise floor: same checkpoint again, one bf16 rounding away
     capo report                      plots and the paper-style table of a run (runs/<run>/report/)
     capo sql "SELECT ..."            query the DuckDB catalog read-only
     capo critic-eval run|bench|critique   measure a critic (ProcessBench F1 per voting rule and N)
@@ -158,6 +159,33 @@ def stage(
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
         res = dataclasses.replace(res, peak_rss_mb=float(f"{peak:.1f}"))  # (`round` is the CLI option here)
     print(RESULT_TAG + json.dumps(dataclasses.asdict(res)), flush=True)
+
+
+@app.command("noise-floor")
+def noise_floor_cmd(
+    round: int = typer.Option(0, "--round", "-r", help="the round whose eval policy is measured (0 = the start)"),
+    config: str = typer.Option(DEFAULT_CONFIG),
+    preset: Optional[str] = typer.Option(None),
+    force: bool = typer.Option(False, help="re-evaluate even when the arms' tables are current"),
+    overrides: Optional[list[str]] = typer.Argument(None),
+) -> None:
+    """Measure the held-out eval's noise floor of a round: its eval policy evaluated again, and a copy
+    one bf16 rounding away, each paired with the round's eval table (pipeline/noise_floor.py); the
+    report prints it. Run after the round's eval stage."""
+    import os
+
+    _setup_logging()
+    from pipeline.engines import batch_invariant_env
+
+    os.environ.update(batch_invariant_env())  # before vLLM is imported, as the runner gives the eval stage
+    from pipeline.noise_floor import measure_noise_floor
+
+    cfg = _cfg(config, overrides, preset)
+    summary = measure_noise_floor(cfg, round, force=force)
+    typer.echo(json.dumps(summary, indent=1))
+    from pipeline.report import write_report
+
+    typer.echo(f"report: {write_report(Path(cfg.runs_dir), cfg.run_id).get('report_html', '')}")
 
 
 @app.command()

@@ -194,7 +194,7 @@ def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logge
         cmd.append("--force")
     from pipeline.engines import engine_process_env
 
-    extra = engine_process_env() if name in ("rollout", "critique", "eval") else {}
+    extra = engine_process_env() if name in ("rollout", "critique", "eval", "train") else {}
     if name == "eval":
         from pipeline.engines import batch_invariant_env
 

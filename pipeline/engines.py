@@ -135,15 +135,18 @@ TCMALLOC_NAME = "libtcmalloc_minimal.so.4"
 
 
 def engine_process_env() -> dict[str, str]:
-    """Environment additions for a process that will run vLLM on CPU: ``LD_PRELOAD`` of tcmalloc.
+    """Environment additions for a process that will run vLLM or the trainer on CPU: ``LD_PRELOAD``
+    of tcmalloc.
 
     vLLM's CPU backend asks for tcmalloc in ``LD_PRELOAD`` ("For best performance"); here it made
     rollout decoding about 8 % faster (``benchmarks/bench_generation.py``: 145 vs 133 tokens/s on
-    the 0.5B policy). ``scripts/install.sh`` unpacks Debian's ``libtcmalloc-minimal4`` into
+    the 0.5B policy). In the trainer, glibc's malloc keeps freed gradient-sized blocks that the
+    next micro-batch cannot reuse; with tcmalloc the train stage's peak RSS is lower
+    (``benchmarks/bench_trainer.py --memory``). ``scripts/install.sh`` unpacks Debian's ``libtcmalloc-minimal4`` into
     ``.venv/lib/capo-preload/``; a system copy is used otherwise. Nothing is added on a GPU
     machine, when no copy exists, or when ``CAPO_NO_PRELOAD=1``. It must be set before the process
-    starts, so the runner adds it to the rollout, critique and eval child processes and the policy
-    engine host.
+    starts, so the runner adds it to the rollout, critique, train and eval child processes and the
+    policy engine host.
     """
     import sys
 

