@@ -240,6 +240,27 @@ def stream_child(cmd: list[str], tag: str, logger: logging.Logger, what: str,
     return result
 
 
+def critic_signal(cfg: CAPOConfig, round_idx: int) -> dict | None:
+    """:func:`pipeline.critique.signal_health` of the round's process critiques under the variant's
+    rule and partial-critique policy (None without process critiques); logs its warning."""
+    p = round_paths(cfg, round_idx)
+    if not (cfg.critique.enabled and cfg.critique.mode == "process") or storage.read_manifest(p["critiques"]) is None:
+        return None
+    from pipeline.critique import signal_health
+
+    crit = storage.read_table(p["critiques"], "critiques").select(
+        ["rollout_id", "parse_status", "wrong_steps", "steps_wrong_lines"]).to_pylist()
+    rate = None
+    if storage.read_manifest(p["step_verdicts"]) is not None:
+        sv = storage.read_table(p["step_verdicts"], "step_verdicts").select(["rule", "weight"]).to_pylist()
+        w = [r["weight"] for r in sv if r["rule"] == cfg.vote.rule]
+        rate = sum(x > 0 for x in w) / len(w) if w else None
+    health = signal_health(crit, rate, cfg.vote.partial_critiques)
+    if health["warning"]:
+        logging.getLogger("capo.flows").warning("[critic] round %d: %s", round_idx, health["warning"])
+    return health
+
+
 def write_round_summary(cfg: CAPOConfig, round_idx: int, results: list[dict], wall_s: float | None = None) -> Path:
     """``variants/<variant>/round_summary.json``: what each stage of this invocation did.
 
@@ -258,6 +279,7 @@ def write_round_summary(cfg: CAPOConfig, round_idx: int, results: list[dict], wa
         "stages": results, "stage_seconds": round(sum(r.get("seconds", 0.0) for r in results), 3),
         "wall_seconds": None if wall_s is None else round(wall_s, 3),
         "precision": precision_record(cfg),  # what each auto setting resolved to here, and the device
+        "critic_signal": critic_signal(cfg, round_idx),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     tmp = path.with_suffix(f".tmp{os.getpid()}")

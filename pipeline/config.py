@@ -134,6 +134,10 @@ class CritiqueConfig(_Strict):
     """N critiques sampled per response, one request with n=N (paper: N in {2, 4, 8})."""
     include_gold_answer: bool = True
     """Show the gold answer to the critic (paper default; off is its ablation)."""
+    template: Literal["capo-genprm-v1", "capo-genprm-v2"] = "capo-genprm-v1"
+    """The critic prompt (:mod:`pipeline.critique`): v1 shows a worked example ending in
+    ``Wrong step list: [1]``; v2 shows only placeholders, one line per step of the solution.
+    In the critique stage's key and in every critique row (``template_version``)."""
     sampling: SamplingConfig = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=320)
     engine: EngineConfig = VLLMEngineConfig(max_model_len=4096, kv_cache_gib=3.0)
     """A longer context than the policy's: the critic's prompt holds the problem and the whole response."""
@@ -147,6 +151,11 @@ class VoteConfig(_Strict):
     Paper: intersection is best for 1B-1.5B policies."""
     majority_threshold: float = Field(0.5, ge=0, lt=1)
     """majority flags a step iff the share of valid critiques flagging it is strictly above this."""
+    partial_critiques: Literal["list", "lines", "drop"] = "list"
+    """How a critique whose final list parsed but which did not judge every step in a line of its
+    own (``incomplete``) or whose lines contradict its list (``inconsistent``) votes: ``list`` its
+    final list, ``lines`` the steps its own lines call wrong, ``drop`` not at all (it is then not
+    a valid critique). ``complete`` critiques always vote their list."""
 
 
 class RewardConfig(_Strict):

@@ -231,9 +231,11 @@ def render_report(meta: dict, scores: Sequence[dict]) -> str:
     """The Markdown report of a critic evaluation.
 
     Args:
-        meta: ``name``, ``benchmark`` (one line), ``kinds`` ({kind: items}), ``template_version``,
-            ``n_values``, ``setups`` (list of dicts: ``setup``, ``model``, ``include_gold_answer``,
-            ``engine``, ``sampling``, ``critic_seconds``, ``tokens_per_s``), ``plot`` (file name).
+        meta: ``name``, ``benchmark`` (one line), ``kinds`` ({kind: items}), ``n_values``,
+            ``setups`` (list of dicts: ``setup``, ``model``, ``include_gold_answer``, ``template``,
+            ``partial``, ``engine``, ``sampling``, ``critic_seconds``, ``tokens_per_s``), ``plot``
+            (file name), optional ``verdicts`` ({setup: ``statuses``, ``non_empty_lists``,
+            ``top_lists`` [[list, count, share]...]}).
         scores: rows of :class:`Score` fields plus ``setup`` and ``subset``.
     """
     sub = main_subset(scores)
@@ -246,16 +248,17 @@ def render_report(meta: dict, scores: Sequence[dict]) -> str:
         f"# Critic evaluation: {meta['name']}",
         f"Benchmark: {meta['benchmark']}. Items by kind: "
         + ", ".join(f"{k} {v}" for k, v in meta["kinds"].items())
-        + f". Critic prompt template `{meta['template_version']}`; parser and engines as in training.",
+        + ". Prompt templates, parser and engines as in training.",
         "A step is flagged when its vote weight is >= 0.5 (`average`: at least half of the valid "
         "critiques; `majority`: strictly more than half). Prediction = earliest flagged step (-1: none). "
         "N = the first N of the critiques sampled per item (one request), so every N uses the same samples. "
         "Shares are over items; `–` = undefined (no such items). s/item = critic tokens per item x the "
         "run's measured seconds per generated token (batched requests, engine load excluded).",
         "## Critics",
-        markdown_table(["setup", "model", "gold answer", "engine", "sampling", "critic s", "tokens/s"],
-                       [[s["setup"], s["model"], s["include_gold_answer"], s["engine"], s["sampling"],
-                         s["critic_seconds"], s["tokens_per_s"]] for s in meta["setups"]]),
+        markdown_table(["setup", "model", "gold answer", "template", "partial critiques", "engine", "sampling",
+                        "critic s", "tokens/s"],
+                       [[s["setup"], s["model"], s["include_gold_answer"], s.get("template"), s.get("partial"),
+                         s["engine"], s["sampling"], s["critic_seconds"], s["tokens_per_s"]] for s in meta["setups"]]),
         f"## ProcessBench F1 by N (subset `{sub}`: {_sizes(scores, sub)})",
         markdown_table(["setup", "rule"] + [f"N={n}" for n in ns],
                        [[st, r] + [by[(st, sub, r, n)]["f1"] for n in ns] for st in setups for r in rules]),
@@ -269,6 +272,18 @@ def render_report(meta: dict, scores: Sequence[dict]) -> str:
                 "parse_failure_rate", "no_valid_rate", "critic_tokens_per_item", "seconds_per_item")]
              for st in setups for r in rules for n in ns]),
     ]
+    if meta.get("verdicts"):
+        parts += [
+            "## What the critics answered",
+            "Critiques per parse status (`complete`: a line for every step, agreeing with the final list; "
+            "`incomplete`: some step without a line; `inconsistent`: a line and the list disagree), and the "
+            "most common non-empty final lists with their share of all non-empty lists: one list holding "
+            "most of the share is a critic repeating itself (or the prompt), not judging.",
+            markdown_table(["critic setup", "statuses", "non-empty lists", "most common lists (count, share)"],
+                           [[st, ", ".join(f"{k} {v}" for k, v in sorted(d["statuses"].items())), d["non_empty_lists"],
+                             "; ".join(f"{v} ({k}, {100 * sh:.0f} %)" for v, k, sh in d["top_lists"])]
+                            for st, d in meta["verdicts"].items()]),
+        ]
     robust = [k for k in ("plain", "adversarial") if any(s["subset"] == k for s in scores)]
     if "adversarial" in robust:
         kinds = [k for k in meta["kinds"] if k.startswith(ADVERSARIAL_PREFIX)]

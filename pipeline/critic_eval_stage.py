@@ -10,9 +10,13 @@ key, like the round stages; see :mod:`pipeline.storage`)::
 
 A *setup* is one critic with the gold answer on or off (``<critic name>+gold`` /
 ``<critic name>+nogold``). The critic runs exactly as in training: the same prompt template
-(:func:`pipeline.critique.build_critique_messages`), parser (:func:`pipeline.critique.parse_critique`)
-and engines (:func:`pipeline.engines.make_engine`), ``n_max`` samples per item in one request.
-Scoring takes the first N of them for each N (no further critic call).
+(:func:`pipeline.critique.build_critique_messages`, the critic's ``template``), parser
+(:func:`pipeline.critique.parse_critique`) and engines (:func:`pipeline.engines.make_engine`),
+``n_max`` samples per item in one request. Scoring takes the first N of them for each N (no
+further critic call), once per ``partial_critiques`` policy (how incomplete / inconsistent
+critiques vote, ``vote.partial_critiques`` in training): with more than one policy a scored setup
+is labelled ``<setup>/<policy>``. To compare templates, list the same critic twice under two
+names with different ``template``s.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pipeline import storage
 from pipeline.config import EngineConfig, SamplingConfig, VLLMEngineConfig, parse_overrides
-from pipeline.critique import TEMPLATE_VERSION
+from pipeline.critique import PARSER_VERSION, TEMPLATE_VERSION
 from pipeline.stages import StageResult, model_fingerprint
 
 log = logging.getLogger("capo.critic_eval")
@@ -60,6 +64,8 @@ class CriticSpec(_Strict):
     """How to run it (vllm, transformers, or an OpenAI-compatible endpoint); as ``critique.engine``."""
     sampling: SamplingConfig = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=320)
     """As ``critique.sampling`` in training."""
+    template: Literal["capo-genprm-v1", "capo-genprm-v2"] = TEMPLATE_VERSION
+    """Critic prompt template, as ``critique.template`` in training (:mod:`pipeline.critique`)."""
 
 
 class BenchmarkConfig(_Strict):
@@ -102,8 +108,9 @@ class CriticEvalConfig(_Strict):
     """N values scored; the critic samples ``max(n_values)`` critiques per item once."""
     majority_threshold: float = Field(0.5, ge=0, lt=1)
     """As ``vote.majority_threshold`` in training."""
-    template_version: str = TEMPLATE_VERSION
-    """Critic prompt template; must be the one :mod:`pipeline.critique` implements."""
+    partial_critiques: list[Literal["list", "lines", "drop"]] = ["list", "lines", "drop"]
+    """Policies scored for critiques that did not judge every step in its own line or whose
+    lines contradict their list (``vote.partial_critiques`` in training); each is a scored setup."""
 
     @field_validator("n_values")
     @classmethod
@@ -119,9 +126,9 @@ class CriticEvalConfig(_Strict):
             raise ValueError(f"critics need distinct names (got {names}); give each a `name:`")
         if not self.include_gold_answer:
             raise ValueError("include_gold_answer must hold true, false or both, e.g. [true, false]")
-        if self.template_version != TEMPLATE_VERSION:
-            raise ValueError(f"template_version {self.template_version!r} is not available; "
-                             f"pipeline/critique.py implements {TEMPLATE_VERSION!r}")
+        if not self.partial_critiques or len(set(self.partial_critiques)) != len(self.partial_critiques):
+            raise ValueError(f"partial_critiques must list distinct policies of list, lines, drop; got "
+                             f"{self.partial_critiques}")
         return self
 
     @property
@@ -135,6 +142,11 @@ class CriticEvalConfig(_Strict):
         """``{setup id: (critic, include_gold_answer)}`` in report order."""
         return {f"{c.name}+{'gold' if g else 'nogold'}": (c, g)
                 for c in self.critics for g in dict.fromkeys(self.include_gold_answer)}
+
+    def scored_setups(self) -> dict[str, tuple[str, str]]:
+        """``{label: (setup, partial-critique policy)}``: the setups as the scores and report name them."""
+        one = len(self.partial_critiques) == 1
+        return {(s if one else f"{s}/{pol}"): (s, pol) for s in self.setups() for pol in self.partial_critiques}
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -188,7 +200,9 @@ CRITIQUES_SCHEMA = pa.schema([
     pa.field("include_gold_answer", pa.bool_()),
     pa.field("n_steps", pa.int32()),
     pa.field("raw_text", pa.string()),
-    pa.field("wrong_steps", pa.list_(pa.int32())),  # null unless parse_status == ok
+    pa.field("wrong_steps", pa.list_(pa.int32())),  # the final list; null when it did not parse
+    pa.field("steps_judged", pa.list_(pa.int32())),  # steps with a line of their own
+    pa.field("steps_wrong_lines", pa.list_(pa.int32())),  # steps their own line calls wrong
     pa.field("parse_status", pa.string(), nullable=False),
     pa.field("critic_tokens", pa.int32()),
     pa.field("finish_reason", pa.string()),
@@ -196,7 +210,8 @@ CRITIQUES_SCHEMA = pa.schema([
 
 SCORES_SCHEMA = pa.schema(
     [pa.field("eval_name", pa.string(), nullable=False),
-     pa.field("setup", pa.string(), nullable=False), pa.field("subset", pa.string(), nullable=False),
+     pa.field("setup", pa.string(), nullable=False), pa.field("partial", pa.string()),
+     pa.field("subset", pa.string(), nullable=False),
      pa.field("rule", pa.string(), nullable=False), pa.field("n", pa.int32(), nullable=False)]
     + [pa.field(k, pa.int32()) for k in ("n_items", "n_erroneous", "n_correct")]
     + [pa.field(k, pa.float64()) for k in (
@@ -207,6 +222,7 @@ SCORES_SCHEMA = pa.schema(
 PREDICTIONS_SCHEMA = pa.schema([
     pa.field("eval_name", pa.string(), nullable=False),
     pa.field("setup", pa.string(), nullable=False),
+    pa.field("partial", pa.string()),
     pa.field("item_id", pa.string(), nullable=False),
     pa.field("kind", pa.string()),
     pa.field("rule", pa.string(), nullable=False),
@@ -338,7 +354,8 @@ def critique_path(cfg: CriticEvalConfig, setup: str) -> Path:
 def critique_key(cfg: CriticEvalConfig, setup: str) -> dict:
     critic, gold = cfg.setups()[setup]
     return {"benchmark": _benchmark_fingerprint(cfg), "critic": critic.model_dump(mode="json"),
-            "include_gold_answer": gold, "n_max": cfg.n_max, "template_version": TEMPLATE_VERSION, "seed": cfg.seed,
+            "include_gold_answer": gold, "n_max": cfg.n_max, "template_version": critic.template,
+            "parser": PARSER_VERSION, "seed": cfg.seed,
             "model": model_fingerprint(resolve_model(critic.model, cfg))}
 
 
@@ -362,7 +379,8 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
     seed = int(np.random.default_rng([cfg.seed, zlib.crc32(setup.encode())]).integers(0, 2**31 - 1))
     t0 = time.perf_counter()
     engine = make_engine(model, critic.engine, seed=seed)
-    convs = [build_critique_messages(it["problem"], it["steps"], it["gold_answer"] if gold else None) for it in items]
+    convs = [build_critique_messages(it["problem"], it["steps"], it["gold_answer"] if gold else None, critic.template)
+             for it in items]
     gens = engine.generate(convs, cfg.n_max, critic.sampling)
     stats = engine.stats.as_dict()
     engine.close()
@@ -371,9 +389,10 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
         for k, s in enumerate(gen.samples):
             parsed = parse_critique(s.text, len(it["steps"]))
             rows.append({"eval_name": cfg.name, "setup": setup, "item_id": it["id"], "critique_idx": k,
-                         "critic_model": model, "template_version": TEMPLATE_VERSION, "include_gold_answer": gold,
+                         "critic_model": model, "template_version": critic.template, "include_gold_answer": gold,
                          "n_steps": len(it["steps"]), "raw_text": s.text,
                          "wrong_steps": None if parsed.wrong_steps is None else list(parsed.wrong_steps),
+                         "steps_judged": list(parsed.judged), "steps_wrong_lines": list(parsed.wrong_by_lines),
                          "parse_status": parsed.status, "critic_tokens": len(s.token_ids),
                          "finish_reason": s.finish_reason})
     secs = time.perf_counter() - t0
@@ -391,8 +410,11 @@ def _seconds_per_token(manifest: dict) -> float:
     return secs / toks if toks else math.nan
 
 
-def _eval_items(items: list[dict], crit: list[dict], setup: str):
+def _eval_items(items: list[dict], crit: list[dict], setup: str, partial: str = "list"):
+    """The benchmark items with their critiques as votes (:func:`pipeline.critique.critique_votes`
+    under the ``partial`` policy; None = the critique does not vote)."""
     from pipeline.critic_eval import EvalItem
+    from pipeline.critique import critique_votes
 
     by: dict[str, list[dict]] = {}
     for c in crit:
@@ -403,7 +425,8 @@ def _eval_items(items: list[dict], crit: list[dict], setup: str):
         if not cs:
             raise ValueError(f"setup {setup!r} has no critiques of item {it['id']!r}; run its critique stage again")
         out.append(EvalItem(it["label"], len(it["steps"]),
-                            tuple(None if c["wrong_steps"] is None else tuple(c["wrong_steps"]) for c in cs),
+                            tuple(critique_votes(c["parse_status"], c["wrong_steps"], c["steps_wrong_lines"], partial)
+                                  for c in cs),
                             tuple(int(c["critic_tokens"] or 0) for c in cs),
                             None if it["step_labels"] is None else tuple(it["step_labels"])))
     return out
@@ -411,8 +434,8 @@ def _eval_items(items: list[dict], crit: list[dict], setup: str):
 
 def score_key(cfg: CriticEvalConfig) -> dict:
     fps = {s: (storage.read_manifest(critique_path(cfg, s)) or {}).get("fingerprint") for s in cfg.setups()}
-    return {"benchmark": _benchmark_fingerprint(cfg), "critiques": fps,
-            "n_values": cfg.n_values, "majority_threshold": cfg.majority_threshold}
+    return {"benchmark": _benchmark_fingerprint(cfg), "critiques": fps, "n_values": cfg.n_values,
+            "majority_threshold": cfg.majority_threshold, "partial_critiques": cfg.partial_critiques}
 
 
 def score_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
@@ -428,24 +451,25 @@ def score_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
     items = read_benchmark(cfg)
     groups = subsets([it["kind"] for it in items], [it["label"] for it in items])
     scores, preds = [], []
-    for setup in cfg.setups():
+    for label, (setup, partial) in cfg.scored_setups().items():
         path = critique_path(cfg, setup)
         if storage.read_manifest(path) is None:
             raise FileNotFoundError(f"{path} is missing or uncommitted; run the critique stage of setup {setup!r} first")
         crit = _conform(pq.read_table(path), CRITIQUES_SCHEMA, str(path)).to_pylist()
-        evals = _eval_items(items, crit, setup)
+        evals = _eval_items(items, crit, setup, partial)
         spt = _seconds_per_token(storage.read_manifest(path) or {})
         for subset, idx in groups.items():
             for s in score_grid([evals[i] for i in idx], cfg.n_values, tuple(VOTING_RULES),
                                 cfg.majority_threshold, seconds_per_token=spt):
                 row = {k: None if isinstance(v, float) and math.isnan(v) else v  # undefined -> SQL NULL
                        for k, v in s.as_dict().items()}
-                scores.append({"eval_name": cfg.name, "setup": setup, "subset": subset, **row})
+                scores.append({"eval_name": cfg.name, "setup": label, "partial": partial, "subset": subset, **row})
         for it, ev in zip(items, evals):
             for rule in VOTING_RULES:
                 for n in cfg.n_values:
                     pr = predict(ev, n, rule, cfg.majority_threshold)
-                    preds.append({"eval_name": cfg.name, "setup": setup, "item_id": it["id"], "kind": it["kind"],
+                    preds.append({"eval_name": cfg.name, "setup": label, "partial": partial, "item_id": it["id"],
+                                  "kind": it["kind"],
                                   "rule": rule, "n": n, "label": it["label"], "earliest_flagged": pr.earliest,
                                   "n_valid": pr.n_valid, "weights": pr.weights.tolist()})
     write_output(pa.Table.from_pylist(preds, schema=PREDICTIONS_SCHEMA), p["predictions"], PREDICTIONS_SCHEMA,
@@ -456,6 +480,19 @@ def score_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
 
 
 # ------------------------------------------------------------------------------------------- report
+def verdict_distribution(critiques: list[dict], top: int = 5) -> dict:
+    """What a setup's critics answered: critiques per parse status, and the ``top`` most common
+    non-empty final lists with their share of the non-empty lists (a weak critic echoing a
+    prompt's example shows as one list with most of the share)."""
+    from collections import Counter
+
+    statuses = Counter(c["parse_status"] for c in critiques)
+    lists = Counter(str(list(c["wrong_steps"])) for c in critiques if c["wrong_steps"])
+    n = sum(lists.values())
+    return {"statuses": dict(statuses), "non_empty_lists": n,
+            "top_lists": [[v, k, k / n] for v, k in lists.most_common(top)] if n else []}
+
+
 def plot_f1(scores: list[dict], setups: list[str], subset: str, path: Path) -> Path:
     """PNG of ProcessBench F1 against N, one panel per setup, one line per voting rule."""
     import matplotlib
@@ -505,20 +542,26 @@ def report_stage(cfg: CriticEvalConfig) -> StageResult:
     for it in items:
         kinds[it["kind"]] = kinds.get(it["kind"], 0) + 1
     setups = []
-    for setup, (critic, gold) in cfg.setups().items():
+    for label, (setup, partial) in cfg.scored_setups().items():
+        critic, gold = cfg.setups()[setup]
         man = storage.read_manifest(critique_path(cfg, setup)) or {}
         eng = man.get("engine") or {}
         s = critic.sampling
-        setups.append({"setup": setup, "model": critic.model, "include_gold_answer": gold,
-                       "engine": critic.engine.type, "sampling": f"T={s.temperature} top_p={s.top_p} max={s.max_tokens}",
+        setups.append({"setup": label, "model": critic.model, "include_gold_answer": gold, "template": critic.template,
+                       "partial": partial, "engine": critic.engine.type,
+                       "sampling": f"T={s.temperature} top_p={s.top_p} max={s.max_tokens}",
                        "critic_seconds": eng.get("seconds"), "tokens_per_s": eng.get("generated_tokens_per_s")})
+    verdicts = {}
+    for setup in cfg.setups():
+        path = critique_path(cfg, setup)
+        if path.is_file():
+            verdicts[setup] = verdict_distribution(_conform(pq.read_table(path), CRITIQUES_SCHEMA, str(path)).to_pylist())
     b = cfg.benchmark
     desc = (f"`{b.source}` ({b.split} split, {b.n_problems} problems, seed {cfg.seed})"
             if b.source == BUILTIN_BENCHMARK else f"`{b.source}`")
     meta = {"name": cfg.name, "benchmark": f"{desc}, {len(items)} items", "kinds": kinds,
-            "template_version": cfg.template_version, "n_values": cfg.n_values, "setups": setups,
-            "plot": p["plot"].name}
-    plot_f1(scores, list(cfg.setups()), main_subset(scores), p["plot"])
+            "n_values": cfg.n_values, "setups": setups, "verdicts": verdicts, "plot": p["plot"].name}
+    plot_f1(scores, list(cfg.scored_setups()), main_subset(scores), p["plot"])
     tmp = p["report"].with_name(f".{p['report'].name}.{os.getpid()}.tmp")
     tmp.write_text(render_report(meta, scores))
     os.replace(tmp, p["report"])

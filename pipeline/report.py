@@ -49,7 +49,8 @@ _SQL = {
                   FROM token_rewards GROUP BY ALL ORDER BY ALL""",
     "flagged": """SELECT round, variant, rule, avg((weight > 0)::INT) AS share_flagged, count(*) AS steps
                   FROM step_verdicts GROUP BY ALL ORDER BY ALL""",
-    "parse": """SELECT round, mode, avg((parse_status <> 'ok')::INT) AS failure_rate,
+    "parse": """SELECT round, mode,
+                       avg((parse_status NOT IN ('ok', 'complete', 'incomplete', 'inconsistent'))::INT) AS failure_rate,
                        count(*) AS critiques
                 FROM critiques WHERE parse_status <> 'skipped_empty_response' GROUP BY ALL ORDER BY ALL""",
     "train": """SELECT round, variant, avg(value) FILTER (WHERE name = 'clip_frac') AS clip_frac,
@@ -59,7 +60,7 @@ _SQL = {
                        max(value) FILTER (WHERE name = 'engine_logprob_diff_max') AS logprob_diff_max
                 FROM train_metrics GROUP BY ALL ORDER BY ALL""",
 }
-_DEFAULT_COLUMNS = {"critiques": {"mode": "'process'"}}  # columns older tables lack, and their value
+_DEFAULT_COLUMNS = {"critiques": {"mode": "'process'", "steps_wrong_lines": "NULL::INTEGER[]"}}  # columns older tables lack, and their value
 _NEEDS = {"rollout": "token_rewards", "flagged": "step_verdicts", "parse": "critiques", "train": "train_metrics"}
 
 
@@ -99,6 +100,9 @@ def collect(run_dir: Path) -> tuple[dict[str, list[dict]], list[str]]:
                 except duckdb.Error as e:  # an older or foreign schema: report it, draw the rest
                     notes.append(f"{_NEEDS[key]} could not be read: {str(e).splitlines()[0]}")
                     log.warning("report of %s: %s", run_dir.name, notes[-1])
+        if "critiques" in present:
+            out["critique_rows"] = _rows(con, """SELECT round, rollout_id, parse_status, wrong_steps, steps_wrong_lines
+                                                 FROM critiques WHERE mode = 'process'""")
         if "eval" in present:
             reader = con.sql("SELECT * FROM eval").arrow()
             table = reader.read_all() if isinstance(reader, pa.RecordBatchReader) else reader
@@ -174,6 +178,24 @@ def noise_floor_rows(run_dir: Path) -> tuple[list[str], list[list[str]]]:
                              f"{100 * c['diff']:+.1f}", f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]",
                              f"{c['n10']} / {c['n01']}", f"{100 * c['same_text']:.0f} %"])
     return headers, rows
+
+
+def critic_signal_rows(critique_rows: list[dict]) -> tuple[list[str], list[list[str]], list[str]]:
+    """Per round, :func:`pipeline.critique.signal_health` of its process critiques (lists as voted
+    with ``vote.partial_critiques: list``): headers, rows and the warnings."""
+    from pipeline.critique import signal_health
+
+    headers = ["Round", "responses with a parsed verdict", "critiques by status", "most common non-empty lists"]
+    rows, warnings = [], []
+    for rnd in sorted({r["round"] for r in critique_rows}):
+        h = signal_health([r for r in critique_rows if r["round"] == rnd])
+        share = h["responses_with_valid_critique"]
+        rows.append([str(rnd), "–" if share is None else f"{100 * share:.0f} % of {h['responses']}",
+                     ", ".join(f"{k} {v}" for k, v in sorted(h["critiques_by_status"].items())),
+                     "; ".join(f"{v} x{k}" for v, k in h["top_verdicts"]) or "–"])
+        if h["warning"]:
+            warnings.append(f"round {rnd}: {h['warning']}")
+    return headers, rows, warnings
 
 
 def batch_invariance_note(run_dir: Path) -> str:
@@ -445,6 +467,14 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
                          "policy again and one bf16 rounding away and adds the table here")
     else:
         notes.insert(0, "no eval table yet: run the eval stage (round 0 = the starting policy)")
+    if data.get("critique_rows"):
+        hc, rows_c, warns = critic_signal_rows(data["critique_rows"])
+        sections.append(("Critic signal (process critiques)",
+                         "complete = a line for every step agreeing with the final list; incomplete = some step "
+                         "without a line; inconsistent = a line and the list disagree; the rest are parse failures. "
+                         "One list dominating the non-empty verdicts is a critic repeating itself or the prompt. "
+                         + (" WARNING: " + " ".join(warns) if warns else ""), hc, rows_c))
+        notes += [f"critic warning, {w}" for w in warns]
     th, trows = training_rows(data)
     if trows:
         sections.append(("Training rounds", "train acc. = math-verify on the round's rollouts; steps flagged under "

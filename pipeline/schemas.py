@@ -83,7 +83,9 @@ CRITIQUES_SCHEMA = pa.schema(
         pa.field("include_gold_answer", pa.bool_()),
         pa.field("n_steps", pa.int32()),
         pa.field("raw_text", pa.string()),
-        pa.field("wrong_steps", pa.list_(pa.int32())),  # process mode: null unless parse_status == ok
+        pa.field("wrong_steps", pa.list_(pa.int32())),  # process mode: the final list; null when it did not parse
+        pa.field("steps_judged", pa.list_(pa.int32())),  # process mode: steps with a line of their own
+        pa.field("steps_wrong_lines", pa.list_(pa.int32())),  # process mode: steps their own line calls wrong
         pa.field("outcome_verdict", pa.bool_()),  # outcome mode: "final answer correct", null unless ok
         pa.field("parse_status", pa.string(), nullable=False),
         pa.field("critic_tokens", pa.int32()),  # generated tokens

@@ -8,6 +8,8 @@ the same shards can be fanned out over a Dask or Ray cluster (``flows/fanout.py`
 
 from __future__ import annotations
 
+from collections import Counter
+
 import hashlib
 import json
 import logging
@@ -241,7 +243,6 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
         FileNotFoundError: the round's rollouts or steps table is missing.
     """
     from pipeline.critique import (
-        TEMPLATE_VERSION,
         build_critique_messages,
         build_outcome_messages,
         parse_critique,
@@ -276,7 +277,8 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
                 if outcome_mode:
                     convs.append(build_outcome_messages(pr["question"], r["response_text"], gold))
                 else:
-                    convs.append(build_critique_messages(pr["question"], inp.steps[r["rollout_id"]], gold))
+                    convs.append(build_critique_messages(pr["question"], inp.steps[r["rollout_id"]], gold,
+                                                         cfg.critique.template))
             for r, g in zip(live, engine.generate(convs, n, cfg.critique.sampling)):
                 gens[r["rollout_id"]] = g
             critic_calls += len(live)
@@ -284,7 +286,7 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
         for r in batch:
             rid, n_steps = r["rollout_id"], len(inp.steps[r["rollout_id"]])
             for k in range(n):
-                verdict = None
+                verdict = judged = by_lines = None
                 if rid in gens:
                     s = gens[rid].samples[k]
                     text, toks, fin = s.text, len(s.token_ids) or len(s.logprobs or []), s.finish_reason
@@ -294,12 +296,15 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
                     else:
                         parsed = parse_critique(s.text, n_steps)
                         status, wrong = parsed.status, (list(parsed.wrong_steps) if parsed.wrong_steps is not None else None)
+                        judged, by_lines = list(parsed.judged), list(parsed.wrong_by_lines)
                 else:
                     text, toks, fin, status, wrong = "", 0, None, "skipped_empty_response", None
                 rows.append({"run_id": cfg.run_id, "round": round_idx, "rollout_id": rid, "critique_idx": k,
-                             "mode": cfg.critique.mode, "outcome_verdict": verdict, "critic_model": inp.critic, "template_version": TEMPLATE_VERSION,
+                             "mode": cfg.critique.mode, "outcome_verdict": verdict, "critic_model": inp.critic,
+                             "template_version": None if outcome_mode else cfg.critique.template,
                              "include_gold_answer": cfg.critique.include_gold_answer, "n_steps": n_steps,
-                             "raw_text": text, "wrong_steps": wrong, "parse_status": status,
+                             "raw_text": text, "wrong_steps": wrong, "steps_judged": judged,
+                             "steps_wrong_lines": by_lines, "parse_status": status,
                              "critic_tokens": toks, "finish_reason": fin})
         storage.write_part(pa.Table.from_pylist(rows, schema=CRITIQUES_SCHEMA), inp.parts_dir, shard, "critiques",
                            {"key": inp.shard_key, "shard": shard, "rollouts_sha": _ids_sha(inp.plan[shard]),
@@ -347,7 +352,7 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
         FileNotFoundError: the round's rollouts or steps table is missing.
         RuntimeError: a shard was still missing after ``run_shards`` returned.
     """
-    from pipeline.critique import TEMPLATE_VERSION
+    from pipeline.critique import OUTCOME_PARSE_STATUSES, VERDICT_STATUSES
 
     p = round_paths(cfg, round_idx)
     key = stage_key("critique", cfg, round_idx)
@@ -374,10 +379,13 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
         tables = [storage.read_table(_part_path(parts_dir, i), "critiques") for i in range(len(inp.plan))]
         table = pa.concat_tables(tables) if tables else CRITIQUES_SCHEMA.empty_table()
         table = table.sort_by([("rollout_id", "ascending"), ("critique_idx", "ascending")])
-        n_fail = int(pc.sum(pc.not_equal(table.column("parse_status"), "ok")).as_py() or 0)
+        statuses = table.column("parse_status").to_pylist()
+        parsed_ok = set(VERDICT_STATUSES) if cfg.critique.mode == "process" else {OUTCOME_PARSE_STATUSES[0]}
+        n_fail = sum(st not in parsed_ok and st != "skipped_empty_response" for st in statuses)
         return table, _with_prov(cfg, {"critic": inp.critic, "critic_calls": stats_box["critic_calls"],
                                        "engine": sum_engine_stats([w.get("engine") for w in workers]),
-                                       "parse_failures": n_fail, "template_version": TEMPLATE_VERSION,
+                                       "parse_failures": n_fail, "statuses": dict(Counter(statuses)),
+                                       "template_version": cfg.critique.template,
                                        "shards": {"planned": len(inp.plan), "computed": len(todo),
                                                   "batch_rollouts": cfg.critique.batch_rollouts},
                                        "workers": workers})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
@@ -18,6 +19,7 @@ import pyarrow.parquet as pq
 
 from pipeline import storage
 from pipeline.config import CAPOConfig
+from pipeline.critique import critique_votes
 from pipeline.rewards import group_run_advantages, grpo_sequence_advantages, token_rewards
 from pipeline.schemas import OUTCOMES_SCHEMA, STEP_VERDICTS_SCHEMA, STEPS_SCHEMA, TOKEN_REWARDS_SCHEMA
 from pipeline.segment import segment_response
@@ -113,10 +115,14 @@ def vote_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRes
     def compute():
         steps = storage.read_table(p["steps"], "steps").select(["rollout_id", "n_steps"]).to_pylist()
         n_steps = {r["rollout_id"]: r["n_steps"] for r in steps}
-        crit = storage.read_table(p["critiques"], "critiques").select(["rollout_id", "wrong_steps", "parse_status"])
+        crit = storage.read_table(p["critiques"], "critiques").select(
+            ["rollout_id", "wrong_steps", "steps_wrong_lines", "parse_status"])
         lists: dict[str, list] = {rid: [] for rid in n_steps}
+        counts: Counter = Counter()
         for r in crit.to_pylist():
-            lists[r["rollout_id"]].append(tuple(r["wrong_steps"]) if r["parse_status"] == "ok" else None)
+            lists[r["rollout_id"]].append(critique_votes(r["parse_status"], r["wrong_steps"], r["steps_wrong_lines"],
+                                                         cfg.vote.partial_critiques))
+            counts[r["parse_status"]] += 1
         cols: dict[str, list] = {k: [] for k in ("rollout_id", "step_idx", "rule", "n_valid", "n_flagged", "weight")}
         for rid, S in n_steps.items():
             n_valid, n_flagged = flag_counts(lists[rid], S)
@@ -132,7 +138,12 @@ def vote_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRes
         table = pa.table({"run_id": [cfg.run_id] * n, "round": pa.array([round_idx] * n, pa.int32()),
                           "variant": [cfg.variant] * n, **cols,
                           "majority_threshold": pa.array([cfg.vote.majority_threshold] * n, pa.float32())})
-        return table.cast(STEP_VERDICTS_SCHEMA), _with_prov(cfg)
+        voting = sum(v is not None for vs in lists.values() for v in vs)
+        log.info("[vote] critiques by status %s; %d vote (partial critiques: %s)", dict(counts), voting,
+                 cfg.vote.partial_critiques)
+        return table.cast(STEP_VERDICTS_SCHEMA), _with_prov(cfg, {"critiques_by_status": dict(counts),
+                                                                  "critiques_voting": voting,
+                                                                  "partial_critiques": cfg.vote.partial_critiques})
 
     return _run("vote", p["step_verdicts"], "step_verdicts", key, compute, force)
 

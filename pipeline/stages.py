@@ -200,16 +200,17 @@ def stage_key(stage: str, cfg: CAPOConfig, round_idx: int) -> dict:
     if stage == "segment":
         return {"rollouts": input_fp(p["rollouts"]), "steps": c["steps"]}
     if stage == "critique":
-        from pipeline.critique import TEMPLATE_VERSION
+        from pipeline.critique import PARSER_VERSION
 
-        crit = {k: v for k, v in c["critique"].items() if k != "batch_rollouts"}
+        crit = {k: v for k, v in c["critique"].items() if k not in ("batch_rollouts", "template")}
         return {"steps": input_fp(p["steps"]), "rollouts": input_fp(p["rollouts"]), "critique": crit,
-                "template_version": TEMPLATE_VERSION, "prompts": storage.file_sha256(prompts_path(cfg)),
+                "template_version": cfg.critique.template, "parser": PARSER_VERSION, "prompts": storage.file_sha256(prompts_path(cfg)),
                 "dtype": prec["critique_dtype"],
                 "critic": model_fingerprint(resolve_model(cfg.critique.critic, cfg))}
     if stage == "vote":
         return {"steps": input_fp(p["steps"]), "critiques": input_fp(p["critiques"]),
-                "majority_threshold": cfg.vote.majority_threshold, "variant": cfg.variant}
+                "majority_threshold": cfg.vote.majority_threshold, "partial_critiques": cfg.vote.partial_critiques,
+                "variant": cfg.variant}
     if stage == "reward":
         ins = {"rollouts": input_fp(p["rollouts"]), "outcomes": input_fp(p["outcomes"])}
         if cfg.critique.enabled and cfg.critique.mode == "process":

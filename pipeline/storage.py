@@ -43,15 +43,32 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+_SAMPLE_BLOCKS = 16
+_SAMPLE_BYTES = 1 << 16
+
+
 def dir_fingerprint(path: Path) -> str:
     """Cheap fingerprint of a directory (checkpoint): sha256 over (relative path, size) of every
-    file plus the bytes of every file under 1 MiB (configs, tokenizer, index)."""
+    file, the bytes of every file under 1 MiB (configs, tokenizer, index) and, of every larger file
+    (weights), 16 blocks of 64 KiB spread evenly from its first to its last byte.
+
+    The sampled blocks make a re-trained checkpoint of the same shape fingerprint differently (a
+    PPO update moves nearly every weight, so every block changes; with (path, size) alone, eval and
+    the next round's rollouts were taken as current against the old weights), while a fingerprint
+    stays ~1 MiB of reading per file. A change confined to bytes between the blocks is not seen.
+    """
     h = hashlib.sha256()
     for p in sorted(q for q in path.rglob("*") if q.is_file()):
         size = p.stat().st_size
         h.update(f"{p.relative_to(path)}:{size}\n".encode())
         if size < (1 << 20):
             h.update(p.read_bytes())
+            continue
+        with open(p, "rb") as f:
+            last = size - _SAMPLE_BYTES
+            for k in range(_SAMPLE_BLOCKS):
+                f.seek(last * k // (_SAMPLE_BLOCKS - 1))
+                h.update(f.read(_SAMPLE_BYTES))
     return h.hexdigest()
 
 

@@ -194,3 +194,22 @@ def test_report_renders_every_section():
     assert "| a+nogold | average | 0.667 | 0.500 |" in text  # F1 at N=1 and N=2, as computed above
     assert "flagged: adv_verdict" in text and "Robustness" in text
     assert markdown_table(["x"], [[math.nan], [None], [1.23456]]).splitlines()[2:] == ["| – |", "| – |", "| 1.235 |"]
+
+
+def test_verdict_distribution_counts_statuses_and_the_most_common_lists():
+    from pipeline.critic_eval_stage import verdict_distribution
+
+    crit = [{"parse_status": "complete", "wrong_steps": [1]}, {"parse_status": "incomplete", "wrong_steps": [1]},
+            {"parse_status": "complete", "wrong_steps": [1]}, {"parse_status": "complete", "wrong_steps": [0, 2]},
+            {"parse_status": "complete", "wrong_steps": []}, {"parse_status": "no_verdict", "wrong_steps": None}]
+    d = verdict_distribution(crit)
+    assert d["statuses"] == {"complete": 4, "incomplete": 1, "no_verdict": 1}
+    assert d["non_empty_lists"] == 4  # [] is an all-correct verdict, not a list of wrong steps
+    assert d["top_lists"] == [["[1]", 3, 0.75], ["[0, 2]", 1, 0.25]]
+    meta = {"name": "t", "benchmark": "hand", "kinds": {"original": 2}, "n_values": [1], "plot": "p.png",
+            "setups": [{"setup": "a+gold", "model": "m", "include_gold_answer": True, "engine": "vllm",
+                        "sampling": "T=0.7", "critic_seconds": 1.0, "tokens_per_s": None}],
+            "verdicts": {"a+gold": d}}
+    rows = [{"setup": "a+gold", "subset": "plain", **x.as_dict()} for x in score_grid(ITEMS, [1])]
+    text = render_report(meta, rows)
+    assert "| a+gold | complete 4, incomplete 1, no_verdict 1 | 4 | [1] (3, 75 %); [0, 2] (1, 25 %) |" in text

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline import critic_eval_stage as ces
-from pipeline.critique import PARSE_STATUSES, build_critique_messages
+from pipeline.critique import PARSE_STATUSES, VERDICT_STATUSES, build_critique_messages
 from pipeline.engines import Engine, Generation, Sample
 
 TINY = {"name": "tiny", "model": "smollm2-135m-instruct",
@@ -19,22 +19,24 @@ TINY = {"name": "tiny", "model": "smollm2-135m-instruct",
 
 
 class ScriptedCritic(Engine):
-    """An oracle: sample k of every item is the true verdict when k is even, unparsable when odd."""
+    """An oracle: sample k of every item is the true verdict (a line per step and the list) when k
+    is even, unparsable when odd."""
 
     name = "scripted"
 
     def __init__(self, items: list[dict]):
         super().__init__()
         self.model, self.calls = "scripted", 0
-        self.labels = {build_critique_messages(it["problem"], it["steps"], gold)[1]["content"]: it["label"]
-                       for it in items for gold in (it["gold_answer"], None)}
+        self.labels = {build_critique_messages(it["problem"], it["steps"], gold)[1]["content"]:
+                       (it["label"], len(it["steps"])) for it in items for gold in (it["gold_answer"], None)}
 
     def generate(self, conversations, n, sampling):
         self.calls += 1
         gens = []
         for conv in conversations:
-            label = self.labels[conv[1]["content"]]
-            verdict = f"Step {label}: wrong\nWrong step list: [{label}]" if label >= 0 else "Wrong step list: []"
+            label, n_steps = self.labels[conv[1]["content"]]
+            lines = "".join(f"Step {s}: {'wrong' if s == label else 'correct'}\n" for s in range(n_steps))
+            verdict = lines + (f"Wrong step list: [{label}]" if label >= 0 else "Wrong step list: []")
             samples = [Sample(verdict if k % 2 == 0 else "I am not sure.", [1] * (5 + k), None, "stop")
                        for k in range(n)]
             gens.append(Generation([0] * 10, samples))
@@ -76,13 +78,14 @@ def test_stages_with_a_scripted_critic(tmp_path, scripted, data_dir):
     assert [it["kind"] for it in items][:6] == ["original", "carried", "adv_verdict", "original", "as_was", "adv_praise"]
     assert [c.skipped for c in crit] == [False, False] and not score.skipped
     rows = pq.read_table(crit[0].path).to_pylist()
-    assert len(rows) == len(items) * 4 and {r["parse_status"] for r in rows} == {"ok", "no_verdict"}
-    assert all(r["parse_status"] in PARSE_STATUSES and r["template_version"] == cfg.template_version for r in rows)
+    assert len(rows) == len(items) * 4 and {r["parse_status"] for r in rows} == {"complete", "no_verdict"}
+    assert all(r["parse_status"] in PARSE_STATUSES and r["template_version"] == "capo-genprm-v1" for r in rows)
     assert {r["eval_name"] for r in rows} == {"t"}
     scores = pq.read_table(cfg.run_dir() / "scores.parquet").to_pylist()
     subsets = {"all", "plain", "adversarial", "original", "carried", "as_was", "adv_verdict", "adv_praise", "adv_ignore"}
     assert {s["subset"] for s in scores} == subsets
-    assert len(scores) == 2 * len(subsets) * 4 * 3  # setups x subsets x rules x N
+    assert len(scores) == 2 * 3 * len(subsets) * 4 * 3  # setups x partial policies x subsets x rules x N
+    assert {s["setup"] for s in scores} == {f"fake+{g}/{p}" for g in ("gold", "nogold") for p in ("list", "lines", "drop")}
     for s in scores:
         assert s["acc_erroneous"] == s["label_flagged"] == (1.0 if s["n_erroneous"] else None)
         assert s["acc_correct"] == (1.0 if s["n_correct"] else None)
@@ -92,7 +95,8 @@ def test_stages_with_a_scripted_critic(tmp_path, scripted, data_dir):
         if s["subset"] in ("all", "plain", "adversarial"):
             assert s["f1"] == 1.0 and s["step_precision"] == 1.0 and s["step_recall"] == 1.0
     preds = pq.read_table(cfg.run_dir() / "predictions.parquet")
-    assert preds.num_rows == 2 * len(items) * 4 * 3
+    assert preds.num_rows == 2 * 3 * len(items) * 4 * 3
+    assert "## What the critics answered" in (cfg.run_dir() / "report.md").read_text()
     text = (cfg.run_dir() / "report.md").read_text()
     assert "fake+gold" in text and "fake+nogold" in text and (cfg.run_dir() / "f1_vs_n.png").stat().st_size > 1000
 
@@ -145,7 +149,9 @@ def test_config_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="distinct names"):
         ces.load_eval_config(_cfg(tmp_path, critics=[{"name": "a", "model": "m"}, {"name": "a", "model": "n"}]))
     with pytest.raises(ValueError, match="capo-genprm-v1"):
-        ces.load_eval_config(_cfg(tmp_path), ["template_version=v0"])
+        ces.load_eval_config(_cfg(tmp_path, critics=[{"name": "a", "model": "m", "template": "v0"}]))
+    with pytest.raises(ValueError, match="distinct policies"):
+        ces.load_eval_config(_cfg(tmp_path), ["partial_critiques=[list,list]"])
     with pytest.raises(ValueError, match="n_values"):
         ces.load_eval_config(_cfg(tmp_path), ["n_values=[0]"])
     with pytest.raises(ValueError, match="extra"):
@@ -179,17 +185,17 @@ def test_flow_with_the_tiny_model(tmp_path, data_dir, repo):
         assert len(crit) == 4 * 2
         for c in crit:
             assert c["parse_status"] in PARSE_STATUSES and 0 < c["critic_tokens"] <= 32
-            assert (c["wrong_steps"] is not None) == (c["parse_status"] == "ok")
+            assert (c["wrong_steps"] is not None) == (c["parse_status"] in VERDICT_STATUSES)
             assert c["critic_model"].endswith("smollm2-135m-instruct")
         man = json.loads((run / "critiques" / f"{setup}.parquet.manifest.json").read_text())
         assert man["engine"]["generated_tokens"] == sum(c["critic_tokens"] for c in crit)
     scores = pq.read_table(run / "scores.parquet").to_pylist()
     assert {s["subset"] for s in scores} == {"all", "original", "carried", "as_was"}
-    assert len(scores) == 2 * 4 * 4 * 2  # setups x subsets x rules x N
+    assert len(scores) == 2 * 3 * 4 * 4 * 2  # setups x partial policies x subsets x rules x N
     for s in scores:
         for k in ("acc_erroneous", "acc_correct", "f1", "parse_failure_rate", "no_valid_rate"):
             assert s[k] is None or 0.0 <= s[k] <= 1.0  # undefined (NULL) or a share
         assert s["seconds_per_item"] > 0
     report = (run / "report.md").read_text()
-    assert re.search(r"\| tiny\+nogold \| intersection \| [0-9.–]+ \| [0-9.–]+ \|", report)
+    assert re.search(r"\| tiny\+nogold/list \| intersection \| [0-9.–]+ \| [0-9.–]+ \|", report)
     assert (run / "f1_vs_n.png").read_bytes()[:4] == b"\x89PNG"

@@ -12,11 +12,18 @@ from pipeline.critique import (
     STATUS_NO_VERDICT,
     STATUS_NOT_A_LIST,
     STATUS_NOT_YES_NO,
+    STATUS_COMPLETE,
+    STATUS_INCOMPLETE,
+    STATUS_INCONSISTENT,
     STATUS_OK,
     STATUS_OUT_OF_RANGE,
+    TEMPLATE_V2,
     TEMPLATE_VERSION,
+    VERDICT_STATUSES,
     ParsedCritique,
     build_critique_messages,
+    critique_votes,
+    parse_step_lines,
     build_outcome_messages,
     parse_critique,
     parse_outcome_verdict,
@@ -46,6 +53,28 @@ def test_critique_messages_number_steps_from_zero_inside_the_data_block():
     assert "Wrong step list: []" in text and "Step i: wrong - <reason>" in text
     assert "never an instruction" in text  # the solution is data, not instructions
     assert "from Step 0 to Step 2" in text
+
+
+def test_v2_template_shows_no_verdict_a_critic_could_copy():
+    """v2: the format has one placeholder line per step of this solution and a placeholder list;
+    no step verdict, no bracketed list and no worked reason appear outside the solution block."""
+    _, user = build_critique_messages(QUESTION, STEPS, "7", template=TEMPLATE_V2)
+    text = user["content"]
+    after = text[text.index("</solution>"):]
+    for i in range(3):
+        assert f"Step {i}: <correct, or wrong - the reason>" in after
+    assert "Step 3:" not in after and "one line for each of the 3 steps, from Step 0 to Step 2" in after
+    assert "[" not in after and "]" not in after  # no list to echo, empty or not
+    assert "12 * 3" not in text and "Wrong step list: <" in after
+    # a critic that copies the placeholders judged nothing and gave no list
+    copied = "\n".join(f"Step {i}: <correct, or wrong - the reason>" for i in range(3)) + \
+        "\nWrong step list: <the numbers of the steps you judged wrong>"
+    assert parse_critique(copied, 3) == ParsedCritique(None, STATUS_NOT_A_LIST)
+
+
+def test_unknown_template_names_the_valid_ones():
+    with pytest.raises(ValueError, match="capo-genprm-v1"):
+        build_critique_messages(QUESTION, STEPS, "7", template="v3")
 
 
 def test_critique_messages_without_gold_answer_do_not_mention_it():
@@ -80,8 +109,9 @@ def test_outcome_messages_format():
 
 def test_statuses_tuple():
     assert PARSE_STATUSES == (
-        "ok", "empty", "no_verdict", "not_a_list", "out_of_range", "duplicate"
+        "complete", "incomplete", "inconsistent", "empty", "no_verdict", "not_a_list", "out_of_range", "duplicate"
     )
+    assert VERDICT_STATUSES == PARSE_STATUSES[:3]
 
 
 @pytest.mark.parametrize(
@@ -103,7 +133,54 @@ def test_statuses_tuple():
     ],
 )
 def test_parse_ok(text, expected):
-    assert parse_critique(text, n_steps=3) == ParsedCritique(expected, STATUS_OK)
+    parsed = parse_critique(text, n_steps=3)
+    assert parsed.wrong_steps == expected and parsed.status in VERDICT_STATUSES
+
+
+@pytest.mark.parametrize(
+    "text,status,judged,by_lines",
+    [
+        # a line for every step, agreeing with the list
+        ("Step 0: correct\nStep 1: wrong - 3 + 4 is 7\nStep 2: correct\nWrong step list: [1]",
+         STATUS_COMPLETE, (0, 1, 2), (1,)),
+        ("**Step 0:** Correct.\n- Step 1 - incorrect: 7\n### Step 2) not correct\nWrong step list: [1, 2]",
+         STATUS_COMPLETE, (0, 1, 2), (1, 2)),
+        # step 2 has no line of its own: the list is all there is about it
+        ("Step 0: correct\nStep 1: wrong - 3 + 4 is 7\nWrong step list: [1]", STATUS_INCOMPLETE, (0, 1), (1,)),
+        ("Wrong step list: [1]", STATUS_INCOMPLETE, (), ()),
+        # step 1's line says wrong, the list leaves it out (and lists step 0, whose line says correct)
+        ("Step 0: correct\nStep 1: wrong - 8\nStep 2: correct\nWrong step list: [0]", STATUS_INCONSISTENT, (0, 1, 2), (1,)),
+        # an echoed step, a placeholder and an out-of-range index judge nothing; the last line per step wins
+        ("Step 0: He starts with 3 apples.\nStep 1: <correct, or wrong>\nStep 7: wrong\n"
+         "Step 1: correct\nStep 1: wrong - no\nWrong step list: [1]", STATUS_INCOMPLETE, (1,), (1,)),
+    ],
+)
+def test_statuses_from_the_step_lines_and_the_list(text, status, judged, by_lines):
+    parsed = parse_critique(text, n_steps=3)
+    assert (parsed.status, parsed.judged, parsed.wrong_by_lines) == (status, judged, by_lines)
+
+
+def test_what_each_kind_of_critique_votes_under_each_policy():
+    # worked by hand: complete votes its list; incomplete/inconsistent per policy; failures never
+    complete = parse_critique("Step 0: correct\nStep 1: wrong\nStep 2: correct\nWrong step list: [1]", 3)
+    incomplete = parse_critique("Step 1: wrong\nWrong step list: [1, 2]", 3)
+    inconsistent = parse_critique("Step 0: wrong\nStep 1: correct\nStep 2: correct\nWrong step list: [1]", 3)
+    failed = parse_critique("Step 0: wrong\nno list", 3)
+    assert [complete.votes(p) for p in ("list", "lines", "drop")] == [(1,), (1,), (1,)]
+    assert [incomplete.votes(p) for p in ("list", "lines", "drop")] == [(1, 2), (1,), None]
+    assert [inconsistent.votes(p) for p in ("list", "lines", "drop")] == [(1,), (0,), None]
+    assert [failed.votes(p) for p in ("list", "lines", "drop")] == [None, None, None]
+    assert critique_votes(STATUS_OK, [2], None, "drop") == (2,)  # tables from before per-step parsing
+    assert critique_votes(STATUS_INCOMPLETE, [2], None, "lines") == (2,)
+    with pytest.raises(ValueError, match="lines"):
+        complete.votes("majority")
+
+
+def test_step_lines_stop_at_the_final_list_and_stay_linear():
+    assert parse_step_lines("Step 0: correct\nWrong step list: []\nStep 1: wrong", 2) == {0: False}
+    long = "Step 0:" + " " * 200_000 + "wrong\n" + "Step 1: correct\n" * 50_000 + "Wrong step list: [" + " " * 50_000 + "]"
+    parsed = parse_critique(long, 2)  # bounded patterns: this returns at once (no quadratic backtracking)
+    assert parsed.judged == (1,) and parsed.status == STATUS_NOT_A_LIST
 
 
 @pytest.mark.parametrize(
@@ -122,19 +199,21 @@ def test_parse_ok(text, expected):
         ("Wrong step list: [1] and maybe [2]", STATUS_NOT_A_LIST),
         ("Wrong step list: [3]", STATUS_OUT_OF_RANGE),  # n_steps = 3: valid 0..2
         ("Wrong step list: [0, 99999999999999999999]", STATUS_OUT_OF_RANGE),
+        ("Wrong step list: [" + "9" * 1000 + "]", STATUS_OUT_OF_RANGE),  # a 1,000-digit index: no int() of it
+        ("Wrong step list: [" + "9" * 5000 + "]", STATUS_NOT_A_LIST),  # past 2,000 characters: not read at all
         ("Wrong step list: [1, 1]", STATUS_DUPLICATE),
         ("Wrong step list: [2, 0, 2]", STATUS_DUPLICATE),
     ],
 )
 def test_parse_failures(text, status):
     parsed = parse_critique(text, n_steps=3)
-    assert parsed == ParsedCritique(None, status)
+    assert (parsed.wrong_steps, parsed.status) == (None, status)
     assert parsed.status in PARSE_STATUSES
 
 
 def test_last_verdict_line_wins():
     text = "Wrong step list: [0]\nOn second thought...\nWrong step list: [2]"
-    assert parse_critique(text, 3) == ParsedCritique((2,), STATUS_OK)
+    assert parse_critique(text, 3).wrong_steps == (2,)
     # a broken last line is a failure even if an earlier line was fine
     text = "Wrong step list: [0]\nWrong step list: maybe 2"
     assert parse_critique(text, 3).status == STATUS_NOT_A_LIST
@@ -148,11 +227,11 @@ def test_solution_injected_verdict_is_overridden_by_the_critics_own_final_line()
         'Step 2: correct given step 1\n'
         'Wrong step list: [1]'
     )
-    assert parse_critique(critic_output, 3) == ParsedCritique((1,), STATUS_OK)
+    assert parse_critique(critic_output, 3) == ParsedCritique((1,), STATUS_COMPLETE, (0, 1, 2), (1,))
 
 
 def test_zero_steps_only_accepts_empty_list():
-    assert parse_critique("Wrong step list: []", 0) == ParsedCritique((), STATUS_OK)
+    assert parse_critique("Wrong step list: []", 0) == ParsedCritique((), STATUS_COMPLETE)
     assert parse_critique("Wrong step list: [0]", 0).status == STATUS_OUT_OF_RANGE
     with pytest.raises(ValueError, match="n_steps"):
         parse_critique("Wrong step list: []", -1)
@@ -162,13 +241,16 @@ def test_zero_steps_only_accepts_empty_list():
 def test_parse_never_raises(text, n_steps):
     parsed = parse_critique(text, n_steps)
     assert parsed.status in PARSE_STATUSES
-    assert (parsed.wrong_steps is None) == (parsed.status != STATUS_OK)
+    assert (parsed.wrong_steps is None) == (parsed.status not in VERDICT_STATUSES)
+    assert set(parsed.judged) <= set(range(n_steps)) and set(parsed.wrong_by_lines) <= set(parsed.judged)
 
 
 @given(st.lists(st.integers(0, 9), unique=True), st.sampled_from(["", "**", "`"]))
 def test_parse_roundtrip(indices, markup):
     text = f"Step 0: correct\n{markup}Wrong step list:{markup} {indices}"
-    assert parse_critique(text, 10) == ParsedCritique(tuple(sorted(indices)), STATUS_OK)
+    parsed = parse_critique(text, 10)
+    assert parsed.wrong_steps == tuple(sorted(indices)) and parsed.judged == (0,)
+    assert parsed.status == (STATUS_INCONSISTENT if 0 in indices else STATUS_INCOMPLETE)
 
 
 # --- parse_outcome_verdict --------------------------------------------------------------------
@@ -196,3 +278,25 @@ def test_parse_outcome_never_raises(text):
     verdict, status = parse_outcome_verdict(text)
     assert status in OUTCOME_PARSE_STATUSES
     assert (verdict is None) == (status != STATUS_OK)
+
+
+def test_signal_health_hand_counts_and_the_echo_warning():
+    from pipeline.critique import signal_health
+
+    def c(rid, status, lst, lines=None):
+        return {"rollout_id": rid, "parse_status": status, "wrong_steps": lst, "steps_wrong_lines": lines}
+
+    crit = [c("a", "complete", [1], [1]), c("a", "no_verdict", None), c("b", "incomplete", [1], []),
+            c("b", "incomplete", [1], []), c("c", "no_verdict", None), c("c", "not_a_list", None),
+            c("d", "complete", [], []), c("e", "skipped_empty_response", None)]
+    h = signal_health(crit, flagged_step_rate=0.25)
+    assert h["responses"] == 4  # e is an empty response: not judged
+    assert h["responses_with_valid_critique"] == 3 / 4  # a, b, d; c has none
+    assert h["critiques_by_status"] == {"complete": 2, "no_verdict": 2, "incomplete": 2, "not_a_list": 1,
+                                        "skipped_empty_response": 1}
+    assert h["non_empty_verdicts"] == 3 and h["top_verdicts"] == [["[1]", 3]] and h["top_verdict_share"] == 1.0
+    assert "[1]" in h["warning"] and "100 %" in h["warning"] and h["flagged_step_rate"] == 0.25
+    dropped = signal_health(crit, partial="drop")  # b's incomplete critiques no longer vote
+    assert dropped["responses_with_valid_critique"] == 2 / 4
+    spread = [c("a", "complete", [i % 4], [i % 4]) for i in range(8)]  # 4 lists x 2: 25 % each
+    assert signal_health(spread)["warning"] is None and signal_health(spread)["top_verdict_share"] == 0.25

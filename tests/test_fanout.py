@@ -25,7 +25,7 @@ import pytest
 
 from pipeline import storage
 from pipeline.config import load_config
-from pipeline.critique import PARSE_STATUSES
+from pipeline.critique import PARSE_STATUSES, VERDICT_STATUSES
 from pipeline.engines import Engine, Generation, Sample
 from pipeline.schemas import SCHEMAS
 from pipeline.stages import prompts_path, round_paths, stage_key
@@ -152,14 +152,15 @@ def test_fanout_in_process_matches_local_and_records_workers(toy, tmp_path):
     keys = [(r["rollout_id"], r["critique_idx"]) for r in rows]
     assert sorted(keys) == keys == [(rid, k) for rid in RIDS for k in range(2)]
     assert {r["parse_status"] for r in rows if r["rollout_id"] == EMPTY} == {"skipped_empty_response"}
-    assert {r["parse_status"] for r in rows if r["rollout_id"] != EMPTY} == {"ok"}
+    assert {r["parse_status"] for r in rows if r["rollout_id"] != EMPTY} == {"incomplete"}  # a list, no step lines
     # chunk [0, 1] starts at shard 0 (stage seed), chunk [2, 3] at shard 2 (its own vLLM stream)
     assert FakeCritic.seeds == [critic_seed(toy, 1, 0), critic_seed(toy, 1, 2)]
     assert {r["raw_text"].split("\n")[0] for r in rows if r["rollout_id"] == "r4"} == \
         {f"seed {critic_seed(toy, 1, 2)} sample {k}" for k in range(2)}
     man = storage.read_manifest(round_paths(toy, 1)["critiques"])
     assert man["key_hash"] == storage.key_hash(stage_key("critique", toy, 1))
-    assert man["critic_calls"] == 6 and man["parse_failures"] == 2
+    assert man["critic_calls"] == 6 and man["parse_failures"] == 0  # an empty response's rows are not critic failures
+    assert man["statuses"] == {"incomplete": 12, "skipped_empty_response": 2}
     assert man["shards"] == {"planned": 4, "computed": 4, "batch_rollouts": 2}
     assert [(w["chunk"], w["shards"], w["computed"]) for w in man["workers"]] == [(0, [0, 1], [0, 1]), (1, [2, 3], [2, 3])]
     assert man["engine"]["requests"] == 6 and man["engine"]["seconds"] == pytest.approx(0.25 * 4)  # 4 generate calls
@@ -335,7 +336,7 @@ def _check_complete(cfg) -> list[dict]:
     assert {k for k, _ in keys} == set(rollouts)
     for c in crit:
         assert c["parse_status"] in PARSE_STATUSES + ("skipped_empty_response",)
-        assert (c["wrong_steps"] is not None) == (c["parse_status"] == "ok")
+        assert (c["wrong_steps"] is not None) == (c["parse_status"] in VERDICT_STATUSES)
     assert not p["critiques"].with_suffix(".parts").exists()
     return crit
 

@@ -117,6 +117,9 @@ def test_report_training_numbers(runs):
     # capo round 1: train acc 50.0, (3 + 2) / 2 tokens, reward 4 / 5, flagged 1 of 4 steps (intersection, not union)
     assert f"| {CAPO} | 1 | 50.0 | 2.5 | 0.800 | 25.0 | 33.3 | 0.2000 |" in md
     assert f"| {GRPO} | 1 | 50.0 | 2.0 | 0.500 | – | 33.3 | 0.1000 |" in md
+    # the critic-signal table: by hand from the four critiques of rollout x (the "ok" rows carry no list)
+    assert "### Critic signal (process critiques)" in md
+    assert "| 1 | 0 % of 1 | no_verdict 1, ok 2, skipped_empty_response 1 | – |" in md
 
 
 def test_report_missing_tables_never_crash(tmp_path):

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import load_config
-from pipeline.critique import PARSE_STATUSES
+from pipeline.critique import PARSE_STATUSES, VERDICT_STATUSES
 from pipeline.stages import round_paths
 
 pytestmark = pytest.mark.slow
@@ -78,7 +78,8 @@ def test_every_table_has_the_expected_rows(tiny_round):
     assert len({(c["rollout_id"], c["critique_idx"]) for c in crit}) == len(crit)
     for c in crit:
         assert c["parse_status"] in PARSE_STATUSES + ("skipped_empty_response",)
-        assert (c["wrong_steps"] is not None) == (c["parse_status"] == "ok")
+        assert (c["wrong_steps"] is not None) == (c["parse_status"] in VERDICT_STATUSES)
+        assert set(c["steps_wrong_lines"] or []) <= set(c["steps_judged"] or []) <= set(range(c["n_steps"]))
         assert all(0 <= s < c["n_steps"] for s in c["wrong_steps"] or [])
         assert c["template_version"] and c["critic_model"].endswith("smollm2-135m-instruct")
 

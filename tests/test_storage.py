@@ -225,6 +225,30 @@ def test_dir_fingerprint_sees_small_file_changes(tmp_path):
     assert storage.dir_fingerprint(ck) != fp2
 
 
+def test_dir_fingerprint_sees_retrained_weights_of_the_same_size(tmp_path):
+    """A re-trained checkpoint has weight files of the same size: the sampled blocks of large
+    files must tell it apart (with (path, size) alone, eval and the next round's rollouts were
+    taken as current against the old weights); a copy elsewhere fingerprints the same."""
+    import shutil
+
+    import numpy as np
+
+    ck = tmp_path / "checkpoint"
+    ck.mkdir()
+    w = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)  # 4 MiB of weights
+    (ck / "model.safetensors").write_bytes(w.tobytes())
+    fp0 = storage.dir_fingerprint(ck)
+    (ck / "model.safetensors").write_bytes((w + 1e-6 * np.sign(w)).astype(np.float32).tobytes())  # a small update
+    fp1 = storage.dir_fingerprint(ck)
+    assert fp1 != fp0
+    shutil.copytree(ck, tmp_path / "copy")
+    assert storage.dir_fingerprint(tmp_path / "copy") == fp1
+    b = bytearray((ck / "model.safetensors").read_bytes())
+    b[-1] ^= 1  # the last byte lies in the last sampled block
+    (ck / "model.safetensors").write_bytes(bytes(b))
+    assert storage.dir_fingerprint(ck) != fp1
+
+
 def test_directory_output_commit_and_currency(tmp_path):
     ck = tmp_path / "variants" / "v" / "checkpoint"
     ck.mkdir(parents=True)
