@@ -370,7 +370,7 @@ def signal_health(critiques: list[dict], flagged_step_rate: float | None = None,
     top_share = lists.most_common(1)[0][1] / n if n else None
     warning = None
     if top_share is not None and top_share > ECHO_SHARE:
-        v, k = lists.most_common(1)[0]
+        v = lists.most_common(1)[0][0]
         warning = (f"one verdict list, {v}, is {100 * top_share:.0f} % of the {n} non-empty verdicts (more than "
                    f"{100 * ECHO_SHARE:.0f} %): the critic may be repeating itself or the prompt rather than judging")
     return {"responses": len(valid),

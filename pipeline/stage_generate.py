@@ -8,21 +8,19 @@ the same shards can be fanned out over a Dask or Ray cluster (``flows/fanout.py`
 
 from __future__ import annotations
 
-from collections import Counter
-
 import hashlib
 import json
 import logging
 import os
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline import storage
