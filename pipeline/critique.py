@@ -228,7 +228,7 @@ def critique_votes(status: str, listed, wrong_by_lines, partial: str = "list") -
 
 
 _MARKUP = "*_`~ \t"  # markdown the critic may wrap around the verdict
-_VERDICT = re.compile(r"wrong\s+step\s+list\s*[*_`]*\s*:", re.IGNORECASE)
+_VERDICT = re.compile(r"wrong\s+step\s+list[\s*_`]*:", re.IGNORECASE)  # one repeat before ':': linear time
 _INT_LIST = re.compile(r"\[\s*(?:[0-9]+\s*(?:,\s*[0-9]+\s*)*,?\s*)?\]")
 
 
@@ -236,7 +236,7 @@ def _last_verdict(text: str, label: re.Pattern[str]) -> str | None:
     """What follows ``label`` on the last line holding it (markdown and a final period
     stripped), or None when no line holds it."""
     for line in reversed(text.splitlines()):
-        matches = list(label.finditer(line))
+        matches = list(label.finditer(line[:_MAX_LINE]))  # a verdict sits in a line's first 2,000 characters
         if matches:
             rest = line[matches[-1].end() :]
             return rest.strip(_MARKUP).rstrip(".").strip(_MARKUP)
@@ -380,7 +380,7 @@ def signal_health(critiques: list[dict], flagged_step_rate: float | None = None,
             "top_verdict_share": top_share, "warning": warning}
 
 
-_OUTCOME_VERDICT = re.compile(r"final\s+answer\s+correct\s*[*_`]*\s*:", re.IGNORECASE)
+_OUTCOME_VERDICT = re.compile(r"final\s+answer\s+correct[\s*_`]*:", re.IGNORECASE)
 
 
 def parse_outcome_verdict(text: str) -> tuple[bool | None, str]:

@@ -153,18 +153,22 @@ def measure_noise_floor(cfg: CAPOConfig, round_idx: int, force: bool = False) ->
     if storage.read_manifest(src) is None:
         raise FileNotFoundError(f"the noise floor of round {round_idx} is measured against its eval table {src}, "
                                 f"which is not written yet: run `capo stage eval --round {round_idx}` first")
+    key = eval_key(cfg, round_idx)
+    if not storage.is_current(src, key).current:
+        raise FileNotFoundError(f"round {round_idx}'s eval table {src} is not current for its policy (re-trained "
+                                f"since?): run `capo stage eval --round {round_idx}` first, then measure the noise floor")
     base = storage.read_table(src, "eval")
     out_dir = noise_floor_dir(cfg, round_idx)
     out_dir.mkdir(parents=True, exist_ok=True)
     ec = cfg.eval
     policy = eval_policy(cfg, round_idx)
-    key = eval_key(cfg, round_idx)
     summary: dict = {"round": round_idx, "variant": cfg.variant if round_idx else None, "policy": policy,
                      "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1",
                      "engine_has_batch_invariant_mode": torch.cuda.is_available(), "arms": {}}
     for arm in ARMS:
         path = out_dir / f"{arm}.parquet"
-        arm_key = {**key, "noise_floor": arm}
+        arm_key = {**key, "noise_floor": arm, "seed": cfg.seed,
+                   "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1"}
         cur = storage.is_current(path, arm_key)
         info: dict = {}
         if arm == "one_rounding":

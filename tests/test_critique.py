@@ -300,3 +300,14 @@ def test_signal_health_hand_counts_and_the_echo_warning():
     assert dropped["responses_with_valid_critique"] == 2 / 4
     spread = [c("a", "complete", [i % 4], [i % 4]) for i in range(8)]  # 4 lists x 2: 25 % each
     assert signal_health(spread)["warning"] is None and signal_health(spread)["top_verdict_share"] == 0.25
+
+
+def test_verdict_labels_followed_by_long_whitespace_return_at_once():
+    """``Wrong step list`` / ``Final answer correct`` followed by 100,000 spaces and no colon: the
+    label patterns have one repeat before the colon, so this is linear (it backtracked quadratically)."""
+    import time
+
+    t0 = time.perf_counter()
+    assert parse_critique("Wrong step list" + " " * 100_000, 3).status == STATUS_NO_VERDICT
+    assert parse_outcome_verdict("Final answer correct" + " " * 100_000) == (None, STATUS_NO_VERDICT)
+    assert time.perf_counter() - t0 < 5.0  # seconds; minutes before the fix

@@ -138,3 +138,27 @@ def test_head_logprobs_backward_matches_autograd_in_float64():
     target = torch.tensor([[1, 6, 0, 2], [3, 3, 5, 0]])
     assert torch.autograd.gradcheck(lambda h, w, b: _HeadLogProbs.apply(h, w, b, idx, target, 1 / 0.7, 3, None),
                                     (hidden, weight, bias))
+
+
+def test_head_bypass_restores_a_hook_and_skips_softcapped_heads(tiny_model):
+    """An instance ``forward`` already on the head (Accelerate's device_map hooks) is put back after
+    the bypass; a model that squashes logits after its head (Gemma 2's final_logit_softcapping)
+    is not fused."""
+    from transformers import AutoModelForCausalLM
+
+    from train.trainer import _output_head
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    rng = np.random.default_rng(2)
+    mb = collate([Example(rng.integers(0, 1000, 4).tolist(), rng.integers(0, 1000, 3).tolist(),
+                          np.ones(3, np.float32))], pad_id=0)
+    hook = model.lm_head.forward  # a bound method stored as an instance attribute, like a hook's wrapper
+    model.lm_head.forward = hook
+    with torch.no_grad():
+        fused = token_logprobs(model, mb)
+    assert model.lm_head.__dict__["forward"] is hook
+    assert _output_head(model) is model.lm_head
+    model.config.final_logit_softcapping = 30.0
+    assert _output_head(model) is None
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(model, mb), fused)  # the unfused path, same numbers here

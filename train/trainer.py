@@ -194,6 +194,8 @@ def _output_head(model) -> torch.nn.Linear | None:
     m = model
     while isinstance(getattr(m, "module", None), torch.nn.Module):
         m = m.module
+    if getattr(getattr(m, "config", None), "final_logit_softcapping", None):
+        return None  # Gemma 2 squashes the logits after the head (tanh): the head is not the last step
     get = getattr(m, "get_output_embeddings", None)
     head = get() if callable(get) else None
     return head if type(head) is torch.nn.Linear else None
@@ -209,11 +211,15 @@ def _head_bypassed(head: torch.nn.Linear, seen: dict):
         seen["autocast"] = (dt, torch.get_autocast_dtype(dt)) if torch.is_autocast_enabled(dt) else None
         return x
 
+    before = head.__dict__.get("forward")  # e.g. an Accelerate hook (device_map / offload) to restore
     head.forward = passthrough  # an instance attribute shadows nn.Linear.forward
     try:
         yield
     finally:
-        del head.forward
+        if before is None:
+            del head.forward
+        else:
+            head.forward = before
 
 
 def token_logprobs(model, mb: dict[str, torch.Tensor], temperature: float = 1.0,
