@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="capo-prefect-home-"))
+if "PREFECT_HOME" not in os.environ:
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="capo-prefect-home-")
+    atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], True)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_API_URL", "")  # never talk to a developer's running server
@@ -26,3 +30,22 @@ def repo() -> Path:
 def data_dir() -> Path:
     """The project's data dir (embedded models and prompts are converted once and reused)."""
     return DATA
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory):
+    """``mktemp`` for module-scoped fixtures whose folders are removed when the module ends.
+
+    A round of configs/tiny.yaml writes about 2 GB (an fp32 checkpoint and a training state with
+    AdamW moments), so keeping every module's runs until the session ends filled CI's disk.
+    Function-scoped ``tmp_path`` folders go with pyproject's ``tmp_path_retention_policy``.
+    """
+    made: list[Path] = []
+
+    def make(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield make
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)

@@ -33,13 +33,13 @@ def _tiny(repo: Path, data_dir: Path, runs: Path, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def perturbed_checkpoint(data_dir, tmp_path_factory) -> tuple[str, str]:
+def perturbed_checkpoint(data_dir, module_tmp) -> tuple[str, str]:
     """(the tiny model, a copy whose weights moved enough to change greedy answers)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = str(data_dir / "models" / "smollm2-135m-instruct")
-    out = tmp_path_factory.mktemp("ckpt") / "perturbed"
+    out = module_tmp("ckpt") / "perturbed"
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -306,11 +306,11 @@ def harness():
 
 
 @pytest.fixture(scope="module")
-def inputs(repo, data_dir, tmp_path_factory):
+def inputs(repo, data_dir, module_tmp):
     """rollouts, outcomes and steps of round 1 (the critique stage's inputs), computed once."""
     from flows.runner import run_stage
 
-    runs = tmp_path_factory.mktemp("inputs")
+    runs = module_tmp("inputs")
     cfg = _tiny(repo, data_dir, runs)
     for name in ("rollout", "verify", "segment"):
         assert not run_stage(name, cfg, 1).skipped
@@ -355,11 +355,11 @@ def _check_workers(man: dict, runner: str, chunks: list[list[int]]) -> None:
 
 
 @pytest.fixture(scope="module")
-def dask_vllm(harness, inputs, repo, data_dir, tmp_path_factory):
+def dask_vllm(harness, inputs, repo, data_dir, module_tmp):
     """Fan-out on a local Dask cluster (2 workers) through the engine the config names (vLLM)."""
     from flows.runner import run_stage
 
-    runs = tmp_path_factory.mktemp("dask")
+    runs = module_tmp("dask")
     cfg = _tiny(repo, data_dir, runs, **{"scale.critique.runner": "dask", "scale.critique.workers": 2})
     assert cfg.critique.engine.type == "vllm"
     _copy_inputs(inputs, runs, cfg)
@@ -387,10 +387,10 @@ def test_dask_fanout_through_vllm(dask_vllm, repo, data_dir):
 
 
 @pytest.fixture(scope="module")
-def ray_transformers(harness, inputs, repo, data_dir, tmp_path_factory):
+def ray_transformers(harness, inputs, repo, data_dir, module_tmp):
     from flows.runner import run_stage
 
-    runs = tmp_path_factory.mktemp("ray")
+    runs = module_tmp("ray")
     cfg = _tiny(repo, data_dir, runs, **TRANSFORMERS_CRITIC,
                 **{"scale.critique.runner": "ray", "scale.critique.workers": 2})
     _copy_inputs(inputs, runs, cfg)
@@ -412,11 +412,11 @@ def test_ray_fanout_through_transformers(ray_transformers, repo, data_dir):
 
 
 @pytest.fixture(scope="module")
-def resumed_cli(inputs, repo, data_dir, tmp_path_factory):
+def resumed_cli(inputs, repo, data_dir, module_tmp):
     """``capo stage critique --shards 1`` (here, no cluster), then ``capo stage critique`` with
     runner=dask: the fan-out must compute shards 0 and 2 only. Both through the CLI, which runs
     Prefect on its ephemeral server."""
-    runs = tmp_path_factory.mktemp("resume")
+    runs = module_tmp("resume")
     cfg = _tiny(repo, data_dir, runs, **TRANSFORMERS_CRITIC)
     _copy_inputs(inputs, runs, cfg)
     base = [sys.executable, "-m", "flows.cli", "stage", "critique", "--config", str(repo / "configs" / "tiny.yaml"),

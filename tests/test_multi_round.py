@@ -40,8 +40,8 @@ def _wait_for(cond, proc, what: str, timeout: float = 600) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_runs(repo, data_dir, tmp_path_factory):
-    base = tmp_path_factory.mktemp("multi")
+def two_runs(repo, data_dir, module_tmp):
+    base = module_tmp("multi")
     a, b = base / "a", base / "b"
     out = subprocess.run(_cmd(repo, a, data_dir), cwd=repo, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]

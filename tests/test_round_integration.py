@@ -41,11 +41,11 @@ def harness():
 
 
 @pytest.fixture(scope="module")
-def tiny_round(harness, repo, data_dir, tmp_path_factory):
+def tiny_round(harness, repo, data_dir, module_tmp):
     """Run round 1 of configs/tiny.yaml through the Prefect flow, twice; return both results."""
     from flows.round import capo_round
 
-    runs = tmp_path_factory.mktemp("runs")
+    runs = module_tmp("runs")
     over = [f"runs_dir={runs}", f"data_dir={data_dir}"]
     first = capo_round(round=1, config=str(repo / "configs" / "tiny.yaml"), overrides=over)
     t0 = time.perf_counter()
