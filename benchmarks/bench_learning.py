@@ -1,31 +1,41 @@
 """Benchmark 6: does a run learn? GRPO-rule vs CAPO vs a no-update control, K on-policy rounds, several seeds.
 
-1. **Training items with signal.** The starting policy samples ``--select-k`` responses for each of
-   ``--select-n`` GSM8K train problems (a seeded subset); the problems it solves in
-   ``[--pass-lo, --pass-hi]`` of its samples become the training set (a JSONL file under
-   ``data/prompts/``, ingested by the rollout stage like any local prompt file). A group in which
-   every response is right or every one wrong gives GRPO no advantage; these do.
-2. **Arms.** ``grpo`` (preset ``grpo``: rule outcome, no critic), ``capo`` (the default critic, N and
-   voting rule), ``control`` (the CAPO config with ``train.learning_rate=0``: every stage runs, no
-   weight moves; its evals of an unchanged policy are the eval's noise floor). Each arm x seed is
-   one run (``<runs-dir>/learn-<arm>-s<seed>``), run round by round through the same stage
-   runner as ``capo run`` (so it resumes from its tables when stopped and started again).
-3. **Held-out eval** on ``--eval-size`` GSM8K *test* problems (never the training ones), greedy, at
-   rounds ``0, K//2, K`` (``--eval-every 1``: every round). Round 0 is computed once and copied
-   into every run (same policy, items, engine: same key).
-4. **Per round** (JSON lines): mean training outcome reward (the round's rollouts), held-out
+1. **Training items with signal, held-out items of the same distribution.** ``--dataset`` is an
+   eval benchmark (default MAWPS, 2,065 one- and two-step word problems). Its seeded eval subset of
+   ``--eval-size`` problems (``eval.seed``, the one every round's eval uses) is held out; from the
+   other rows the starting policy samples ``--select-k`` responses for each of ``--select-n``
+   seeded candidates, and the problems it solves in ``[--pass-lo, --pass-hi]`` of its samples
+   become the training set (a JSONL file under ``data/prompts/``, ingested by the rollout stage
+   like any local prompt file). A group in which every response is right or every one wrong gives
+   GRPO no advantage; these do.
+2. **Arms.** ``grpo`` (preset ``grpo``: rule outcome, no critic), ``capo`` (the default critic and
+   voting rule, ``--n`` critiques per response), ``control`` (preset ``grpo`` with
+   ``train.learning_rate=0``: every round runs, forward passes and metrics included, but no
+   backward and no optimizer step, so no weight moves; its eval at round K re-measures the starting
+   policy, the eval's own noise). Each arm x seed is one run (``<runs-dir>/learn-<arm>-s<seed>``)
+   run round by round through the same stage runner as ``capo run``; it resumes at its first
+   unfinished round when stopped and started again.
+3. **Held-out eval**, greedy, at rounds ``0`` and ``K`` (``--eval-mid``: also ``K//2``). Round 0 is
+   computed once and copied into every run (same policy, items, engine: same key).
+4. **Disk.** A round of the 0.5B policy writes a 1.3 GB bf16 checkpoint (``--save-dtype``) and a
+   7.5 GB training state (fp32 master weights and AdamW moments): each run keeps one state
+   (``train.keep_states=1``) and, once round k is finished (trained, and evaluated when scheduled),
+   deletes round k-1's checkpoint (its manifest stays, marked pruned). About 9 GB per run.
+5. **Per round** (JSON lines): mean training outcome reward (the round's rollouts), held-out
    accuracy where evaluated, KL to the starting policy (``kl_ref`` of the round's first step, k3,
    ``train.measure_kl_to_start``), policy entropy and clip fraction (train metrics), and for CAPO
-   the share of steps its voting rule flagged.
-5. **Final table**: each arm's held-out accuracy at round K (mean and spread = max - min over
-   seeds), its gain over the control and whether that gain exceeds twice the spreads, and whether
-   CAPO beat GRPO. A plot ``learning.png`` in the runs dir.
+   the share of steps its voting rule flagged; each stage's seconds.
+6. **Final table**: each arm's held-out accuracy at round K (mean and spread = max - min over
+   seeds), its gain over the control and whether that gain exceeds twice the spreads, the paired
+   (same items) change from round 0 with its bootstrap interval, and whether CAPO beat GRPO. A
+   plot ``learning.png`` in the runs dir.
 
     .venv/bin/python benchmarks/bench_learning.py                      # the full benchmark
     .venv/bin/python benchmarks/bench_learning.py --rounds 2 --seeds 0 --eval-size 50   # a smaller look
 
 Cost: every round of every arm is a real round (rollouts, verification, for CAPO the critic, PPO
-update); the CAPO arm costs what its critic costs. ``--critic`` picks a smaller critic.
+update). On a 2-core AVX2 CPU (fp32) a GRPO round of these defaults takes about 4 minutes, a CAPO
+round about twice that (the 1.5B critic), an eval of 200 problems about 7 minutes.
 """
 
 from __future__ import annotations
@@ -50,10 +60,12 @@ log = logging.getLogger("capo.bench_learning")
 def base_overrides(a: argparse.Namespace, seed: int) -> list[str]:
     return [f"runs_dir={a.runs_dir}", f"data_dir={a.data_dir}", f"seed={seed}",
             f"data.prompts_per_round={a.prompts_per_round}", f"rollout.group_size={a.group}",
-            f"rollout.policy={a.policy}", f"critique.critic={a.critic}", f"critique.num_critiques={a.n}",
+            f"rollout.policy={a.policy}", f"rollout.sampling.max_tokens={a.max_tokens}",
+            f"critique.critic={a.critic}", f"critique.num_critiques={a.n}",
             f"train.learning_rate={a.lr}", f"train.num_mini_batches={a.mini_batches}",
-            "train.measure_kl_to_start=true", "eval.benchmarks=[gsm8k]", f"eval.sample_size={a.eval_size}",
-            f"eval.max_tokens={a.eval_max_tokens}"]
+            f"train.save_dtype={a.save_dtype}", "train.keep_states=1", "train.measure_kl_to_start=true",
+            f"eval.benchmarks=[{a.dataset}]", f"eval.sample_size={a.eval_size}", f"eval.max_tokens={a.max_tokens}",
+            "scale.policy_engine=per-stage"]
 
 
 def arm_config(a: argparse.Namespace, arm: str, seed: int, train_file: Path):
@@ -63,28 +75,42 @@ def arm_config(a: argparse.Namespace, arm: str, seed: int, train_file: Path):
                                       f"variant={arm}"]
     if arm == "control":
         over.append("train.learning_rate=0")
-    return load_config(ROOT / "configs" / "default.yaml", over, preset="grpo" if arm == "grpo" else None)
+    return load_config(ROOT / "configs" / "default.yaml", over, preset=None if arm == "capo" else "grpo")
 
 
 # ------------------------------------------------------------------------------------- selection
-def select_training_items(a: argparse.Namespace) -> Path:
-    """The training problems the starting policy solves in [pass_lo, pass_hi] of its samples (cached)."""
+def candidate_rows(a: argparse.Namespace, cfg) -> list[dict]:
+    """``--select-n`` seeded rows of ``--dataset`` outside the eval subset every round evaluates."""
     import pyarrow.parquet as pq
 
+    from pipeline.benchmarks import ensure_benchmark
+    from pipeline.evaluate import select_problems
+
+    table = pq.read_table(ensure_benchmark(a.dataset, Path(a.data_dir) / "eval",
+                                           cache_dir=Path(a.data_dir) / "cache")).to_pylist()
+    held_out = set(select_problems(len(table), cfg.eval.sample_size, cfg.eval.seed, a.dataset).tolist())
+    pool = [i for i in range(len(table)) if i not in held_out]
+    if a.select_n > len(pool):
+        raise ValueError(f"--select-n {a.select_n} exceeds the {len(pool)} {a.dataset} rows outside the eval subset")
+    idx = np.random.default_rng(1234).permutation(pool)[: a.select_n]
+    return [table[i] for i in idx]
+
+
+def select_training_items(a: argparse.Namespace) -> Path:
+    """The training problems the starting policy solves in [pass_lo, pass_hi] of its samples (cached)."""
     from pipeline.config import load_config
     from pipeline.engines import make_engine
     from pipeline.evaluate import grade
     from pipeline.stage_generate import policy_messages
-    from pipeline.stages import prompts_path, resolve_model
+    from pipeline.stages import resolve_model
 
     cfg = load_config(ROOT / "configs" / "default.yaml", base_overrides(a, 0))
-    tag = f"n{a.select_n}-k{a.select_k}-lo{a.pass_lo}-hi{a.pass_hi}-{Path(a.policy).name}"
+    tag = (f"{a.dataset}-n{a.select_n}-k{a.select_k}-lo{a.pass_lo}-hi{a.pass_hi}-t{a.max_tokens}"
+           f"-e{a.eval_size}-{Path(a.policy).name}")
     out = Path(a.data_dir).resolve() / "prompts" / f"learning-{tag}.jsonl"
     if out.exists():
         return out
-    table = pq.read_table(prompts_path(cfg)).to_pylist()
-    idx = np.random.default_rng(1234).permutation(len(table))[: a.select_n]
-    items = [table[i] for i in idx]
+    items = candidate_rows(a, cfg)
     engine = make_engine(resolve_model(a.policy, cfg), cfg.rollout.engine, seed=0)
     t0 = time.perf_counter()
     gens = engine.generate([policy_messages(r["question"], cfg.instruction()) for r in items], a.select_k,
@@ -93,16 +119,18 @@ def select_training_items(a: argparse.Namespace) -> Path:
     graded = grade([(r["gold_answer"], s.text) for r, g in zip(items, gens) for s in g.samples])
     rates = np.asarray([c for _, c, _ in graded], dtype=float).reshape(len(items), a.select_k).mean(1)
     keep = [r for r, p in zip(items, rates) if a.pass_lo <= p <= a.pass_hi]
-    if not keep:
-        raise RuntimeError(f"none of {len(items)} problems has a pass rate in [{a.pass_lo}, {a.pass_hi}]; "
-                           f"pass-rate histogram {np.histogram(rates, bins=a.select_k + 1, range=(0, 1))[0].tolist()}")
+    hist = np.histogram(rates, bins=a.select_k + 1, range=(0, 1))[0].tolist()
+    if len(keep) < a.prompts_per_round:
+        raise RuntimeError(f"{len(keep)} of {len(items)} problems have a pass rate in [{a.pass_lo}, {a.pass_hi}], "
+                           f"fewer than --prompts-per-round {a.prompts_per_round}; pass-rate histogram {hist}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps({"question": r["question"], "gold_answer": r["gold_answer"],
                                        "solution": r.get("gold_solution"), "origin": r["prompt_id"]}) + "\n" for r in keep))
     tmp.replace(out)
-    print(json.dumps({"bench": "learning", "selection": str(out), "candidates": len(items), "kept": len(keep),
-                      "pass_rate_histogram": np.histogram(rates, bins=a.select_k + 1, range=(0, 1))[0].tolist(),
+    print(json.dumps({"bench": "learning", "selection": str(out), "dataset": a.dataset, "candidates": len(items),
+                      "kept": len(keep), "pass_rate_histogram": hist,
+                      "mean_pass_rate_candidates": float(rates.mean()),
                       "mean_pass_rate_kept": float(np.mean([p for p in rates if a.pass_lo <= p <= a.pass_hi])),
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     return out
@@ -111,16 +139,17 @@ def select_training_items(a: argparse.Namespace) -> Path:
 def selection_in_child(a: argparse.Namespace) -> Path:
     """:func:`select_training_items` in a child process (vLLM's memory and threads end with it; the
     child gets the environment the pipeline gives its generation stages). Returns the JSONL path."""
+    import os
     import subprocess
 
     from pipeline.engines import engine_process_env
 
-    env = {**__import__("os").environ, **engine_process_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**os.environ, **engine_process_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--select-only"], stdout=subprocess.PIPE,
                          text=True, cwd=ROOT, check=True, env=env).stdout
     path = None
     for line in out.splitlines():
-        if line.startswith("{"):
+        if line.startswith('{"bench"'):
             print(line, flush=True)
             path = json.loads(line).get("selection_file", path)
     if path is None:
@@ -131,31 +160,77 @@ def selection_in_child(a: argparse.Namespace) -> Path:
 # ------------------------------------------------------------------------------------------ runs
 def eval_rounds(a: argparse.Namespace) -> set[int]:
     K = a.rounds
-    return set(range(K + 1)) if a.eval_every == 1 else {0, K // 2, K}
+    return {0, K // 2, K} if a.eval_mid else {0, K}
 
 
-def run_arm(a: argparse.Namespace, arm: str, seed: int, train_file: Path, round0_from: Path | None) -> None:
-    """Rounds 1..K of one arm (each stage skipped when current), eval at the scheduled rounds."""
+def _finished(a: argparse.Namespace, cfg, k: int) -> bool:
+    """Round k trained (its train_metrics committed) and, when scheduled, evaluated."""
+    from pipeline import storage
+    from pipeline.stages import round_paths
+
+    p = round_paths(cfg, k)
+    if storage.read_manifest(p["train_metrics"]) is None:
+        return False
+    return k not in eval_rounds(a) or storage.read_manifest(p["eval"]) is not None
+
+
+def _prune_checkpoint(cfg, k: int) -> None:
+    """Delete round k's checkpoint (round k+1 is finished: nothing reads it again); its manifest
+    stays, marked pruned, so later rounds' keys still resolve."""
+    from pipeline import storage
+    from pipeline.stages import round_paths
+
+    ckpt = round_paths(cfg, k)["checkpoint"]
+    if k >= 1 and ckpt.is_dir():
+        shutil.rmtree(ckpt)
+        storage.mark_pruned(ckpt)
+        shutil.rmtree(ckpt.parent / "superseded", ignore_errors=True)
+
+
+def run_arm(a: argparse.Namespace, arm: str, seed: int, train_file: Path, round0_from: Path | None) -> list[dict]:
+    """Rounds 1..K of one arm from its first unfinished round, eval at the scheduled rounds.
+    Returns one ``{"arm", "seed", "round", "stage", "seconds"}`` dict per stage that ran."""
     from flows.runner import run_stage
     from pipeline.stages import STAGES, round_paths
+    from pipeline.storage import manifest_path
 
     cfg = arm_config(a, arm, seed, train_file)
     r0 = round_paths(cfg, 0)["eval"]
     if round0_from is not None and not r0.exists():  # the starting policy's eval: computed once
-        from pipeline.storage import manifest_path
-
         r0.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(round0_from, r0)
         shutil.copy2(manifest_path(round0_from), manifest_path(r0))
-    if 0 in eval_rounds(a):
-        run_stage("eval", cfg, 0)
+    ran = []
+    res = run_stage("eval", cfg, 0)
+    if not res.skipped:
+        ran.append({"arm": arm, "seed": seed, "round": 0, "stage": "eval", "seconds": round(res.seconds, 1)})
     for k in range(1, a.rounds + 1):
-        for name in STAGES:
+        if _finished(a, cfg, k):
+            continue
+        for name in [*STAGES, *(["eval"] if k in eval_rounds(a) else [])]:
             res = run_stage(name, cfg, k)
             if not res.skipped:
-                log.info("%s s%d round %d %s: %.1fs", arm, seed, k, name, res.seconds)
-        if k in eval_rounds(a):
-            run_stage("eval", cfg, k)
+                ran.append({"arm": arm, "seed": seed, "round": k, "stage": name, "seconds": round(res.seconds, 1)})
+                print(json.dumps({"bench": "learning", "progress": True, **ran[-1]}), flush=True)
+        _prune_checkpoint(cfg, k - 1)
+    return ran
+
+
+def stage_seconds(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> dict[int, dict[str, float]]:
+    """Seconds of each stage of each round, from the tables' manifests (``elapsed_s`` where recorded)."""
+    from pipeline import storage
+    from pipeline.stages import round_paths
+
+    cfg = arm_config(a, arm, seed, train_file)
+    out: dict[int, dict[str, float]] = {}
+    for k in range(1, a.rounds + 1):
+        p = round_paths(cfg, k)
+        for stage, key in (("rollout", "rollouts"), ("critique", "critiques"), ("train", "train_metrics"),
+                           ("eval", "eval")):
+            man = storage.read_manifest(p[key]) or {}
+            if man.get("elapsed_s") is not None:
+                out.setdefault(k, {})[stage] = float(man["elapsed_s"])
+    return out
 
 
 def round_metrics(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> list[dict]:
@@ -165,6 +240,7 @@ def round_metrics(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
     from pipeline.stages import round_paths
 
     cfg = arm_config(a, arm, seed, train_file)
+    secs = stage_seconds(a, arm, seed, train_file)
     out = []
     for k in range(a.rounds + 1):
         p = round_paths(cfg, k)
@@ -179,7 +255,7 @@ def round_metrics(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
         if k >= 1 and p["train_metrics"].exists():
             tm = pq.read_table(p["train_metrics"]).to_pylist()
             first = {m["name"]: m["value"] for m in tm if m["step"] == 0}
-            per = {}
+            per: dict[str, list[float]] = {}
             for m in tm:
                 per.setdefault(m["name"], []).append(m["value"])
             row.update(kl_to_start=first.get("kl_ref"), entropy=first.get("entropy"),
@@ -188,11 +264,35 @@ def round_metrics(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
             sv = pq.read_table(p["step_verdicts"]).to_pylist()
             w = [r["weight"] for r in sv if r["rule"] == cfg.vote.rule]
             row["steps_flagged"] = float(np.mean([x > 0 for x in w])) if w else None
+        if k in secs:
+            row["seconds"] = secs[k]
         out.append(row)
     return out
 
 
-def summarize(a: argparse.Namespace, rows: list[dict]) -> list[dict]:
+def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> dict | None:
+    """Round K vs round 0 on the same held-out items: the change, its paired bootstrap 95 %
+    interval and McNemar's p (:mod:`pipeline.significance`); None before round K is evaluated."""
+    import pyarrow.parquet as pq
+
+    from pipeline.significance import compare
+    from pipeline.stages import round_paths
+
+    cfg = arm_config(a, arm, seed, train_file)
+    p0, pk = round_paths(cfg, 0)["eval"], round_paths(cfg, a.rounds)["eval"]
+    if not (p0.exists() and pk.exists()):
+        return None
+
+    def greedy(path):
+        return {(r["benchmark"], r["prompt_id"]): bool(r["correct"]) for r in pq.read_table(path).to_pylist()
+                if r["decoding"] == "greedy"}
+
+    g0, gk = greedy(p0), greedy(pk)
+    ids = sorted(set(g0) & set(gk))
+    return compare([g0[i] for i in ids], [gk[i] for i in ids]).as_dict()
+
+
+def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, int], dict | None]) -> list[dict]:
     """Per arm at round K: mean/spread over seeds, gain over control, significance against 2 x spread."""
     K = a.rounds
     end = {arm: [r["heldout_accuracy"] for r in rows if r["arm"] == arm and r["round"] == K
@@ -205,7 +305,8 @@ def summarize(a: argparse.Namespace, rows: list[dict]) -> list[dict]:
             continue
         mean, spread = float(np.mean(accs)), float(np.max(accs) - np.min(accs))
         s = {"bench": "learning", "summary": arm, "round": K, "seeds": len(accs), "heldout_accuracy": mean,
-             "spread": spread, "start_accuracy": float(np.mean(start)) if start else None}
+             "spread": spread, "start_accuracy": float(np.mean(start)) if start else None,
+             "paired_change_from_round0": {str(seed): paired.get((arm, seed)) for seed in a.seeds}}
         if ctrl and arm != "control":
             c_mean, c_spread = float(np.mean(ctrl)), float(np.max(ctrl) - np.min(ctrl))
             gain = mean - c_mean
@@ -235,7 +336,7 @@ def plot(a: argparse.Namespace, rows: list[dict], path: Path) -> None:
             m = [np.mean(by[k]) for k in ks]
             line = ax.plot(ks, m, marker="o", label=arm)[0]
             ax.fill_between(ks, [min(by[k]) for k in ks], [max(by[k]) for k in ks], color=line.get_color(), alpha=0.2)
-    ax1.set(title=f"held-out GSM8K greedy ({a.eval_size} test problems)", xlabel="round", ylabel="accuracy (%)")
+    ax1.set(title=f"held-out {a.dataset} greedy ({a.eval_size} problems)", xlabel="round", ylabel="accuracy (%)")
     ax2.set(title="training outcome reward (round's rollouts)", xlabel="round", ylabel="correct (%)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
@@ -249,20 +350,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--dataset", default="mawps", help="an eval benchmark: train on rows outside its eval subset")
     ap.add_argument("--policy", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--critic", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--n", type=int, default=4, help="critiques per response (CAPO arm)")
+    ap.add_argument("--n", type=int, default=2, help="critiques per response (CAPO arm)")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per round")
-    ap.add_argument("--prompts-per-round", type=int, default=8)
+    ap.add_argument("--prompts-per-round", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--select-n", type=int, default=256, help="candidate training problems")
+    ap.add_argument("--max-tokens", type=int, default=192, help="rollout and eval")
+    ap.add_argument("--save-dtype", default="bfloat16", help="train.save_dtype of the engine checkpoints")
+    ap.add_argument("--select-n", type=int, default=96, help="candidate training problems")
     ap.add_argument("--select-k", type=int, default=4, help="samples per candidate")
     ap.add_argument("--pass-lo", type=float, default=0.25)
     ap.add_argument("--pass-hi", type=float, default=0.75)
     ap.add_argument("--eval-size", type=int, default=200)
-    ap.add_argument("--eval-max-tokens", type=int, default=320)
-    ap.add_argument("--eval-every", type=int, choices=[0, 1], default=0, help="1: eval every round")
+    ap.add_argument("--eval-mid", action="store_true", help="also evaluate round K//2")
     ap.add_argument("--runs-dir", default=str(ROOT / "runs" / "bench_learning"))
     ap.add_argument("--data-dir", default=str(ROOT / "data"))
     ap.add_argument("--select-only", action="store_true", help=argparse.SUPPRESS)  # child mode
@@ -272,28 +375,31 @@ def main() -> None:
         print(json.dumps({"bench": "learning", "selection_file": str(select_training_items(a))}), flush=True)
         return
     from pipeline.precision import bench_context
+    from pipeline.stages import round_paths
 
     ctx = bench_context()
     t0 = time.perf_counter()
     train_file = selection_in_child(a)
     round0 = None
-    for seed in a.seeds:
-        for arm in a.arms:
-            run_arm(a, arm, seed, train_file, round0)
-            if round0 is None:
-                from pipeline.stages import round_paths
-
-                r0 = round_paths(arm_config(a, arm, seed, train_file), 0)["eval"]
-                round0 = r0 if r0.exists() else None
+    # the training arms of every seed first, the control (no update) last
+    order = [(arm, seed) for seed in a.seeds for arm in a.arms if arm != "control"]
+    order += [("control", seed) for seed in a.seeds if "control" in a.arms]
+    ran = []
+    for arm, seed in order:
+        ran += run_arm(a, arm, seed, train_file, round0)
+        r0 = round_paths(arm_config(a, arm, seed, train_file), 0)["eval"]
+        round0 = round0 or (r0 if r0.exists() else None)
     rows = [r for seed in a.seeds for arm in a.arms for r in round_metrics(a, arm, seed, train_file)]
     for r in rows:
         print(json.dumps({**r, **ctx}), flush=True)
-    for s in summarize(a, rows):
+    paired = {(arm, seed): paired_change(a, arm, seed, train_file) for arm in a.arms for seed in a.seeds}
+    for s in summarize(a, rows, paired):
         print(json.dumps({**s, **ctx}), flush=True)
     out = Path(a.runs_dir) / "learning.png"
     plot(a, rows, out)
-    print(json.dumps({"bench": "learning", "plot": str(out), "wall_seconds": round(time.perf_counter() - t0, 1),
-                      "rounds": a.rounds, "seeds": a.seeds, "lr": a.lr, "policy": a.policy, "critic": a.critic, **ctx}))
+    print(json.dumps({"bench": "learning", "plot": str(out), "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1),
+                      "stages_run_this_invocation": len(ran), "rounds": a.rounds, "seeds": a.seeds, "lr": a.lr,
+                      "policy": a.policy, "critic": a.critic, "n": a.n, "dataset": a.dataset, **ctx}))
 
 
 if __name__ == "__main__":

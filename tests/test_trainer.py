@@ -60,6 +60,23 @@ def test_zero_advantages_leave_the_policy_unchanged(tiny):
     assert max(float(v.abs().max()) for v in d.values()) == 0.0
 
 
+def test_learning_rate_zero_runs_no_backward_and_moves_no_weight(tiny):
+    """The no-update control: AdamW at lr 0 (weight decay on) keeps every weight bit-identical,
+    takes no step (no moments), and still reports the forward metrics of a real update."""
+    from accelerate import Accelerator
+
+    m = copy.deepcopy(tiny)
+    before = {k: v.detach().clone() for k, v in m.named_parameters()}
+    opt = torch.optim.AdamW(m.parameters(), lr=0.0, weight_decay=0.1)
+    metrics = ppo_update(m, opt, _examples(), TrainConfig(micro_batch_size=2, num_mini_batches=2), pad_id=0, seed=0,
+                         accelerator=Accelerator(cpu=True))
+    assert all(torch.equal(v, before[k]) for k, v in m.named_parameters())
+    assert all(p.grad is None for p in m.parameters()) and not opt.state
+    assert len(metrics) == 2 and all(np.isnan(x["grad_norm"]) for x in metrics)
+    # policy == old policy: ratio exactly 1, nothing clipped, loss = -mean advantage (token-mean)
+    assert all(x["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and x["clip_frac"] == 0.0 for x in metrics)
+
+
 def test_lora_trains_adapters_and_merges_into_plain_weights(tiny):
     from accelerate import Accelerator
     from peft import LoraConfig as PeftLoraConfig

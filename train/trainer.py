@@ -390,6 +390,10 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
     autocast) before the first step. The rollout/trainer mismatch diagnostic compares them with the
     engine's recorded log-prob of each sampled token (``rollouts.rollout_logprobs``).
 
+    With every learning rate 0 (the no-update control of ``benchmarks/bench_learning.py``) the
+    forward passes and metrics are the same, but no backward runs and no optimizer step is taken
+    (``grad_norm`` is NaN, the optimizer keeps no moments).
+
     Returns:
         One metrics dict per optimizer step, the same on every process: ``loss``, ``pg_loss``,
         ``kl_ref`` (aggregated over the whole mini-batch by ``loss_agg_mode``), ``clip_frac``,
@@ -445,6 +449,9 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
                 "entropy": float(diff[2] / diff[3]) if diff[3] > 0 else float("nan")}
     model.train()
     params = list(model.parameters())  # all of them: FSDP's clip_grad_norm_ path needs exactly these
+    # learning rate 0 (the no-update control arm): the same forward passes and metrics, no backward
+    # and no optimizer step (on every process alike, so no collective is left waiting)
+    update = any(g["lr"] > 0 for g in optimizer.param_groups)
     metrics = []
     for step, (epoch, chunk) in enumerate(steps):
         t0 = time.perf_counter()
@@ -459,7 +466,7 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
             sync = i == calls - 1
             if deepspeed:
                 accelerator.sync_gradients = sync  # DeepSpeed reduces and steps inside backward at the boundary
-            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+            with contextlib.nullcontext() if sync else accelerator.no_sync(model), torch.set_grad_enabled(update):
                 lp = token_logprobs(model, mb, T, fuse_head=fuse)
                 dev = lp.device
                 out = ppo_clip_loss(lp, mb["old_logprobs"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev),
@@ -471,14 +478,17 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
                     w = _normalizer(tc.loss_agg_mode, mb, t_global) / total
                     if tc.loss_agg_mode == "seq-mean-token-sum-norm":
                         w *= mb["mask"].size(1) / t_global  # agg used the micro-batch's own T
-                accelerator.backward(out.loss * (w * world))  # x world: the gradient all-reduce averages
+                if update:
+                    accelerator.backward(out.loss * (w * world))  # x world: the gradient all-reduce averages
             if real:
                 wt = float(mb["mask"].sum()) / max(ntok, 1)
                 local += torch.tensor([float(getattr(out, k).detach()) * (wt if k in _TOKEN_MEANS else w) for k in _METRICS],
                                       dtype=torch.float64)
-        grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = None
+        if update:
+            grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         if world > 1:
             local = accelerator.reduce(local.to(accelerator.device), reduction="sum").cpu()
         secs = time.perf_counter() - t0
