@@ -204,7 +204,7 @@ def run_arm(a: argparse.Namespace, arm: str, seed: int, train_file: Path, round0
     res = run_stage("eval", cfg, 0)
     if not res.skipped:
         ran.append({"arm": arm, "seed": seed, "round": 0, "stage": "eval", "seconds": round(res.seconds, 1)})
-    for k in range(1, a.rounds + 1):
+    for k in range(1, min(a.rounds, a.until or a.rounds) + 1):
         if _finished(a, cfg, k):
             continue
         for name in [*STAGES, *(["eval"] if k in eval_rounds(a) else [])]:
@@ -366,6 +366,8 @@ def main() -> None:
     ap.add_argument("--pass-hi", type=float, default=0.75)
     ap.add_argument("--eval-size", type=int, default=200)
     ap.add_argument("--eval-mid", action="store_true", help="also evaluate round K//2")
+    ap.add_argument("--until", type=int, default=None,
+                    help="stop every arm after this round (the schedule stays K's; start again to go on)")
     ap.add_argument("--runs-dir", default=str(ROOT / "runs" / "bench_learning"))
     ap.add_argument("--data-dir", default=str(ROOT / "data"))
     ap.add_argument("--select-only", action="store_true", help=argparse.SUPPRESS)  # child mode
