@@ -102,11 +102,10 @@ def _run_round(cfg, round_idx: int, force: list[str]) -> None:
     import time
 
     from flows.runner import eval_rounds, run_stage, write_round_summary
+    from pipeline.precision import describe, precision_record
     from pipeline.report import write_report
     from pipeline.stages import STAGES
     from pipeline.storage import refresh_catalog
-
-    from pipeline.precision import describe, precision_record
 
     typer.echo(describe(precision_record(cfg)))
     t0 = time.perf_counter()
@@ -134,9 +133,10 @@ def stage(
     """Run a single stage in this process (the critique stage with scale.critique.runner=dask|ray
     fans its shards out to the cluster and finalizes here)."""
     _setup_logging()
-    from flows.runner import RESULT_TAG, run_stage, stage_function
-
     import resource
+
+    from flows.runner import run_stage, stage_function
+    from pipeline.stages import RESULT_TAG
 
     cfg = _cfg(config, overrides, preset)
     if shards is not None:

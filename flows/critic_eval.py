@@ -18,9 +18,7 @@ import dataclasses
 import json
 import logging
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -28,6 +26,7 @@ import typer
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from flows.children import stream_child
 from pipeline import critic_eval_stage as ces
 from pipeline.stages import StageResult
 
@@ -60,25 +59,8 @@ def run_critique_child(cfg: ces.CriticEvalConfig, setup: str, logger: logging.Lo
         return res
     cmd = [sys.executable, "-m", "flows.critic_eval", "critique", "--config", str(ces.write_resolved_config(cfg)),
            "--setup", setup] + (["--force"] if force else [])
-    logger.info("[%s] starting child process: %s", setup, " ".join(cmd))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CAPO_CHILD": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO, text=True,
-                            errors="replace")
-    tail: list[str] = []
-    result, last_bar = None, 0.0
-    assert proc.stdout is not None
-    for line in proc.stdout:  # text mode splits tqdm's \r redraws into lines too
-        line = line.strip()
-        if line.startswith(RESULT_TAG):
-            result = StageResult(**json.loads(line[len(RESULT_TAG):]))
-            continue
-        if not line or ("%|" in line and time.monotonic() - last_bar < 10 and "100%" not in line):
-            continue  # progress bars: at most one line per 10 s, and the final one
-        last_bar = time.monotonic() if "%|" in line else last_bar
-        logger.info("[%s] %s", setup, line)
-        tail = (tail + [line])[-20:]
-    if (code := proc.wait()) != 0:
-        raise RuntimeError(f"critique of setup {setup!r} failed (exit code {code}); last output:\n" + "\n".join(tail))
+    payload = stream_child(cmd, setup, logger, f"critique of setup {setup!r}", result_tag=RESULT_TAG)
+    result = StageResult(**payload) if payload is not None else None
     result = result or StageResult("critique", "", False, "child process finished (no result line)")
     logger.info("[%s] %s", setup, result.line())
     return result

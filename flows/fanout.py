@@ -138,7 +138,7 @@ def critique_chunk(config_path: str, round_idx: int, chunk_idx: int, shard_ids: 
     Raises:
         RuntimeError: the child process failed (exit code and last output lines in the message).
     """
-    from flows.runner import stream_child
+    from flows.children import stream_child
     from pipeline.engines import engine_process_env
 
     cmd = [sys.executable, "-m", "flows.cli", "stage", "critique", "--config", config_path,
@@ -169,7 +169,7 @@ def critique_fanout(config_path: str, round_idx: int, force: bool = False) -> di
     """The critique stage of one round with its shards fanned out over this flow's task runner.
 
     Args:
-        config_path: the resolved config YAML (:func:`flows.runner.write_resolved_config`); the
+        config_path: the resolved config YAML (:func:`flows.children.write_resolved_config`); the
             chunk processes read it too.
         round_idx: the round.
         force: recompute the table even when it is current (committed shards are still reused).
@@ -242,7 +242,7 @@ def run_critique_fanout(cfg: CAPOConfig, round_idx: int, logger: logging.Logger 
         ValueError: ``scale.critique.runner`` is ``local``.
         RuntimeError: a chunk failed, or a shard was still missing afterwards.
     """
-    from flows.runner import write_resolved_config
+    from flows.children import write_resolved_config
 
     logger = logger or logging.getLogger("capo.flows")
     fan = cfg.scale.critique

@@ -11,18 +11,15 @@ import dataclasses
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import yaml
-
+from flows.children import stream_child, write_resolved_config
 from pipeline import storage
 from pipeline.config import CAPOConfig, section_hash
 from pipeline.stages import HEAVY_STAGES, STAGES, StageResult, round_paths, stage_key
 
-RESULT_TAG = "CAPO_STAGE_RESULT "
 _OUTPUT = {"rollout": "rollouts", "verify": "outcomes", "segment": "steps", "critique": "critiques",
            "vote": "step_verdicts", "reward": "token_rewards", "train": "checkpoint", "eval": "eval"}
 
@@ -75,17 +72,6 @@ def _not_applicable(name: str, cfg: CAPOConfig) -> str | None:
     return None
 
 
-def write_resolved_config(cfg: CAPOConfig, round_idx: int) -> Path:
-    """The resolved config as YAML in the round dir, named by its hash (what child processes read)."""
-    path = round_paths(cfg, round_idx)["round_dir"] / f".config-{section_hash(cfg)}.yaml"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        os.replace(tmp, path)
-    return path
-
-
 def run_stage(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger | None = None,
               force: bool = False) -> StageResult:
     """Run stage ``name`` of round ``round_idx`` unless it is current; return what happened.
@@ -110,7 +96,9 @@ def run_stage(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger
             logger.info(res.line())
             return res
     if name == "critique" and cfg.scale.critique.runner != "local":
-        from flows.fanout import run_critique_fanout  # Dask / Ray fan-out of the critique shards
+        from flows.fanout import (
+            run_critique_fanout,  # Dask / Ray fan-out of the critique shards
+        )
 
         return run_critique_fanout(cfg, round_idx, logger, force)
     if name not in HEAVY_STAGES:
@@ -164,23 +152,6 @@ class PeakRSS:
         self.peak_mb = round(max(self._peak, self._sample()), 1)
 
 
-def _lines(fd: int):
-    """Yield (text, is_progress_redraw) for each \\n- or \\r-terminated piece of a child's output."""
-    buf = b""
-    while chunk := os.read(fd, 65536):
-        buf += chunk
-        while True:
-            cut = min((i for i in (buf.find(b"\n"), buf.find(b"\r")) if i >= 0), default=-1)
-            if cut < 0:
-                break
-            piece, sep, buf = buf[:cut], buf[cut:cut + 1], buf[cut + 1:]
-            text = piece.decode("utf-8", errors="replace").strip()
-            if text:
-                yield text, sep == b"\r"
-    if buf.strip():
-        yield buf.decode("utf-8", errors="replace").strip(), False
-
-
 def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger, force: bool) -> StageResult:
     conf = write_resolved_config(cfg, round_idx)
     if name == "train" and cfg.train.launcher:
@@ -203,40 +174,6 @@ def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logge
     result = StageResult(**payload) if payload is not None else \
         StageResult(name, "", False, "child process finished (no result line)")
     logger.info(result.line())
-    return result
-
-
-def stream_child(cmd: list[str], tag: str, logger: logging.Logger, what: str,
-                 env_extra: dict[str, str] | None = None) -> dict | None:
-    """Run ``cmd`` (a ``capo stage`` child) from the repo root, log its output lines as ``[tag] ...``
-    (progress redraws at most every 10 s) and return the JSON payload of its result line
-    (``RESULT_TAG``), or None when it printed none. ``env_extra`` is added to its environment.
-
-    Raises:
-        RuntimeError: the child exited non-zero (``what`` failed, with its last 20 output lines).
-    """
-    logger.info("[%s] starting child process: %s", tag, " ".join(cmd))
-    env = {**os.environ, **(env_extra or {}), "PYTHONUNBUFFERED": "1", "CAPO_CHILD": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                            cwd=Path(__file__).resolve().parent.parent)
-    tail: list[str] = []
-    result = None
-    last_progress = 0.0
-    assert proc.stdout is not None
-    for line, is_progress in _lines(proc.stdout.fileno()):
-        if line.startswith(RESULT_TAG):
-            result = json.loads(line[len(RESULT_TAG):])
-            continue
-        # progress bars redraw with \r: log them at most every 10 s, and the final state
-        now = time.monotonic()
-        if is_progress and now - last_progress < 10 and "100%" not in line:
-            continue
-        last_progress = now if is_progress else last_progress
-        logger.info("[%s] %s", tag, line)
-        tail = (tail + [line])[-20:]
-    code = proc.wait()
-    if code != 0:
-        raise RuntimeError(f"{what} failed (exit code {code}); last output:\n" + "\n".join(tail))
     return result
 
 

@@ -29,12 +29,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import storage
 from pipeline.benchmarks import ensure_benchmark
 from pipeline.config import CAPOConfig, SamplingConfig
 from pipeline.schemas import EVAL_SCHEMA
 from pipeline.stage_score import verify_answer
-from pipeline.stages import _run, _with_prov, model_fingerprint, resolve_model, round_paths
+from pipeline.stages import _run, _with_prov, eval_key, eval_policy, round_paths
 
 log = logging.getLogger("capo.stages")
 
@@ -181,38 +180,6 @@ def summarize_eval(table: pa.Table) -> pa.Table:
 def eval_path(cfg: CAPOConfig, round_idx: int) -> Path:
     """Where the eval table of round ``round_idx`` goes (round 0 is shared by every variant)."""
     return round_paths(cfg, round_idx)["eval"]
-
-
-def eval_policy(cfg: CAPOConfig, round_idx: int) -> str:
-    """The policy round ``round_idx`` evaluates: the starting one for 0, else round k's checkpoint.
-
-    Raises:
-        FileNotFoundError: round k has not committed its checkpoint yet.
-    """
-    if round_idx == 0:
-        return resolve_model(cfg.rollout.policy, cfg)
-    ckpt = round_paths(cfg, round_idx)["checkpoint"]
-    if storage.read_manifest(ckpt) is None:
-        raise FileNotFoundError(f"eval of round {round_idx} needs the checkpoint {ckpt}, which does not exist "
-                                f"yet: run round {round_idx} first (capo round --round {round_idx})")
-    return str(ckpt)
-
-
-def eval_key(cfg: CAPOConfig, round_idx: int) -> dict:
-    """What the eval table of a round depends on (policy, eval settings, engine, data, verifier)."""
-    from importlib.metadata import version
-
-    from pipeline.precision import precision_record
-
-    ec = cfg.eval
-    engine = ec.engine or cfg.rollout.engine
-    root = Path(cfg.data_dir).resolve() / "eval"
-    return {"round": round_idx, "dtype": precision_record(cfg)["eval_dtype"], "variant": cfg.variant if round_idx else None,
-            "policy": model_fingerprint(eval_policy(cfg, round_idx)),
-            "eval": ec.model_dump(mode="json", exclude={"enabled", "engine"}), "engine": engine.model_dump(mode="json"),
-            "instruction": cfg.instruction(),
-            "benchmarks": {n: storage.file_sha256(ensure_benchmark(n, root)) for n in ec.benchmarks},
-            "verifier": f"math-verify=={version('math-verify')}"}
 
 
 def eval_stage(cfg: CAPOConfig, round_idx: int, force: bool = False):

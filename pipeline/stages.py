@@ -24,6 +24,11 @@ from pipeline.config import CAPOConfig, section_hash
 log = logging.getLogger("capo.stages")
 
 
+RESULT_TAG = "CAPO_STAGE_RESULT "
+"""A stage child prints its :class:`StageResult` as one JSON line after this tag (read by
+:func:`flows.children.stream_child`)."""
+
+
 @dataclass(frozen=True)
 class StageResult:
     """What a stage did: ``skipped`` with the reason, or ran and wrote ``rows`` rows."""
@@ -226,10 +231,42 @@ def stage_key(stage: str, cfg: CAPOConfig, round_idx: int) -> dict:
                 "mixed_precision": prec["train_mixed_precision"], "save_dtype": prec["train_save_dtype"],
                 "policy": model_fingerprint(policy_for_round(cfg, round_idx)), "seed": cfg.seed}
     if stage == "eval":
-        from pipeline.evaluate import eval_key
-
         return eval_key(cfg, round_idx)
     raise ValueError(f"unknown stage {stage!r}; valid: {[*STAGES, 'eval']}")
+
+
+def eval_policy(cfg: CAPOConfig, round_idx: int) -> str:
+    """The policy round ``round_idx`` evaluates: the starting one for 0, else round k's checkpoint.
+
+    Raises:
+        FileNotFoundError: round k has not committed its checkpoint yet.
+    """
+    if round_idx == 0:
+        return resolve_model(cfg.rollout.policy, cfg)
+    ckpt = round_paths(cfg, round_idx)["checkpoint"]
+    if storage.read_manifest(ckpt) is None:
+        raise FileNotFoundError(f"eval of round {round_idx} needs the checkpoint {ckpt}, which does not exist "
+                                f"yet: run round {round_idx} first (capo round --round {round_idx})")
+    return str(ckpt)
+
+
+def eval_key(cfg: CAPOConfig, round_idx: int) -> dict:
+    """What the eval table of a round depends on (policy, eval settings, engine, data, verifier)."""
+    from importlib.metadata import version
+
+    from pipeline.precision import precision_record
+
+    ec = cfg.eval
+    engine = ec.engine or cfg.rollout.engine
+    from pipeline.benchmarks import ensure_benchmark
+
+    root = Path(cfg.data_dir).resolve() / "eval"
+    return {"round": round_idx, "dtype": precision_record(cfg)["eval_dtype"], "variant": cfg.variant if round_idx else None,
+            "policy": model_fingerprint(eval_policy(cfg, round_idx)),
+            "eval": ec.model_dump(mode="json", exclude={"enabled", "engine"}), "engine": engine.model_dump(mode="json"),
+            "instruction": cfg.instruction(),
+            "benchmarks": {n: storage.file_sha256(ensure_benchmark(n, root)) for n in ec.benchmarks},
+            "verifier": f"math-verify=={version('math-verify')}"}
 
 
 STAGES = ("rollout", "verify", "segment", "critique", "vote", "reward", "train")

@@ -65,7 +65,8 @@ def test_stream_child_adds_env_and_returns_the_result_line(tmp_path):
     import logging
     import sys
 
-    from flows.runner import RESULT_TAG, stream_child
+    from flows.children import stream_child
+    from pipeline.stages import RESULT_TAG
 
     code = ("import os, json; print('hello'); "
             f"print({RESULT_TAG!r} + json.dumps({{'x': os.environ['CAPO_TEST_X'], 'child': os.environ['CAPO_CHILD']}}))")

@@ -764,7 +764,7 @@ def main(argv: list[str] | None = None) -> None:
     import dataclasses
     import resource
 
-    from flows.runner import RESULT_TAG
+    from pipeline.stages import RESULT_TAG
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None)
