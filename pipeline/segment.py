@@ -1,6 +1,6 @@
 """Split a response into reasoning steps and map every response token to one step.
 
-CAPO (arXiv 2508.02298) §3 judges a rollout step by step; DESIGN.md §1 item 3 fixes the rules
+CAPO (arXiv 2508.02298) §3 judges a rollout step by step; docs/design.md §1.3 fixes the rules
 the paper leaves open:
 
 * steps come from the response text (default: split on blank lines), each trimmed of
@@ -52,7 +52,7 @@ def _split_regex(pattern: re.Pattern[str]) -> Callable[[str], list[Span]]:
 
 
 STEP_SPLITTERS: dict[str, Callable[[str], list[Span]]] = {
-    # Runs of 2+ newlines; lines holding only spaces/tabs count as blank (DESIGN.md §1 item 3).
+    # Runs of 2+ newlines; lines holding only spaces/tabs count as blank (docs/design.md §1.3).
     "blank_line": _split_regex(_BLANK_LINE_SEP),
     # Every newline ends a step.
     "line": _split_regex(_LINE_SEP),
@@ -68,7 +68,7 @@ def split_steps(text: str, mode: str = "blank_line") -> list[Span]:
 
     Each span is trimmed of leading/trailing whitespace; empty and whitespace-only pieces are
     dropped, so a text with no non-blank content has zero steps. Step ``i`` of the result is
-    step number ``i`` (numbered from 0). Source: DESIGN.md §1 item 3 (the paper splits on
+    step number ``i`` (numbered from 0). Source: docs/design.md §1.3 (the paper splits on
     ``"\\n\\n"``).
 
     Args:
@@ -147,7 +147,7 @@ def token_char_starts(token_num_bytes: np.ndarray, text_bytes: bytes) -> np.ndar
 
 
 def assign_tokens_to_steps(char_starts: np.ndarray, step_spans: list[Span]) -> np.ndarray:
-    """Step index of each token (DESIGN.md §1 item 3).
+    """Step index of each token (docs/design.md §1.3).
 
     Args:
         char_starts: (T,) int, char index where each token starts (``token_char_starts``).

@@ -1,4 +1,4 @@
-"""The stages of a CAPO round, each a function from files to files (DESIGN §2).
+"""The stages of a CAPO round, each a function from files to files (docs/design.md §2).
 
     rollout -> verify -> segment -> critique -> vote -> reward -> train -> catalog
 

@@ -3,7 +3,7 @@
 CAPO (arXiv 2508.02298) §3 samples several critiques per response and combines their wrong-step
 lists by intersection, union or majority voting (the paper's Figure 2 votes ``[1,3]``,
 ``[1,2,3]``, ``[1,3]``, ``[2,3]``); it names an "average" rule without defining it, and
-DESIGN.md §1 item 6 reads it as the share of critiques that flag a step.
+docs/design.md §1.6 reads it as the share of critiques that flag a step.
 
 A weight ``w_s`` in [0, 1] says how strongly step ``s`` is judged wrong; ``rewards.token_rewards``
 turns it into the process penalty ``-P * w``. Failed critiques (parse failures) do not vote; a
@@ -86,7 +86,7 @@ def vote(
     rule: str,
     majority_threshold: float = 0.5,
 ) -> np.ndarray:
-    """Per-step process weights from flag counts (CAPO §3 voting; DESIGN.md §1 item 6).
+    """Per-step process weights from flag counts (CAPO §3 voting; docs/design.md §1.6).
 
     * ``intersection``: 1 iff ``n_valid > 0`` and every valid critique flags the step;
     * ``union``: 1 iff at least one valid critique flags the step;

@@ -1,7 +1,7 @@
 """PPO clipped surrogate on per-token advantages (pure torch: tensors in, tensors out).
 
 CAPO (arXiv 2508.02298) §3 trains with a PPO-style clipped objective on per-token advantages;
-DESIGN.md §1 item 9 fixes the details: ratio against the policy that generated the round, clip
+docs/design.md §1.9 fixes the details: ratio against the policy that generated the round, clip
 epsilon 0.2 (low/high separately), optional k3 KL to a frozen reference, and an explicit loss
 aggregation mode (verl ``core_algos.agg_loss`` semantics), since per-token rewards make the
 normalizer matter.

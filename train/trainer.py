@@ -552,7 +552,7 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     FSDP / ZeRO-3 the full state dict is gathered with ``accelerator.get_state_dict`` (a collective,
     called by every process) and saved by the main process.
 
-    Training state (DESIGN §1.10): round 1 starts from ``rollout.policy`` (cast to ``train.dtype``)
+    Training state (docs/design.md §1.10): round 1 starts from ``rollout.policy`` (cast to ``train.dtype``)
     with a fresh AdamW; round k > 1 loads round k-1's ``train_state`` of the same variant
     (``accelerator.load_state``: fp32 master weights, AdamW moments and step, RNG states; the
     learning rate and weight decay come from the config). After the update every process saves the
