@@ -106,12 +106,12 @@ def cfg_for(config: str, runs_dir: Path, data_dir: Path, overrides: list[str]):
 
 def not_current(cfg, round_idx: int) -> list[str]:
     """Stages of the round (and its evals) that ``capo round`` would run, with the reason."""
-    from flows.runner import _not_applicable, check_current, eval_rounds
+    from flows.runner import check_current, eval_rounds, not_applicable
     from pipeline.stages import STAGES
 
     todo = []
     for name, k in [*((s, round_idx) for s in STAGES), *(("eval", r) for r in eval_rounds(round_idx))]:
-        if _not_applicable(name, cfg):
+        if not_applicable(name, cfg):
             continue
         cur = check_current(name, cfg, k)
         if not cur.current:
@@ -122,9 +122,8 @@ def not_current(cfg, round_idx: int) -> list[str]:
 def rekey(cfg, round_idx: int, todo: list[str]) -> list[str]:
     """In a COPY only: re-commit the manifests of stages whose output exists but was produced under an
     older key (e.g. a config field added since) under today's key, so the resume path can be timed."""
-    from flows.runner import _OUTPUT
     from pipeline import storage
-    from pipeline.stages import round_paths, stage_key
+    from pipeline.stages import get_stage, round_paths, stage_key
 
     done = []
     for item in todo:
@@ -132,7 +131,7 @@ def rekey(cfg, round_idx: int, todo: list[str]) -> list[str]:
         k = int(k)
         if "produced under another key" not in item:
             continue
-        paths = [round_paths(cfg, k)[_OUTPUT[name]]] + ([round_paths(cfg, k)["train_metrics"]] if name == "train" else [])
+        paths = [round_paths(cfg, k)[out] for out in get_stage(name).outputs]
         key = stage_key(name, cfg, k)
         for path in paths:
             mp = storage.manifest_path(path)

@@ -18,31 +18,17 @@ from pathlib import Path
 from flows.children import stream_child, write_resolved_config
 from pipeline import storage
 from pipeline.config import CAPOConfig, section_hash
-from pipeline.stages import HEAVY_STAGES, STAGES, StageResult, round_paths, stage_key
-
-_OUTPUT = {"rollout": "rollouts", "verify": "outcomes", "segment": "steps", "critique": "critiques",
-           "vote": "step_verdicts", "reward": "token_rewards", "train": "checkpoint", "eval": "eval"}
+from pipeline.stages import StageResult, get_stage, round_paths, stage_key
 
 
 def stage_function(name: str):
-    """The function that computes stage ``name`` (imported lazily: models load only when needed)."""
-    if name in ("rollout", "critique"):
-        from pipeline import stage_generate as m
+    """The function that computes stage ``name`` (:meth:`pipeline.stages.Stage.load`: imported
+    lazily, so models load only when needed).
 
-        return getattr(m, f"{name}_stage")
-    if name in ("verify", "segment", "vote", "reward"):
-        from pipeline import stage_score as m
-
-        return getattr(m, f"{name}_stage")
-    if name == "train":
-        from train.trainer import train_stage
-
-        return train_stage
-    if name == "eval":
-        from pipeline.evaluate import eval_stage
-
-        return eval_stage
-    raise ValueError(f"unknown stage {name!r}; valid: {[*STAGES, 'eval']}")
+    Raises:
+        ValueError: unknown stage (lists the valid ones).
+    """
+    return get_stage(name).load()
 
 
 def eval_rounds(round_idx: int) -> list[int]:
@@ -52,24 +38,23 @@ def eval_rounds(round_idx: int) -> list[int]:
 
 
 def check_current(name: str, cfg: CAPOConfig, round_idx: int) -> storage.Currency:
-    """Is stage ``name`` of the round current? (cheap: manifests and file stats only)."""
-    out = round_paths(cfg, round_idx)[_OUTPUT[name]]
-    cur = storage.is_current(out, stage_key(name, cfg, round_idx))
-    if cur.current and name == "train":
-        metrics = storage.is_current(round_paths(cfg, round_idx)["train_metrics"], stage_key(name, cfg, round_idx))
-        if not metrics.current:
-            return metrics
-    return cur
+    """Is stage ``name`` of the round current, every output of it under its key? (cheap: manifests
+    and file stats only). Returns the first output's currency that is not current, else the main one's."""
+    stage = get_stage(name)
+    paths = round_paths(cfg, round_idx)
+    key = stage_key(name, cfg, round_idx)
+    first = None
+    for out in stage.outputs:
+        cur = storage.is_current(paths[out], key)
+        if not cur.current:
+            return cur
+        first = first or cur
+    return first
 
 
-def _not_applicable(name: str, cfg: CAPOConfig) -> str | None:
-    if name in ("critique", "vote") and not cfg.critique.enabled:
-        return "critique.enabled is false (GRPO rule baseline): no critic"
-    if name == "vote" and cfg.critique.mode == "outcome":
-        return "critique.mode is outcome (GenORM baseline): no step votes"
-    if name == "eval" and not cfg.eval.enabled:
-        return "eval.enabled is false: no held-out evaluation"
-    return None
+def not_applicable(name: str, cfg: CAPOConfig) -> str | None:
+    """Why stage ``name`` has nothing to do under ``cfg`` (None: it applies)."""
+    return get_stage(name).not_applicable(cfg)
 
 
 def run_stage(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger | None = None,
@@ -84,7 +69,7 @@ def run_stage(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger
         flows.fanout.MissingExtraError: the fan-out runner's package is not installed.
     """
     logger = logger or logging.getLogger("capo.flows")
-    why_not = _not_applicable(name, cfg)
+    why_not = not_applicable(name, cfg)
     if why_not:
         res = StageResult(name, "", True, why_not)
         logger.info(res.line())
@@ -92,7 +77,7 @@ def run_stage(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger
     if not force:
         cur = check_current(name, cfg, round_idx)
         if cur.current:
-            res = StageResult(name, str(round_paths(cfg, round_idx)[_OUTPUT[name]]), True, cur.reason)
+            res = StageResult(name, str(round_paths(cfg, round_idx)[get_stage(name).output]), True, cur.reason)
             logger.info(res.line())
             return res
     if name == "critique" and cfg.scale.critique.runner != "local":
@@ -101,7 +86,7 @@ def run_stage(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger
         )
 
         return run_critique_fanout(cfg, round_idx, logger, force)
-    if name not in HEAVY_STAGES:
+    if not get_stage(name).heavy:
         with PeakRSS() as mem:
             res = stage_function(name)(cfg, round_idx, force=force)
         return dataclasses.replace(res, peak_rss_mb=mem.peak_mb)

@@ -1,18 +1,22 @@
 """The stages of a CAPO round, each a function from files to files (docs/design.md §2).
 
-    rollout -> verify -> segment -> critique -> vote -> reward -> train -> catalog
+    rollout -> verify -> segment -> critique -> vote -> reward -> train -> eval
 
-Every stage computes a *key* (the config sections it depends on, the fingerprints of its input
-tables, model ids, template version, code version is recorded but not keyed) and skips itself when
-its output is current under that key (:func:`pipeline.storage.is_current`). Heavy stages (rollout,
-critique, train) are run by the flows in their own processes through ``capo stage NAME``; the
-functions here do not care who calls them.
+:data:`REGISTRY` holds one :class:`Stage` record per stage: its input and output tables, whether
+it is heavy (loads a model, so the flows run it in a child process), its key and the function
+that computes it. Every stage computes a *key* (the config sections it depends on, the
+fingerprints of its input tables, model ids, template version; the code version is recorded but
+not keyed) and skips itself when its outputs are current under that key
+(:func:`pipeline.storage.is_current`). The runner (:mod:`flows.runner`) reads the registry; the
+stage functions do not care who calls them. Adding a stage: its function, its key function here
+and one :class:`Stage` line in :data:`REGISTRY`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,54 +189,81 @@ def select_prompt_indices(n_prompts: int, per_round: int, round_idx: int, seed: 
 
 
 # -------------------------------------------------------------------------------------------- keys
-def stage_key(stage: str, cfg: CAPOConfig, round_idx: int) -> dict:
-    """The key of ``stage`` (what its output depends on). Inputs must already be committed."""
+# ------------------------------------------------------------------------------------ stage keys
+# What each stage's output depends on (inputs must already be committed). ``auto`` dtypes enter as
+# resolved (:func:`pipeline.precision.precision_record`): bf16 on one machine, fp32 on another.
+def _rollout_key(cfg: CAPOConfig, round_idx: int) -> dict:
+    from pipeline.precision import precision_record
+
+    c = cfg.model_dump(mode="json")
+    return {"round": round_idx, "seed": cfg.seed, "data": c["data"], "rollout": c["rollout"],
+            "dtype": precision_record(cfg)["rollout_dtype"], "engine_logprobs": "processed",  # after temperature/top-p
+            "policy": model_fingerprint(policy_for_round(cfg, round_idx)),
+            "prompts": storage.file_sha256(prompts_path(cfg))}
+
+
+def _verify_key(cfg: CAPOConfig, round_idx: int) -> dict:
+    from importlib.metadata import version
+
+    return {"rollouts": input_fp(round_paths(cfg, round_idx)["rollouts"]),
+            "prompts": storage.file_sha256(prompts_path(cfg)), "verifier": f"math-verify=={version('math-verify')}"}
+
+
+def _segment_key(cfg: CAPOConfig, round_idx: int) -> dict:
+    return {"rollouts": input_fp(round_paths(cfg, round_idx)["rollouts"]), "steps": cfg.model_dump(mode="json")["steps"]}
+
+
+def _critique_key(cfg: CAPOConfig, round_idx: int) -> dict:
+    from pipeline.critique import PARSER_VERSION
     from pipeline.precision import precision_record
 
     p = round_paths(cfg, round_idx)
+    crit = {k: v for k, v in cfg.model_dump(mode="json")["critique"].items() if k not in ("batch_rollouts", "template")}
+    return {"steps": input_fp(p["steps"]), "rollouts": input_fp(p["rollouts"]), "critique": crit,
+            "template_version": cfg.critique.template, "parser": PARSER_VERSION,
+            "prompts": storage.file_sha256(prompts_path(cfg)), "dtype": precision_record(cfg)["critique_dtype"],
+            "critic": model_fingerprint(resolve_model(cfg.critique.critic, cfg))}
+
+
+def _vote_key(cfg: CAPOConfig, round_idx: int) -> dict:
+    p = round_paths(cfg, round_idx)
+    return {"steps": input_fp(p["steps"]), "critiques": input_fp(p["critiques"]),
+            "majority_threshold": cfg.vote.majority_threshold, "partial_critiques": cfg.vote.partial_critiques,
+            "variant": cfg.variant}
+
+
+def _reward_key(cfg: CAPOConfig, round_idx: int) -> dict:
+    p = round_paths(cfg, round_idx)
     c = cfg.model_dump(mode="json")
-    prec = precision_record(cfg)  # resolved dtypes: "auto" computes in bf16 on one machine, fp32 on another
-    if stage == "rollout":
-        policy = policy_for_round(cfg, round_idx)
-        return {"round": round_idx, "seed": cfg.seed, "data": c["data"], "rollout": c["rollout"],
-                "dtype": prec["rollout_dtype"], "engine_logprobs": "processed",  # after temperature/top-p
-                "policy": model_fingerprint(policy), "prompts": storage.file_sha256(prompts_path(cfg))}
-    if stage == "verify":
-        from importlib.metadata import version
+    ins = {"rollouts": input_fp(p["rollouts"]), "outcomes": input_fp(p["outcomes"])}
+    if cfg.critique.enabled and cfg.critique.mode == "process":
+        ins.update(steps=input_fp(p["steps"]), step_verdicts=input_fp(p["step_verdicts"]))
+    if cfg.critique.enabled and cfg.critique.mode == "outcome":
+        ins.update(critiques=input_fp(p["critiques"]))
+    return {**ins, "critique_enabled": cfg.critique.enabled, "critique_mode": cfg.critique.mode,
+            "vote": c["vote"], "reward": c["reward"], "variant": cfg.variant}
 
-        return {"rollouts": input_fp(p["rollouts"]), "prompts": storage.file_sha256(prompts_path(cfg)),
-                "verifier": f"math-verify=={version('math-verify')}"}
-    if stage == "segment":
-        return {"rollouts": input_fp(p["rollouts"]), "steps": c["steps"]}
-    if stage == "critique":
-        from pipeline.critique import PARSER_VERSION
 
-        crit = {k: v for k, v in c["critique"].items() if k not in ("batch_rollouts", "template")}
-        return {"steps": input_fp(p["steps"]), "rollouts": input_fp(p["rollouts"]), "critique": crit,
-                "template_version": cfg.critique.template, "parser": PARSER_VERSION, "prompts": storage.file_sha256(prompts_path(cfg)),
-                "dtype": prec["critique_dtype"],
-                "critic": model_fingerprint(resolve_model(cfg.critique.critic, cfg))}
-    if stage == "vote":
-        return {"steps": input_fp(p["steps"]), "critiques": input_fp(p["critiques"]),
-                "majority_threshold": cfg.vote.majority_threshold, "partial_critiques": cfg.vote.partial_critiques,
-                "variant": cfg.variant}
-    if stage == "reward":
-        ins = {"rollouts": input_fp(p["rollouts"]), "outcomes": input_fp(p["outcomes"])}
-        if cfg.critique.enabled and cfg.critique.mode == "process":
-            ins.update(steps=input_fp(p["steps"]), step_verdicts=input_fp(p["step_verdicts"]))
-        if cfg.critique.enabled and cfg.critique.mode == "outcome":
-            ins.update(critiques=input_fp(p["critiques"]))
-        return {**ins, "critique_enabled": cfg.critique.enabled, "critique_mode": cfg.critique.mode,
-                "vote": c["vote"], "reward": c["reward"], "variant": cfg.variant}
-    if stage == "train":
-        return {"rollouts": input_fp(p["rollouts"]), "token_rewards": input_fp(p["token_rewards"]),
-                "state": previous_state_fp(cfg, round_idx),
-                "train": {k: v for k, v in c["train"].items() if k not in ("launcher", "keep_states")},
-                "mixed_precision": prec["train_mixed_precision"], "save_dtype": prec["train_save_dtype"],
-                "policy": model_fingerprint(policy_for_round(cfg, round_idx)), "seed": cfg.seed}
-    if stage == "eval":
-        return eval_key(cfg, round_idx)
-    raise ValueError(f"unknown stage {stage!r}; valid: {[*STAGES, 'eval']}")
+def _train_key(cfg: CAPOConfig, round_idx: int) -> dict:
+    from pipeline.precision import precision_record
+
+    p = round_paths(cfg, round_idx)
+    prec = precision_record(cfg)
+    return {"rollouts": input_fp(p["rollouts"]), "token_rewards": input_fp(p["token_rewards"]),
+            "state": previous_state_fp(cfg, round_idx),
+            "train": {k: v for k, v in cfg.model_dump(mode="json")["train"].items() if k not in ("launcher", "keep_states")},
+            "mixed_precision": prec["train_mixed_precision"], "save_dtype": prec["train_save_dtype"],
+            "policy": model_fingerprint(policy_for_round(cfg, round_idx)), "seed": cfg.seed}
+
+
+def stage_key(stage: str, cfg: CAPOConfig, round_idx: int) -> dict:
+    """The key of ``stage`` (what its output depends on): :attr:`Stage.key` of its registry entry.
+
+    Raises:
+        ValueError: unknown stage (lists the valid ones).
+        FileNotFoundError: an input of the stage has not been committed.
+    """
+    return get_stage(stage).key(cfg, round_idx)
 
 
 def eval_policy(cfg: CAPOConfig, round_idx: int) -> str:
@@ -269,10 +300,92 @@ def eval_key(cfg: CAPOConfig, round_idx: int) -> dict:
             "verifier": f"math-verify=={version('math-verify')}"}
 
 
-STAGES = ("rollout", "verify", "segment", "critique", "vote", "reward", "train")
-"""The stages of a training round, in order. ``eval`` runs after them (with round 1 also for round 0,
-the starting policy): see :mod:`pipeline.evaluate` and :func:`flows.runner.eval_rounds`."""
-HEAVY_STAGES = ("rollout", "critique", "train", "eval")
+# -------------------------------------------------------------------------------------- registry
+def _no_critic(cfg: CAPOConfig) -> str | None:
+    return "critique.enabled is false (GRPO rule baseline): no critic" if not cfg.critique.enabled else None
+
+
+def _no_step_votes(cfg: CAPOConfig) -> str | None:
+    if cfg.critique.mode == "outcome":
+        return "critique.mode is outcome (GenORM baseline): no step votes"
+    return _no_critic(cfg)
+
+
+def _no_eval(cfg: CAPOConfig) -> str | None:
+    return "eval.enabled is false: no held-out evaluation" if not cfg.eval.enabled else None
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a round: everything the runner, the keys and the reports need to know of it.
+
+    Attributes:
+        name: the stage's name (``capo stage NAME``).
+        inputs: :func:`round_paths` names of the tables it reads (committed by earlier stages).
+        outputs: :func:`round_paths` names it commits; the stage is current when every one of them
+            is current under its key.
+        heavy: loads a model, so the flows run it in a child process (memory returned at its end).
+        key: ``(cfg, round_idx) -> dict``, what its outputs depend on (:func:`stage_key`).
+        function: ``"module:attribute"`` of ``(cfg, round_idx, force=False) -> StageResult``,
+            imported only when the stage runs (models and engines load lazily).
+        not_applicable: ``cfg -> reason or None``: the stage has nothing to do under ``cfg``.
+    """
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    heavy: bool
+    key: Callable[[CAPOConfig, int], dict]
+    function: str
+    not_applicable: Callable[[CAPOConfig], str | None] = lambda cfg: None
+
+    @property
+    def output(self) -> str:
+        """The main output (the one a stage result names)."""
+        return self.outputs[0]
+
+    def load(self) -> Callable[..., StageResult]:
+        """Import and return :attr:`function`."""
+        import importlib
+
+        module, attr = self.function.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+REGISTRY: dict[str, Stage] = {s.name: s for s in (
+    Stage("rollout", (), ("rollouts",), True, _rollout_key, "pipeline.stage_generate:rollout_stage"),
+    Stage("verify", ("rollouts",), ("outcomes",), False, _verify_key, "pipeline.stage_score:verify_stage"),
+    Stage("segment", ("rollouts",), ("steps",), False, _segment_key, "pipeline.stage_score:segment_stage"),
+    Stage("critique", ("rollouts", "steps"), ("critiques",), True, _critique_key,
+          "pipeline.stage_generate:critique_stage", _no_critic),
+    Stage("vote", ("steps", "critiques"), ("step_verdicts",), False, _vote_key, "pipeline.stage_score:vote_stage",
+          _no_step_votes),
+    Stage("reward", ("rollouts", "outcomes", "steps", "step_verdicts", "critiques"), ("token_rewards",), False,
+          _reward_key, "pipeline.stage_score:reward_stage"),
+    Stage("train", ("rollouts", "token_rewards"), ("checkpoint", "train_metrics"), True, _train_key,
+          "train.trainer:train_stage"),
+    Stage("eval", ("checkpoint",), ("eval",), True, lambda cfg, k: eval_key(cfg, k), "pipeline.evaluate:eval_stage",
+          _no_eval),
+)}
+"""Every stage, in the order a round runs them (docs/architecture.md). ``eval`` runs after the
+training stages for the round's policy (and with round 1 for round 0, the starting policy:
+:func:`flows.runner.eval_rounds`)."""
+
+STAGES = tuple(name for name in REGISTRY if name != "eval")
+"""The stages of a training round, in order; ``eval`` follows them."""
+HEAVY_STAGES = tuple(name for name, s in REGISTRY.items() if s.heavy)
+
+
+def get_stage(name: str) -> Stage:
+    """The registry entry of stage ``name``.
+
+    Raises:
+        ValueError: unknown stage (lists the valid ones).
+    """
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown stage {name!r}; valid: {list(REGISTRY)}") from None
 
 
 def _with_prov(cfg: CAPOConfig, extra: dict | None = None) -> dict:

@@ -1,0 +1,44 @@
+"""The stage registry (issue 13): one record per stage that the runner, the keys, the
+not-applicable rules, the outputs and the heavy set all read."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.stages import HEAVY_STAGES, REGISTRY, STAGES, get_stage, round_paths
+
+
+def test_registry_holds_the_round_in_order():
+    assert list(REGISTRY) == ["rollout", "verify", "segment", "critique", "vote", "reward", "train", "eval"]
+    assert STAGES == ("rollout", "verify", "segment", "critique", "vote", "reward", "train")
+    assert HEAVY_STAGES == ("rollout", "critique", "train", "eval")
+
+
+def test_every_stage_names_real_tables_and_a_real_function(repo, tmp_path):
+    cfg = load_config(repo / "configs" / "tiny.yaml", [f"runs_dir={tmp_path}"])
+    names = set(round_paths(cfg, 1))
+    produced = set()
+    for stage in REGISTRY.values():
+        assert set(stage.inputs) <= names and set(stage.outputs) <= names, stage.name
+        assert set(stage.inputs) - {"checkpoint"} <= produced | {"critiques", "step_verdicts", "steps"}, stage.name
+        produced |= set(stage.outputs)
+        fn = stage.load()
+        assert callable(fn) and fn.__name__ == f"{stage.name}_stage"
+
+
+def test_not_applicable_rules_follow_the_config(repo, tmp_path):
+    base = [f"runs_dir={tmp_path}"]
+    capo = load_config(repo / "configs" / "tiny.yaml", base)
+    grpo = load_config(repo / "configs" / "tiny.yaml", base, preset="grpo")
+    genorm = load_config(repo / "configs" / "tiny.yaml", base, preset="grpo-genorm")
+    no_eval = load_config(repo / "configs" / "tiny.yaml", [*base, "eval.enabled=false"])
+    assert all(s.not_applicable(capo) is None for s in REGISTRY.values())
+    assert {n for n, s in REGISTRY.items() if s.not_applicable(grpo)} == {"critique", "vote"}
+    assert {n for n, s in REGISTRY.items() if s.not_applicable(genorm)} == {"vote"}
+    assert "eval.enabled is false" in get_stage("eval").not_applicable(no_eval)
+
+
+def test_an_unknown_stage_names_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown stage 'votes'.*'vote'"):
+        get_stage("votes")
