@@ -1,8 +1,8 @@
 """Benchmark 2: critique cost as N grows (N critiques per response share one prompt).
 
 Takes real policy responses (a round's ``rollouts.parquet``, read only), splits them into steps
-with ``pipeline.segment.split_steps`` and builds the critic conversations with
-``pipeline.critique.build_critique_messages``, as the critique stage does. One engine
+with ``pipeline.core.segment.split_steps`` and builds the critic conversations with
+``pipeline.core.critique.build_critique_messages``, as the critique stage does. One engine
 (``pipeline.engines.make_engine`` with the critique engine of ``configs/default.yaml``) then runs
 ``engine.generate(convs, n=N, sampling)`` on the same conversations for every N. Before each N the
 prefix cache is emptied (``LLM.reset_prefix_cache()``, checked to return True), so every N starts
@@ -64,8 +64,8 @@ def critique_conversations(rollouts_file: Path, prompts_file: Path, k: int) -> t
     """The first ``k`` non-empty responses of the table (by rollout id) as critic conversations."""
     import pyarrow.parquet as pq
 
-    from pipeline.critique import build_critique_messages
-    from pipeline.segment import split_steps
+    from pipeline.core.critique import build_critique_messages
+    from pipeline.core.segment import split_steps
 
     prompts = {r["prompt_id"]: r for r in pq.read_table(prompts_file, columns=["prompt_id", "question", "gold_answer"]).to_pylist()}
     rows = sorted(pq.read_table(rollouts_file, columns=["rollout_id", "prompt_id", "response_text"]).to_pylist(),

@@ -83,7 +83,7 @@ def candidate_rows(a: argparse.Namespace, cfg) -> list[dict]:
     """``--select-n`` seeded rows of ``--dataset`` outside the eval subset every round evaluates."""
     import pyarrow.parquet as pq
 
-    from pipeline.benchmarks import ensure_benchmark
+    from pipeline.assets.benchmarks import ensure_benchmark
     from pipeline.evaluate import select_problems
 
     table = pq.read_table(ensure_benchmark(a.dataset, Path(a.data_dir) / "eval",
@@ -272,10 +272,10 @@ def round_metrics(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
 
 def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> dict | None:
     """Round K vs round 0 on the same held-out items: the change, its paired bootstrap 95 %
-    interval and McNemar's p (:mod:`pipeline.significance`); None before round K is evaluated."""
+    interval and McNemar's p (:mod:`pipeline.core.significance`); None before round K is evaluated."""
     import pyarrow.parquet as pq
 
-    from pipeline.significance import compare
+    from pipeline.core.significance import compare
     from pipeline.stages import round_paths
 
     cfg = arm_config(a, arm, seed, train_file)

@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from pipeline import storage
 from pipeline.config import load_config
-from pipeline.rewards import group_run_advantages, token_rewards
+from pipeline.core.rewards import group_run_advantages, token_rewards
 from pipeline.stage_score import reward_stage
 from pipeline.stages import round_paths
 

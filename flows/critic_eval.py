@@ -26,8 +26,8 @@ import typer
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from critic_eval import stages as ces
 from flows.children import stream_child
-from pipeline import critic_eval_stage as ces
 from pipeline.stages import StageResult
 
 REPO = Path(__file__).resolve().parent.parent

@@ -218,7 +218,11 @@ def _prefect_api():
     this process's and pass its URL on in the settings the task runner ships to the workers, so
     that each worker does not start a server of its own.
     """
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE, temporary_settings
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_ALLOW_EPHEMERAL_MODE,
+        temporary_settings,
+    )
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
         yield

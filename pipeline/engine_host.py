@@ -38,8 +38,8 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Iterator
 
-from pipeline.config import CAPOConfig, SamplingConfig, VLLMEngineConfig
 from pipeline import engines
+from pipeline.config import CAPOConfig, SamplingConfig, VLLMEngineConfig
 from pipeline.engines import Engine, Generation, load_tokenizer
 
 log = logging.getLogger("capo.engine_host")

@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.benchmarks import ensure_benchmark
+from pipeline.assets.benchmarks import ensure_benchmark
 from pipeline.config import CAPOConfig, SamplingConfig
 from pipeline.schemas import EVAL_SCHEMA
 from pipeline.stage_score import verify_answer

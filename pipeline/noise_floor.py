@@ -37,8 +37,8 @@ import torch
 
 from pipeline import storage
 from pipeline.config import CAPOConfig
+from pipeline.core.significance import compare
 from pipeline.evaluate import eval_key, eval_path, eval_policy, evaluate_policy
-from pipeline.significance import compare
 
 log = logging.getLogger("capo.noise_floor")
 
@@ -125,7 +125,7 @@ def paired_rows(base: pa.Table, other: pa.Table) -> list[dict]:
     """Per benchmark: ``other`` against ``base`` on their common greedy problems.
 
     Returns one dict per benchmark: ``benchmark``, ``n``, ``same_text`` (share of problems whose
-    greedy response is the identical string), and :class:`pipeline.significance.PairedChange`'s
+    greedy response is the identical string), and :class:`pipeline.core.significance.PairedChange`'s
     fields (``diff``, ``lo``, ``hi``, ``p_mcnemar``, ``n10``, ``n01``, ``significant``).
     """
     a, b = _greedy(base), _greedy(other)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import storage
-from pipeline.benchmarks import BENCHMARKS
+from pipeline.assets.benchmarks import BENCHMARKS
 from pipeline.evaluate import summarize_eval
 
 log = logging.getLogger("capo.report")
@@ -133,10 +133,10 @@ def paired_changes(items: list[dict]) -> list[dict]:
 
     For each variant, benchmark and round k >= 1: round k against round k-1 (round 0 = the starting
     policy, shared by every variant) and, for k >= 2, against round 0. Only problems evaluated in
-    both rounds count. Each row is :class:`pipeline.significance.PairedChange` plus ``variant``,
+    both rounds count. Each row is :class:`pipeline.core.significance.PairedChange` plus ``variant``,
     ``benchmark``, ``round``, ``vs_round``.
     """
-    from pipeline.significance import compare
+    from pipeline.core.significance import compare
 
     by: dict[tuple, dict[str, bool]] = {}
     for r in items:
@@ -181,9 +181,9 @@ def noise_floor_rows(run_dir: Path) -> tuple[list[str], list[list[str]]]:
 
 
 def critic_signal_rows(critique_rows: list[dict]) -> tuple[list[str], list[list[str]], list[str]]:
-    """Per round, :func:`pipeline.critique.signal_health` of its process critiques (lists as voted
+    """Per round, :func:`pipeline.core.critique.signal_health` of its process critiques (lists as voted
     with ``vote.partial_critiques: list``): headers, rows and the warnings."""
-    from pipeline.critique import signal_health
+    from pipeline.core.critique import signal_health
 
     headers = ["Round", "responses with a parsed verdict", "critiques by status", "most common non-empty lists"]
     rows, warnings = [], []

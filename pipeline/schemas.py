@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from pipeline.prompts import PROMPTS_SCHEMA
+from pipeline.assets.prompts import PROMPTS_SCHEMA
 
 _RUN = [pa.field("run_id", pa.string(), nullable=False), pa.field("round", pa.int32(), nullable=False)]
 

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from pipeline import storage
 from pipeline.config import CAPOConfig
+from pipeline.core.tokenization import decode_with_bytes
 from pipeline.engines import make_engine
 from pipeline.schemas import CRITIQUES_SCHEMA, ROLLOUTS_SCHEMA
 from pipeline.stages import (
@@ -38,7 +39,6 @@ from pipeline.stages import (
     select_prompt_indices,
     stage_key,
 )
-from pipeline.tokenization import decode_with_bytes
 
 log = logging.getLogger("capo.stages")
 
@@ -240,7 +240,7 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
         ValueError: a shard id outside the round's plan.
         FileNotFoundError: the round's rollouts or steps table is missing.
     """
-    from pipeline.critique import (
+    from pipeline.core.critique import (
         build_critique_messages,
         build_outcome_messages,
         parse_critique,
@@ -350,7 +350,7 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
         FileNotFoundError: the round's rollouts or steps table is missing.
         RuntimeError: a shard was still missing after ``run_shards`` returned.
     """
-    from pipeline.critique import OUTCOME_PARSE_STATUSES, VERDICT_STATUSES
+    from pipeline.core.critique import OUTCOME_PARSE_STATUSES, VERDICT_STATUSES
 
     p = round_paths(cfg, round_idx)
     key = stage_key("critique", cfg, round_idx)

@@ -19,12 +19,28 @@ import pyarrow.parquet as pq
 
 from pipeline import storage
 from pipeline.config import CAPOConfig
-from pipeline.critique import critique_votes
-from pipeline.rewards import group_run_advantages, grpo_sequence_advantages, token_rewards
-from pipeline.schemas import OUTCOMES_SCHEMA, STEP_VERDICTS_SCHEMA, STEPS_SCHEMA, TOKEN_REWARDS_SCHEMA
-from pipeline.segment import segment_response
-from pipeline.stages import StageResult, _run, _with_prov, prompts_path, round_paths, stage_key
-from pipeline.voting import VOTING_RULES, flag_counts, vote
+from pipeline.core.critique import critique_votes
+from pipeline.core.rewards import (
+    group_run_advantages,
+    grpo_sequence_advantages,
+    token_rewards,
+)
+from pipeline.core.segment import segment_response
+from pipeline.core.voting import VOTING_RULES, flag_counts, vote
+from pipeline.schemas import (
+    OUTCOMES_SCHEMA,
+    STEP_VERDICTS_SCHEMA,
+    STEPS_SCHEMA,
+    TOKEN_REWARDS_SCHEMA,
+)
+from pipeline.stages import (
+    StageResult,
+    _run,
+    _with_prov,
+    prompts_path,
+    round_paths,
+    stage_key,
+)
 
 log = logging.getLogger("capo.stages")
 
@@ -82,8 +98,8 @@ def verify_stage(cfg: CAPOConfig, round_idx: int, force: bool = False, workers: 
 # ------------------------------------------------------------------------------------------ segment
 def segment_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
     """Split responses into steps and map tokens to steps -> ``steps.parquet``."""
+    from pipeline.core.tokenization import decode_with_bytes
     from pipeline.engines import load_tokenizer
-    from pipeline.tokenization import decode_with_bytes
 
     p = round_paths(cfg, round_idx)
     key = stage_key("segment", cfg, round_idx)

@@ -103,7 +103,7 @@ def data_root(cfg: CAPOConfig) -> Path:
 
 def resolve_model(name_or_path: str, cfg: CAPOConfig, dtype: str = "bfloat16") -> str:
     """Embedded model name -> its converted checkpoint dir; anything else is returned unchanged."""
-    from pipeline.assets import EMBEDDED_MODELS, ensure_model
+    from pipeline.assets.models import EMBEDDED_MODELS, ensure_model
 
     if name_or_path in EMBEDDED_MODELS:
         return str(ensure_model(name_or_path, root=data_root(cfg) / "models", dtype=dtype))
@@ -156,7 +156,7 @@ def previous_state_fp(cfg: CAPOConfig, round_idx: int) -> str | None:
 
 def prompts_path(cfg: CAPOConfig) -> Path:
     """The prompt table of ``data.train_prompts`` (embedded GSM8K is ingested on first use)."""
-    from pipeline.prompts import ensure_embedded_prompts, ingest_prompts
+    from pipeline.assets.prompts import ensure_embedded_prompts, ingest_prompts
 
     src, split = cfg.data.train_prompts, cfg.data.train_split
     root = data_root(cfg) / "prompts"
@@ -214,7 +214,7 @@ def _segment_key(cfg: CAPOConfig, round_idx: int) -> dict:
 
 
 def _critique_key(cfg: CAPOConfig, round_idx: int) -> dict:
-    from pipeline.critique import PARSER_VERSION
+    from pipeline.core.critique import PARSER_VERSION
     from pipeline.precision import precision_record
 
     p = round_paths(cfg, round_idx)
@@ -289,7 +289,7 @@ def eval_key(cfg: CAPOConfig, round_idx: int) -> dict:
 
     ec = cfg.eval
     engine = ec.engine or cfg.rollout.engine
-    from pipeline.benchmarks import ensure_benchmark
+    from pipeline.assets.benchmarks import ensure_benchmark
 
     root = Path(cfg.data_dir).resolve() / "eval"
     return {"round": round_idx, "dtype": precision_record(cfg)["eval_dtype"], "variant": cfg.variant if round_idx else None,

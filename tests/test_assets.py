@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.assets import (
+from pipeline.assets.models import (
     DTYPES,
     EMBEDDED_MODELS,
     MANIFEST_NAME,

@@ -7,9 +7,15 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pipeline import benchmarks
-from pipeline.benchmarks import BENCHMARKS, clean_latex_gold, ensure_benchmark, last_boxed, number_text
-from pipeline.prompts import PROMPTS_SCHEMA, read_prompts
+from pipeline.assets import benchmarks
+from pipeline.assets.benchmarks import (
+    BENCHMARKS,
+    clean_latex_gold,
+    ensure_benchmark,
+    last_boxed,
+    number_text,
+)
+from pipeline.assets.prompts import PROMPTS_SCHEMA, read_prompts
 from pipeline.stage_score import verify_answer
 
 COUNTS = {"gsm8k": 1319, "math500": 500, "minerva": 272, "aime24": 30, "svamp": 1000, "asdiv": 2215, "mawps": 2065}

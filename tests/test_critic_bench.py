@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.critic_bench import (
+from critic_eval.items import (
     KINDS_ADVERSARIAL,
     adversarial_steps,
     build_benchmark,
@@ -23,14 +23,14 @@ from pipeline.critic_bench import (
     step_is_right,
     strip_annotations,
 )
-from pipeline.critique import build_critique_messages, parse_critique
+from pipeline.core.critique import build_critique_messages, parse_critique
 
 
 @pytest.fixture(scope="module")
 def gsm8k_test(data_dir):
     path = data_dir / "prompts" / "gsm8k_test.parquet"
     if not path.is_file():
-        from pipeline.prompts import ensure_embedded_prompts
+        from pipeline.assets.prompts import ensure_embedded_prompts
 
         path = ensure_embedded_prompts(data_dir / "prompts")["gsm8k_test"]
     return pq.read_table(path).to_pylist()

@@ -1,4 +1,4 @@
-"""The critic scorer (pipeline.critic_eval) against hand-computed examples."""
+"""The critic scorer (critic_eval.scores) against hand-computed examples."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.critic_eval import (
+from critic_eval.scores import (
     EvalItem,
     earliest_flagged,
     markdown_table,
@@ -197,7 +197,7 @@ def test_report_renders_every_section():
 
 
 def test_verdict_distribution_counts_statuses_and_the_most_common_lists():
-    from pipeline.critic_eval_stage import verdict_distribution
+    from critic_eval.stages import verdict_distribution
 
     crit = [{"parse_status": "complete", "wrong_steps": [1]}, {"parse_status": "incomplete", "wrong_steps": [1]},
             {"parse_status": "complete", "wrong_steps": [1]}, {"parse_status": "complete", "wrong_steps": [0, 2]},

@@ -9,8 +9,12 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import critic_eval_stage as ces
-from pipeline.critique import PARSE_STATUSES, VERDICT_STATUSES, build_critique_messages
+from critic_eval import stages as ces
+from pipeline.core.critique import (
+    PARSE_STATUSES,
+    VERDICT_STATUSES,
+    build_critique_messages,
+)
 from pipeline.engines import Engine, Generation, Sample
 
 TINY = {"name": "tiny", "model": "smollm2-135m-instruct",
@@ -132,8 +136,8 @@ def test_a_processbench_file_and_a_perfect_critic(tmp_path, scripted, data_dir):
 def test_cli_exports_the_benchmark_as_processbench_jsonl(tmp_path, data_dir, monkeypatch):
     from typer.testing import CliRunner
 
+    from critic_eval.items import processbench_rows
     from flows.critic_eval import app
-    from pipeline.critic_bench import processbench_rows
 
     # the CLI points the root logger at its stderr, which CliRunner closes afterwards
     monkeypatch.setattr("flows.critic_eval._setup_logging", lambda: None)

@@ -1,20 +1,20 @@
-"""GenPRM prompt template and verdict parser (pipeline/critique.py)."""
+"""GenPRM prompt template and verdict parser (pipeline/core/critique.py)."""
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.critique import (
+from pipeline.core.critique import (
     OUTCOME_PARSE_STATUSES,
     PARSE_STATUSES,
+    STATUS_COMPLETE,
     STATUS_DUPLICATE,
     STATUS_EMPTY,
+    STATUS_INCOMPLETE,
+    STATUS_INCONSISTENT,
     STATUS_NO_VERDICT,
     STATUS_NOT_A_LIST,
     STATUS_NOT_YES_NO,
-    STATUS_COMPLETE,
-    STATUS_INCOMPLETE,
-    STATUS_INCONSISTENT,
     STATUS_OK,
     STATUS_OUT_OF_RANGE,
     TEMPLATE_V2,
@@ -22,11 +22,11 @@ from pipeline.critique import (
     VERDICT_STATUSES,
     ParsedCritique,
     build_critique_messages,
-    critique_votes,
-    parse_step_lines,
     build_outcome_messages,
+    critique_votes,
     parse_critique,
     parse_outcome_verdict,
+    parse_step_lines,
 )
 
 QUESTION = "Tom has 3 apples and buys 4 more. How many apples does he have?"
@@ -281,7 +281,7 @@ def test_parse_outcome_never_raises(text):
 
 
 def test_signal_health_hand_counts_and_the_echo_warning():
-    from pipeline.critique import signal_health
+    from pipeline.core.critique import signal_health
 
     def c(rid, status, lst, lines=None):
         return {"rollout_id": rid, "parse_status": status, "wrong_steps": lst, "steps_wrong_lines": lines}

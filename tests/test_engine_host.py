@@ -52,7 +52,12 @@ def perturbed_checkpoint(data_dir, module_tmp) -> tuple[str, str]:
 
 
 def test_host_reloads_weights_in_place_and_matches_a_fresh_engine(repo, data_dir, tmp_path, perturbed_checkpoint):
-    from pipeline.engine_host import ADDRESS_ENV, RemoteEngine, policy_engine, policy_engine_session
+    from pipeline.engine_host import (
+        ADDRESS_ENV,
+        RemoteEngine,
+        policy_engine,
+        policy_engine_session,
+    )
 
     base, moved = perturbed_checkpoint
     cfg = _tiny(repo, data_dir, tmp_path)

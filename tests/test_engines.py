@@ -20,7 +20,7 @@ CONV = [{"role": "user", "content": "What is 7 * 8? Put the answer in \\boxed{}.
 
 @pytest.fixture(scope="module")
 def tiny_model(data_dir) -> str:
-    from pipeline.assets import ensure_model
+    from pipeline.assets.models import ensure_model
 
     return str(ensure_model("smollm2-135m-instruct", root=data_dir / "models"))
 

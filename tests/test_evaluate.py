@@ -225,7 +225,7 @@ def one_torch_thread():
 
 def test_evaluate_policy_real_tiny_model(data_dir, one_torch_thread):
     """SmolLM2-135M through the transformers engine: 2 GSM8K problems, 16 greedy tokens."""
-    from pipeline.assets import ensure_model
+    from pipeline.assets.models import ensure_model
 
     model = str(ensure_model("smollm2-135m-instruct", root=data_dir / "models"))
     t = evaluate_policy(model, ["gsm8k"], 2, 0, TransformersEngineConfig(dtype="float32", batch_size=2), 16,

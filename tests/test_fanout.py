@@ -25,7 +25,7 @@ import pytest
 
 from pipeline import storage
 from pipeline.config import load_config
-from pipeline.critique import PARSE_STATUSES, VERDICT_STATUSES
+from pipeline.core.critique import PARSE_STATUSES, VERDICT_STATUSES
 from pipeline.engines import Engine, Generation, Sample
 from pipeline.schemas import SCHEMAS
 from pipeline.stages import prompts_path, round_paths, stage_key
@@ -195,7 +195,11 @@ def test_fanout_resumes_committed_shards_and_local_resume_logs(toy, caplog):
 
 
 def test_prune_removes_stale_and_uncommitted_parts(toy, tmp_path):
-    from pipeline.stage_generate import critique_done_shards, critique_parts_dir, critique_shards
+    from pipeline.stage_generate import (
+        critique_done_shards,
+        critique_parts_dir,
+        critique_shards,
+    )
 
     critique_shards(toy, 1, [0, 1])
     parts = critique_parts_dir(toy, 1)
@@ -211,7 +215,11 @@ def test_prune_removes_stale_and_uncommitted_parts(toy, tmp_path):
 
 def test_part_without_rollouts_sha_is_checked_by_content(toy):
     """Parts written before shards were planned have only the key in their sidecar."""
-    from pipeline.stage_generate import critique_done_shards, critique_parts_dir, critique_shards
+    from pipeline.stage_generate import (
+        critique_done_shards,
+        critique_parts_dir,
+        critique_shards,
+    )
 
     critique_shards(toy, 1, [0])
     side = critique_parts_dir(toy, 1) / "part-00000.json"

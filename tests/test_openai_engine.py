@@ -18,7 +18,11 @@ import httpx
 import pytest
 
 from pipeline.config import OpenAIEngineConfig, SamplingConfig
-from pipeline.critique import PARSE_STATUSES, build_critique_messages, parse_critique
+from pipeline.core.critique import (
+    PARSE_STATUSES,
+    build_critique_messages,
+    parse_critique,
+)
 from pipeline.engines import make_engine
 
 pytestmark = pytest.mark.slow
@@ -32,7 +36,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(data_dir):
-    from pipeline.assets import ensure_model
+    from pipeline.assets.models import ensure_model
 
     model = str(ensure_model("smollm2-135m-instruct", root=data_dir / "models"))
     port = _free_port()

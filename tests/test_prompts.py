@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.assets import data_dir
-from pipeline.prompts import (
+from pipeline.assets.models import data_dir
+from pipeline.assets.prompts import (
     PROMPTS_SCHEMA,
     ensure_embedded_prompts,
     gsm8k_final_answer,

@@ -11,7 +11,12 @@ import pytest
 
 from pipeline.evaluate import EVAL_SCHEMA
 from pipeline.report import collect, publish_artifacts, write_report
-from pipeline.schemas import CRITIQUES_SCHEMA, STEP_VERDICTS_SCHEMA, TOKEN_REWARDS_SCHEMA, TRAIN_METRICS_SCHEMA
+from pipeline.schemas import (
+    CRITIQUES_SCHEMA,
+    STEP_VERDICTS_SCHEMA,
+    TOKEN_REWARDS_SCHEMA,
+    TRAIN_METRICS_SCHEMA,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RUN = "r1"

@@ -1,4 +1,4 @@
-"""Token rewards and group-normalized advantages (pipeline/rewards.py)."""
+"""Token rewards and group-normalized advantages (pipeline/core/rewards.py)."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.rewards import (
+from pipeline.core.rewards import (
     broadcast_to_tokens,
     check_reward_weights,
     group_token_advantages,

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import load_config
-from pipeline.critique import PARSE_STATUSES, VERDICT_STATUSES
+from pipeline.core.critique import PARSE_STATUSES, VERDICT_STATUSES
 from pipeline.stages import round_paths
 
 pytestmark = pytest.mark.slow

@@ -1,9 +1,9 @@
-"""Step splitting and the token -> step map (pipeline/segment.py), numbers worked by hand."""
+"""Step splitting and the token -> step map (pipeline/core/segment.py), numbers worked by hand."""
 
 import numpy as np
 import pytest
 
-from pipeline.segment import (
+from pipeline.core.segment import (
     STEP_SPLITTERS,
     assign_tokens_to_steps,
     segment_response,

@@ -1,11 +1,11 @@
-"""Paired significance of accuracy changes (pipeline/significance.py), numbers worked by hand."""
+"""Paired significance of accuracy changes (pipeline/core/significance.py), numbers worked by hand."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pipeline.significance import compare, mcnemar_exact, paired_bootstrap
+from pipeline.core.significance import compare, mcnemar_exact, paired_bootstrap
 
 
 def test_mcnemar_exact_by_hand():

@@ -13,7 +13,13 @@ import pytest
 from pipeline import storage
 from pipeline.config import load_config
 from pipeline.schemas import SCHEMAS
-from pipeline.stage_score import reward_stage, segment_stage, verify_answer, verify_stage, vote_stage
+from pipeline.stage_score import (
+    reward_stage,
+    segment_stage,
+    verify_answer,
+    verify_stage,
+    vote_stage,
+)
 from pipeline.stages import prompts_path, round_paths
 
 # ------------------------------------------------------------------------------------- verify

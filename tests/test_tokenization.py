@@ -1,4 +1,4 @@
-"""Exact bytes of generated tokens with the real byte-level BPE tokenizers (pipeline/tokenization.py).
+"""Exact bytes of generated tokens with the real byte-level BPE tokenizers (pipeline/core/tokenization.py).
 
 Uses the converted checkpoints under ``data/models`` (``capo setup``); skipped where absent.
 """
@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import tokenization
-from pipeline.segment import segment_response
-from pipeline.tokenization import decode_with_bytes, token_bytes
+from pipeline.core import tokenization
+from pipeline.core.segment import segment_response
+from pipeline.core.tokenization import decode_with_bytes, token_bytes
 
 MODELS = Path(__file__).resolve().parent.parent / "data" / "models"
 NAMES = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]

@@ -17,7 +17,7 @@ from train.trainer import Example, ppo_update
 def tiny(data_dir):
     from transformers import AutoModelForCausalLM
 
-    from pipeline.assets import ensure_model
+    from pipeline.assets.models import ensure_model
 
     path = ensure_model("smollm2-135m-instruct", root=data_dir / "models")
     torch.manual_seed(0)
@@ -146,7 +146,7 @@ def test_exported_bf16_checkpoint_reloaded_from_disk_moves_logprobs_with_the_adv
     from disk: tokens with a positive advantage gained log-prob, tokens with a negative one lost it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.assets import ensure_model
+    from pipeline.assets.models import ensure_model
     from train.trainer import _save, collate, token_logprobs
 
     rng = np.random.default_rng(1)

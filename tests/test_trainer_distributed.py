@@ -29,7 +29,7 @@ import torch
 from flows.runner import run_stage
 from pipeline import storage
 from pipeline.config import load_config
-from pipeline.rewards import group_token_advantages, token_rewards
+from pipeline.core.rewards import group_token_advantages, token_rewards
 from pipeline.schemas import SCHEMAS
 from pipeline.stages import round_paths
 
@@ -51,7 +51,7 @@ ROLLOUTS = [
 
 @pytest.fixture(scope="module")
 def tiny_path(data_dir):
-    from pipeline.assets import ensure_model
+    from pipeline.assets.models import ensure_model
 
     return ensure_model("smollm2-135m-instruct", root=data_dir / "models")
 

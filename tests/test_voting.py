@@ -1,11 +1,11 @@
-"""Voting critiques into per-step weights (pipeline/voting.py)."""
+"""Voting critiques into per-step weights (pipeline/core/voting.py)."""
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.voting import VOTING_RULES, flag_counts, vote
+from pipeline.core.voting import VOTING_RULES, flag_counts, vote
 
 # CAPO Figure 2: four critiques of a 4-step response.
 PAPER_CRITIQUES = [(1, 3), (1, 2, 3), (1, 3), (2, 3)]

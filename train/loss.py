@@ -29,7 +29,7 @@ class LossInputs:
         logprobs: log-prob (nats) of each response token under the policy being trained
             (requires grad).
         old_logprobs: log-prob under the policy that generated the round (no grad).
-        advantages: per-token advantage (``pipeline.rewards``).
+        advantages: per-token advantage (``pipeline.core.rewards``).
         mask: bool/float, 1 where the token is a response token that counts.
         ref_logprobs: log-prob under the frozen reference, or None (no KL term).
     """

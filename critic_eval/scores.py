@@ -3,7 +3,7 @@
 A benchmark item is a solution split into S steps with ``label`` = the index of its first wrong
 step, or -1 when every step is right (ProcessBench, Zheng et al. 2024, arXiv 2412.06559). The
 critic (CAPO's LLM-as-GenPRM, arXiv 2508.02298 §3) writes K critiques per item; the first N of
-them are voted into per-step weights with the training rules of :mod:`pipeline.voting`, and:
+them are voted into per-step weights with the training rules of :mod:`pipeline.core.voting`, and:
 
 * a step is **flagged** when its weight is >= ``FLAG_THRESHOLD`` = 0.5. For the hard rules
   (intersection, union, majority: weights 0 or 1) this is "the rule marks the step wrong"; for
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from pipeline.voting import VOTING_RULES, flag_counts, vote
+from pipeline.core.voting import VOTING_RULES, flag_counts, vote
 
 FLAG_THRESHOLD = 0.5
 """A step is flagged when its vote weight is >= this (see the module docstring)."""
@@ -130,7 +130,7 @@ def score_items(items: Sequence[EvalItem], n: int, rule: str, majority_threshold
     Args:
         items: the benchmark items with at least ``n`` critiques each.
         n: N, critiques voted per item.
-        rule: a key of :data:`pipeline.voting.VOTING_RULES`.
+        rule: a key of :data:`pipeline.core.voting.VOTING_RULES`.
         majority_threshold: share a majority must exceed (``majority`` rule).
         threshold: flag a step when its weight is >= this.
         seconds_per_token: critic seconds per generated token (measured over the run), used for

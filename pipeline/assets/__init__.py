@@ -1,0 +1,2 @@
+"""What `capo setup` turns PyPI wheels into: embedded models (``models``), training prompt
+tables (``prompts``) and held-out benchmarks (``benchmarks``)."""
