@@ -100,7 +100,7 @@ def select_training_items(a: argparse.Namespace) -> Path:
     """The training problems the starting policy solves in [pass_lo, pass_hi] of its samples (cached)."""
     from pipeline.config import load_config
     from pipeline.engines import make_engine
-    from pipeline.evaluate import grade
+    from pipeline.grading import grade
     from pipeline.stage_generate import policy_messages
     from pipeline.stages import resolve_model
 

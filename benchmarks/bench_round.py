@@ -106,11 +106,10 @@ def cfg_for(config: str, runs_dir: Path, data_dir: Path, overrides: list[str]):
 
 def not_current(cfg, round_idx: int) -> list[str]:
     """Stages of the round (and its evals) that ``capo round`` would run, with the reason."""
-    from flows.runner import check_current, eval_rounds, not_applicable
-    from pipeline.stages import STAGES
+    from flows.runner import check_current, not_applicable, round_plan
 
     todo = []
-    for name, k in [*((s, round_idx) for s in STAGES), *(("eval", r) for r in eval_rounds(round_idx))]:
+    for name, k in round_plan(round_idx):
         if not_applicable(name, cfg):
             continue
         cur = check_current(name, cfg, k)

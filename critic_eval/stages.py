@@ -25,7 +25,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -45,7 +44,7 @@ from pipeline.config import (
     parse_overrides,
 )
 from pipeline.core.critique import PARSER_VERSION, TEMPLATE_VERSION
-from pipeline.stages import StageResult, model_fingerprint
+from pipeline.stages import StageResult, model_fingerprint, resolve_model
 
 log = logging.getLogger("capo.critic_eval")
 
@@ -182,16 +181,11 @@ def load_eval_config(path: str | Path | None = None, overrides: list[str] | None
 
 
 def write_resolved_config(cfg: CriticEvalConfig) -> Path:
-    """The resolved config as YAML in the run dir (what child processes read)."""
-    from pipeline.config import section_hash
+    """The resolved config as YAML in the run dir (what child processes read):
+    :func:`pipeline.config.write_resolved_config`."""
+    from pipeline.config import write_resolved_config as write
 
-    path = cfg.run_dir() / f".config-{section_hash(cfg)}.yaml"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        os.replace(tmp, path)
-    return path
+    return write(cfg, cfg.run_dir())
 
 
 # ------------------------------------------------------------------------------------------ tables
@@ -248,21 +242,9 @@ def _conform(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
 
 
 def write_output(table: pa.Table, path: Path, schema: pa.Schema, *, stage: str, key: dict, extra: dict | None = None) -> dict:
-    """Write ``table`` atomically (temporary file, rename) and commit its manifest; an earlier
-    output is moved to ``superseded/`` first. Returns the manifest."""
-    table = _conform(table, schema, stage)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() or storage.manifest_path(path).exists():
-        storage.supersede(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp, compression="zstd")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return storage.commit_manifest(path, stage=stage, key=key, rows=table.num_rows, extra=extra)
+    """Conform ``table`` to ``schema`` and write it with :func:`pipeline.storage.write_parquet`
+    (atomic, manifest committed, an earlier output superseded). Returns the manifest."""
+    return storage.write_parquet(_conform(table, schema, stage), path, stage=stage, key=key, extra=extra)
 
 
 def paths(cfg: CriticEvalConfig) -> dict[str, Path]:
@@ -282,13 +264,6 @@ def _skip_or_log(stage: str, outs: list[Path], key: dict, force: bool) -> StageR
         return res
     log.info("[%s] running: %s", stage, stale.reason if stale else "forced")
     return None
-
-
-def resolve_model(name: str, cfg: CriticEvalConfig) -> str:
-    """Embedded model name -> its converted checkpoint under ``data_dir``; else unchanged."""
-    from pipeline.assets.models import ensure_model
-
-    return str(ensure_model(name, root=Path(cfg.data_dir).resolve() / "models", dtype="bfloat16"))
 
 
 # ---------------------------------------------------------------------------------------- benchmark

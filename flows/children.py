@@ -15,9 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import yaml
-
-from pipeline.config import CAPOConfig, section_hash
+from pipeline.config import CAPOConfig
+from pipeline.config import write_resolved_config as write_config
 from pipeline.stages import RESULT_TAG, round_paths
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,13 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def write_resolved_config(cfg: CAPOConfig, round_idx: int) -> Path:
     """The resolved config as YAML in the round dir, named by its hash (what child processes read)."""
-    path = round_paths(cfg, round_idx)["round_dir"] / f".config-{section_hash(cfg)}.yaml"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        os.replace(tmp, path)
-    return path
+    return write_config(cfg, round_paths(cfg, round_idx)["round_dir"])
 
 
 def output_lines(fd: int):

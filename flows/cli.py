@@ -101,16 +101,14 @@ def run_cmd(
 def _run_round(cfg, round_idx: int, force: list[str]) -> None:
     import time
 
-    from flows.runner import eval_rounds, run_stage, write_round_summary
+    from flows.runner import round_plan, run_stage, write_round_summary
     from pipeline.precision import describe, precision_record
     from pipeline.report import write_report
-    from pipeline.stages import STAGES
     from pipeline.storage import refresh_catalog
 
     typer.echo(describe(precision_record(cfg)))
     t0 = time.perf_counter()
-    results = [dataclasses.asdict(run_stage(name, cfg, round_idx, force=name in force)) for name in STAGES]
-    results += [dataclasses.asdict(run_stage("eval", cfg, k, force="eval" in force)) for k in eval_rounds(round_idx)]
+    results = [dataclasses.asdict(run_stage(name, cfg, k, force=name in force)) for name, k in round_plan(round_idx)]
     summary = write_round_summary(cfg, round_idx, results, time.perf_counter() - t0)
     typer.echo(f"round {round_idx} summary: {summary}")
     typer.echo(f"catalog: {refresh_catalog(Path(cfg.runs_dir), Path(cfg.data_dir))}")

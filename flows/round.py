@@ -16,10 +16,9 @@ from typing import Optional
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.runner import eval_rounds, run_stage, write_round_summary
+from flows.runner import round_plan, run_stage, write_round_summary
 from pipeline.config import load_config
 from pipeline.engine_host import policy_engine_session
-from pipeline.stages import STAGES
 from pipeline.storage import refresh_catalog
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.yaml")
@@ -72,8 +71,7 @@ def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional
     get_run_logger().info(describe(precision_record(cfg)))
     t0 = time.perf_counter()
     with policy_engine_session(cfg, get_run_logger()):  # a no-op unless scale.policy_engine=persistent
-        results = [stage_task(name, config, overrides, round, preset) for name in STAGES]
-        results += [stage_task("eval", config, overrides, k, preset) for k in eval_rounds(round)]
+        results = [stage_task(name, config, overrides, k, preset) for name, k in round_plan(round)]
     catalog_task(config, overrides, round, results, time.perf_counter() - t0, preset)
     report_task(config, overrides, preset)
     logger = get_run_logger()

@@ -18,7 +18,7 @@ from pathlib import Path
 from flows.children import stream_child, write_resolved_config
 from pipeline import storage
 from pipeline.config import CAPOConfig, section_hash
-from pipeline.stages import StageResult, get_stage, round_paths, stage_key
+from pipeline.stages import STAGES, StageResult, get_stage, round_paths, stage_key
 
 
 def stage_function(name: str):
@@ -35,6 +35,12 @@ def eval_rounds(round_idx: int) -> list[int]:
     """Rounds to evaluate after training round ``round_idx``: its policy, and with round 1 also
     round 0 (the starting policy)."""
     return [0, round_idx] if round_idx == 1 else [round_idx]
+
+
+def round_plan(round_idx: int) -> list[tuple[str, int]]:
+    """``(stage, round)`` in the order a round runs them: the training stages of ``round_idx``,
+    then the evals of :func:`eval_rounds` (the one sequence the flow, the CLI and the benchmarks use)."""
+    return [(name, round_idx) for name in STAGES] + [("eval", k) for k in eval_rounds(round_idx)]
 
 
 def check_current(name: str, cfg: CAPOConfig, round_idx: int) -> storage.Currency:

@@ -493,6 +493,20 @@ def section_hash(cfg: CAPOConfig | BaseModel | dict | Any, *sections: str) -> st
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def write_resolved_config(cfg: BaseModel, folder: Path) -> Path:
+    """The resolved config as YAML in ``folder``, named by its hash (``.config-<hash>.yaml``): what
+    child processes read. Written once (a temporary file, then a rename); an existing one is kept."""
+    import os
+
+    path = Path(folder) / f".config-{section_hash(cfg)}.yaml"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        os.replace(tmp, path)
+    return path
+
+
 def dump_config(cfg: CAPOConfig) -> str:
     """The resolved config as YAML (every default filled in)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -19,10 +19,8 @@ Output (one row per benchmark x problem x sample, :data:`EVAL_SCHEMA`)::
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import zlib
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -31,9 +29,15 @@ import pyarrow.parquet as pq
 
 from pipeline.assets.benchmarks import ensure_benchmark
 from pipeline.config import CAPOConfig, SamplingConfig
+from pipeline.grading import grade
 from pipeline.schemas import EVAL_SCHEMA
-from pipeline.stage_score import verify_answer
-from pipeline.stages import _run, _with_prov, eval_key, eval_policy, round_paths
+from pipeline.stages import (
+    eval_key,
+    eval_policy,
+    provenance,
+    round_paths,
+    run_table_stage,
+)
 
 log = logging.getLogger("capo.stages")
 
@@ -76,20 +80,6 @@ def select_problems(n_total: int, sample_size: int | None, seed: int, benchmark:
 
 
 # ---------------------------------------------------------------------------------------- grading
-def _grade_chunk(pairs: list[tuple[str, str]]) -> list[tuple[str | None, bool, str]]:
-    return [verify_answer(g, r) for g, r in pairs]
-
-
-def grade(pairs: list[tuple[str, str]], workers: int = 2, chunk: int = 64) -> list[tuple[str | None, bool, str]]:
-    """math-verify ``(gold, response)`` pairs in a spawn process pool (main threads, so its
-    ``signal.alarm`` timeouts work); returns ``(extracted, correct, status)`` per pair, in order."""
-    if not pairs:
-        return []
-    chunks = [pairs[i : i + chunk] for i in range(0, len(pairs), chunk)]
-    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(chunks))), mp_context=mp.get_context("spawn")) as pool:
-        return [x for part in pool.map(_grade_chunk, chunks) for x in part]
-
-
 # ----------------------------------------------------------------------------------------- policy
 def load_problems(benchmarks: list[str], sample_size: int | None, seed: int, root: Path | None = None) -> list[dict]:
     """The evaluated problems of every benchmark, in order: prompt rows plus ``benchmark``."""
@@ -196,7 +186,7 @@ def eval_stage(cfg: CAPOConfig, round_idx: int, force: bool = False):
         for s in summary:
             log.info("[eval] round %d %s: accuracy %.3f on %d problems, %.0f tokens on average", round_idx,
                      s["benchmark"], s["accuracy"] or 0.0, s["n_problems"], s["mean_response_tokens"] or 0.0)
-        return table, _with_prov(cfg, {"policy": policy, "summary": summary,
+        return table, provenance(cfg, {"policy": policy, "summary": summary,
                                        "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1"})
 
-    return _run("eval", eval_path(cfg, round_idx), "eval", eval_key(cfg, round_idx), compute, force)
+    return run_table_stage("eval", eval_path(cfg, round_idx), "eval", eval_key(cfg, round_idx), compute, force)

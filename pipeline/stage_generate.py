@@ -30,12 +30,12 @@ from pipeline.engines import make_engine
 from pipeline.schemas import CRITIQUES_SCHEMA, ROLLOUTS_SCHEMA
 from pipeline.stages import (
     StageResult,
-    _run,
-    _with_prov,
     policy_for_round,
     prompts_path,
+    provenance,
     resolve_model,
     round_paths,
+    run_table_stage,
     select_prompt_indices,
     stage_key,
 )
@@ -83,9 +83,9 @@ def rollout_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stage
         stats = engine.stats.as_dict()
         engine.close()
         log.info("rollout engine: %s", json.dumps(stats))
-        return pa.Table.from_pylist(rows, schema=ROLLOUTS_SCHEMA), _with_prov(cfg, {"engine": stats, "policy": policy})
+        return pa.Table.from_pylist(rows, schema=ROLLOUTS_SCHEMA), provenance(cfg, {"engine": stats, "policy": policy})
 
-    return _run("rollout", p["rollouts"], "rollouts", key, compute, force)
+    return run_table_stage("rollout", p["rollouts"], "rollouts", key, compute, force)
 
 
 # ----------------------------------------------------------------------------------------- critique
@@ -380,7 +380,7 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
         statuses = table.column("parse_status").to_pylist()
         parsed_ok = set(VERDICT_STATUSES) if cfg.critique.mode == "process" else {OUTCOME_PARSE_STATUSES[0]}
         n_fail = sum(st not in parsed_ok and st != "skipped_empty_response" for st in statuses)
-        return table, _with_prov(cfg, {"critic": inp.critic, "critic_calls": stats_box["critic_calls"],
+        return table, provenance(cfg, {"critic": inp.critic, "critic_calls": stats_box["critic_calls"],
                                        "engine": sum_engine_stats([w.get("engine") for w in workers]),
                                        "parse_failures": n_fail, "statuses": dict(Counter(statuses)),
                                        "template_version": cfg.critique.template,
@@ -388,7 +388,7 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
                                                   "batch_rollouts": cfg.critique.batch_rollouts},
                                        "workers": workers})
 
-    res = _run("critique", p["critiques"], "critiques", key, compute, force)
+    res = run_table_stage("critique", p["critiques"], "critiques", key, compute, force)
     if not res.skipped:
         res = StageResult(res.stage, res.path, False, res.reason, res.rows, res.seconds, stats_box["critic_calls"],
                           stats_box["peak_rss_mb"])

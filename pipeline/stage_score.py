@@ -8,9 +8,7 @@ a process's main thread.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +25,7 @@ from pipeline.core.rewards import (
 )
 from pipeline.core.segment import segment_response
 from pipeline.core.voting import VOTING_RULES, flag_counts, vote
+from pipeline.grading import grade
 from pipeline.schemas import (
     OUTCOMES_SCHEMA,
     STEP_VERDICTS_SCHEMA,
@@ -35,10 +34,10 @@ from pipeline.schemas import (
 )
 from pipeline.stages import (
     StageResult,
-    _run,
-    _with_prov,
     prompts_path,
+    provenance,
     round_paths,
+    run_table_stage,
     stage_key,
 )
 
@@ -46,34 +45,6 @@ log = logging.getLogger("capo.stages")
 
 
 # ------------------------------------------------------------------------------------------- verify
-def verify_answer(gold: str, response: str) -> tuple[str | None, bool, str]:
-    """Grade one response with math-verify (call in a process's main thread).
-
-    Returns:
-        (extracted answer or None, correct, status) with status ``ok`` | ``no_answer`` |
-        ``no_gold`` | ``error:<ExceptionType>``.
-    """
-    from math_verify import parse, verify
-
-    try:
-        # math-verify finds LaTeX only inside delimiters: a bare gold such as ``\\sqrt{2}`` or
-        # ``2\\pi`` must be wrapped too, or it parses to nothing (or to ``2``).
-        delimited = any(d in gold.replace("\\$", "") for d in ("$", "\\boxed", "\\(", "\\["))  # \\$ is a dollar sign
-        gold_parsed = parse(gold if delimited else f"${gold}$")
-        if not gold_parsed:
-            return None, False, "no_gold"
-        pred = parse(response)
-        if not pred:
-            return None, False, "no_answer"
-        return str(pred[-1]), bool(verify(gold_parsed, pred)), "ok"
-    except Exception as e:  # math-verify raises many types on odd LaTeX; record it as data
-        return None, False, f"error:{type(e).__name__}"
-
-
-def _verify_chunk(pairs: list[tuple[str, str]]) -> list[tuple[str | None, bool, str]]:
-    return [verify_answer(g, r) for g, r in pairs]
-
-
 def verify_stage(cfg: CAPOConfig, round_idx: int, force: bool = False, workers: int = 2) -> StageResult:
     """math-verify every response against its gold answer -> ``outcomes.parquet``."""
     p = round_paths(cfg, round_idx)
@@ -83,16 +54,14 @@ def verify_stage(cfg: CAPOConfig, round_idx: int, force: bool = False, workers: 
         ro = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_id", "response_text"]).to_pylist()
         gold = {r["prompt_id"]: r["gold_answer"] for r in pq.read_table(prompts_path(cfg), columns=["prompt_id", "gold_answer"]).to_pylist()}
         pairs = [(gold[r["prompt_id"]], r["response_text"] or "") for r in ro]
-        chunks = [pairs[i : i + 64] for i in range(0, len(pairs), 64)]
-        with ProcessPoolExecutor(max_workers=max(1, min(workers, len(chunks))), mp_context=mp.get_context("spawn")) as pool:
-            results = [x for chunk in pool.map(_verify_chunk, chunks) for x in chunk]
+        results = grade(pairs, workers=workers)
         rows = [{"run_id": cfg.run_id, "round": round_idx, "rollout_id": r["rollout_id"], "prompt_id": r["prompt_id"],
                  "gold_answer": gold[r["prompt_id"]], "extracted_answer": ext, "outcome_correct": ok, "verify_status": st}
                 for r, (ext, ok, st) in zip(ro, results)]
         acc = float(np.mean([x[1] for x in results])) if results else 0.0
-        return pa.Table.from_pylist(rows, schema=OUTCOMES_SCHEMA), _with_prov(cfg, {"accuracy": acc})
+        return pa.Table.from_pylist(rows, schema=OUTCOMES_SCHEMA), provenance(cfg, {"accuracy": acc})
 
-    return _run("verify", p["outcomes"], "outcomes", key, compute, force)
+    return run_table_stage("verify", p["outcomes"], "outcomes", key, compute, force)
 
 
 # ------------------------------------------------------------------------------------------ segment
@@ -117,9 +86,9 @@ def segment_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stage
                              "n_steps": seg.n_steps, "char_start": cs, "char_end": ce,
                              "token_start": int(seg.token_start[s]), "token_end": int(seg.token_end[s]),
                              "step_text": st, "empty_response": seg.empty})
-        return pa.Table.from_pylist(rows, schema=STEPS_SCHEMA), _with_prov(cfg)
+        return pa.Table.from_pylist(rows, schema=STEPS_SCHEMA), provenance(cfg)
 
-    return _run("segment", p["steps"], "steps", key, compute, force)
+    return run_table_stage("segment", p["steps"], "steps", key, compute, force)
 
 
 # --------------------------------------------------------------------------------------------- vote
@@ -157,11 +126,11 @@ def vote_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRes
         voting = sum(v is not None for vs in lists.values() for v in vs)
         log.info("[vote] critiques by status %s; %d vote (partial critiques: %s)", dict(counts), voting,
                  cfg.vote.partial_critiques)
-        return table.cast(STEP_VERDICTS_SCHEMA), _with_prov(cfg, {"critiques_by_status": dict(counts),
+        return table.cast(STEP_VERDICTS_SCHEMA), provenance(cfg, {"critiques_by_status": dict(counts),
                                                                   "critiques_voting": voting,
                                                                   "partial_critiques": cfg.vote.partial_critiques})
 
-    return _run("vote", p["step_verdicts"], "step_verdicts", key, compute, force)
+    return run_table_stage("vote", p["step_verdicts"], "step_verdicts", key, compute, force)
 
 
 # ------------------------------------------------------------------------------------------- reward
@@ -218,9 +187,9 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
         })
         extra = {"share_tokens_penalized": float(n_pen.sum() / max(len(R), 1)),
                  "mean_token_reward": float(R.mean()) if len(R) else None, "outcome_source": rc.outcome, **genorm_stats}
-        return table.cast(TOKEN_REWARDS_SCHEMA), _with_prov(cfg, extra)
+        return table.cast(TOKEN_REWARDS_SCHEMA), provenance(cfg, extra)
 
-    return _run("reward", p["token_rewards"], "token_rewards", key, compute, force)
+    return run_table_stage("reward", p["token_rewards"], "token_rewards", key, compute, force)
 
 
 def _genorm_outcomes(p, rollout_ids: list[str], rule_r_v: np.ndarray) -> tuple[np.ndarray, dict]:

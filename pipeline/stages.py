@@ -79,7 +79,10 @@ def input_fp(path: Path) -> str:
     return man["fingerprint"]
 
 
-def _run(stage: str, out: Path, name: str, key: dict, compute, force: bool = False) -> StageResult:
+def run_table_stage(stage: str, out: Path, name: str, key: dict, compute, force: bool = False) -> StageResult:
+    """The common body of a one-table stage: skip when ``out`` is current under ``key`` (unless
+    ``force``), else call ``compute() -> (table, extra manifest fields)`` and write the table as
+    schema ``name`` (:func:`pipeline.storage.write_table`) with its elapsed seconds."""
     cur = storage.is_current(out, key)
     if cur.current and not force:
         res = StageResult(stage, str(out), True, cur.reason)
@@ -388,7 +391,7 @@ def get_stage(name: str) -> Stage:
         raise ValueError(f"unknown stage {name!r}; valid: {list(REGISTRY)}") from None
 
 
-def _with_prov(cfg: CAPOConfig, extra: dict | None = None) -> dict:
+def provenance(cfg: CAPOConfig, extra: dict | None = None) -> dict:
     """Manifest fields every stage records: the resolved config and its hash, the precision each
     ``auto`` setting resolved to on this machine and the device (:func:`pipeline.precision.precision_record`),
     plus ``extra``."""

@@ -221,16 +221,25 @@ def commit_manifest(path: Path, *, stage: str, key: dict, rows: int | None, extr
 
 # ------------------------------------------------------------------------------------------ tables
 def write_table(table: pa.Table, path: Path, name: str, *, stage: str, key: dict, extra: dict | None = None) -> dict:
-    """Check ``table`` against schema ``name``, write it atomically to ``path``, commit its manifest.
-
-    An existing output at ``path`` is moved to ``superseded/`` first (never overwritten).
+    """Check ``table`` against schema ``name``, write it atomically to ``path``, commit its manifest
+    (:func:`write_parquet`).
 
     Returns:
         The manifest written.
     Raises:
         ValueError: the table does not match the schema (see :func:`pipeline.schemas.check_schema`).
     """
-    table = check_schema(table, name, cast=True)
+    return write_parquet(check_schema(table, name, cast=True), path, stage=stage, key=key, extra=extra)
+
+
+def write_parquet(table: pa.Table, path: Path, *, stage: str, key: dict, extra: dict | None = None) -> dict:
+    """Write ``table`` (already in its final schema) atomically to ``path`` (a temporary file in the
+    same folder, then a rename) and commit its manifest. An existing output at ``path`` is moved to
+    ``superseded/`` first (never overwritten).
+
+    Returns:
+        The manifest written.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() or manifest_path(path).exists():
         supersede(path)

@@ -16,7 +16,7 @@ from pipeline.assets.benchmarks import (
     number_text,
 )
 from pipeline.assets.prompts import PROMPTS_SCHEMA, read_prompts
-from pipeline.stage_score import verify_answer
+from pipeline.grading import verify_answer
 
 COUNTS = {"gsm8k": 1319, "math500": 500, "minerva": 272, "aime24": 30, "svamp": 1000, "asdiv": 2215, "mawps": 2065}
 

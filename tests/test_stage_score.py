@@ -12,11 +12,11 @@ import pytest
 
 from pipeline import storage
 from pipeline.config import load_config
+from pipeline.grading import verify_answer
 from pipeline.schemas import SCHEMAS
 from pipeline.stage_score import (
     reward_stage,
     segment_stage,
-    verify_answer,
     verify_stage,
     vote_stage,
 )

@@ -33,8 +33,8 @@ from pipeline.config import CAPOConfig, TrainConfig, load_config
 from pipeline.schemas import TRAIN_METRICS_SCHEMA
 from pipeline.stages import (
     StageResult,
-    _with_prov,
     policy_for_round,
+    provenance,
     round_paths,
     stage_key,
 )
@@ -686,7 +686,7 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
         secs = time.perf_counter() - t0
         rows = [{"run_id": cfg.run_id, "round": round_idx, "variant": cfg.variant, "step": i, "name": k, "value": float(v)}
                 for i, m in enumerate(metrics) for k, v in m.items()]
-        extra = _with_prov(cfg, {"elapsed_s": round(secs, 3), "policy_parent": policy, "round": round_idx,
+        extra = provenance(cfg, {"elapsed_s": round(secs, 3), "policy_parent": policy, "round": round_idx,
                                  "optimizer_steps": len(metrics), "examples": len(examples),
                                  "num_processes": accelerator.num_processes,
                                  "distributed_type": accelerator.distributed_type.value})
