@@ -4,7 +4,7 @@
     .venv/bin/python scripts/render_config_docs.py --check    # exit 1 when docs/config.md is stale
 
 The descriptions live once, on the fields in ``pipeline/config.py`` (attribute docstrings, read by
-pydantic's ``use_attribute_docstrings``); ``tests/test_config_docs.py`` fails when this file and
+pydantic's ``use_attribute_docstrings``); ``tests/unit/test_config_docs.py`` fails when this file and
 the models disagree.
 """
 

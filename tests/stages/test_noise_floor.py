@@ -1,6 +1,6 @@
 """The eval noise floor's pieces with numbers worked by hand: the one-rounding checkpoint copy
 and the pairing of two eval tables. The measurement on a real round runs in
-tests/test_round_integration.py (test_noise_floor_of_a_real_round)."""
+tests/slow/test_round_integration.py (test_noise_floor_of_a_real_round)."""
 
 from __future__ import annotations
 

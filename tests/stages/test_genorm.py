@@ -9,7 +9,11 @@ import pytest
 from pipeline import storage
 from pipeline.stage_score import reward_stage
 from pipeline.stages import round_paths
-from tests.test_stage_score import PID, _cfg, _critique, _write, _write_round
+from tests.toy_round import PID
+from tests.toy_round import critique_row as _critique
+from tests.toy_round import toy_config as _cfg
+from tests.toy_round import write_round as _write_round
+from tests.toy_round import write_rows as _write
 
 
 def _outcome_critique(rid: str, k: int, verdict: bool | None) -> dict:

@@ -14,7 +14,7 @@ from pipeline.config import (
     section_hash,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT = REPO / "configs" / "default.yaml"
 TINY = REPO / "configs" / "tiny.yaml"
 

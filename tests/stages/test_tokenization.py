@@ -12,7 +12,7 @@ from pipeline.core import tokenization
 from pipeline.core.segment import segment_response
 from pipeline.core.tokenization import decode_with_bytes, token_bytes
 
-MODELS = Path(__file__).resolve().parent.parent / "data" / "models"
+MODELS = Path(__file__).resolve().parents[2] / "data" / "models"
 NAMES = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
 
 TEXTS = [
