@@ -49,3 +49,20 @@ def module_tmp(tmp_path_factory):
     yield make
     for path in made:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(data_dir) -> str:
+    """The tests' real model: SmolLM2-135M-Instruct converted by ``capo setup`` (a path string)."""
+    from pipeline.assets.models import ensure_model
+
+    return str(ensure_model("smollm2-135m-instruct", root=data_dir / "models"))
+
+
+@pytest.fixture(scope="module")
+def harness():
+    """A temporary Prefect server for the module's flow runs (Prefect's own test harness)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

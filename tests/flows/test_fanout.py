@@ -306,14 +306,6 @@ def _overrides(runs: Path, data_dir: Path, **over) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-@pytest.fixture(scope="module")
 def inputs(repo, data_dir, module_tmp):
     """rollouts, outcomes and steps of round 1 (the critique stage's inputs), computed once."""
     from flows.runner import run_stage

@@ -49,25 +49,18 @@ ROLLOUTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_path(data_dir):
-    from pipeline.assets.models import ensure_model
-
-    return ensure_model("smollm2-135m-instruct", root=data_dir / "models")
-
-
-def _write_round(cfg, tiny_path) -> None:
+def _write_round(cfg, tiny_model) -> None:
     """rollouts + token_rewards of round 1 (C=2, P=1, advantages over all tokens of each group)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_path)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
     ro, lengths, outcome, weights = [], [], [], []
     for i, (g, q, text, r_v, bad) in enumerate(ROLLOUTS):
         chat = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
         prompt = tok(chat, add_special_tokens=False)["input_ids"]
         resp = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         ro.append({"run_id": cfg.run_id, "round": 1, "rollout_id": f"r{i}", "prompt_id": f"p{g}", "sample_idx": i,
-                   "policy": str(tiny_path), "prompt_token_ids": prompt, "response_text": text,
+                   "policy": str(tiny_model), "prompt_token_ids": prompt, "response_text": text,
                    "response_token_ids": resp, "rollout_logprobs": [-1.0] * len(resp), "finish_reason": "stop",
                    "num_tokens": len(resp)})
         n_bad = int(round(bad * len(resp)))
@@ -99,16 +92,16 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _train(tmp_path, tiny_path, repo, mode: str, launcher: list[str]):
+def _train(tmp_path, tiny_model, repo, mode: str, launcher: list[str]):
     """Run the train stage of a fresh round through the runner; return (cfg, result, logged lines, seconds)."""
     name = "w2" if launcher else "w1"
     cfg = load_config(None, [f"runs_dir={tmp_path / name}", f"data_dir={tmp_path / 'data'}", "run_id=dist",
-                             f"rollout.policy={tiny_path}", f"train.loss_agg_mode={mode}", f"train.learning_rate={LR}",
+                             f"rollout.policy={tiny_model}", f"train.loss_agg_mode={mode}", f"train.learning_rate={LR}",
                              "train.micro_batch_size=2", "train.num_mini_batches=2", "train.ppo_epochs=1",
                              "train.dtype=float32", "train.mixed_precision='no'", "train.save_dtype=float32",
                              f"train.launcher={launcher!r}".replace("'", "")])
     assert cfg.train.launcher == launcher
-    _write_round(cfg, tiny_path)
+    _write_round(cfg, tiny_model)
     logger = logging.getLogger(f"capo.test.dist.{name}.{mode}")
     logger.setLevel(logging.INFO)
     h = _Lines()
@@ -134,10 +127,10 @@ def _metrics(cfg) -> dict[tuple[int, str], float]:
 # mode's weighting in one process; what two processes add (shares, x world, dummies) is mode-independent.
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
-def test_two_cpu_processes_equal_one(tmp_path, tiny_path, repo, mode):
+def test_two_cpu_processes_equal_one(tmp_path, tiny_model, repo, mode):
     launcher = ["accelerate", "launch", "--config_file", str(repo / "configs/accelerate/cpu_2proc.yaml")]
-    cfg1, res1, _, s1 = _train(tmp_path, tiny_path, repo, mode, [])
-    cfg2, res2, lines2, s2 = _train(tmp_path, tiny_path, repo, mode, launcher)
+    cfg1, res1, _, s1 = _train(tmp_path, tiny_model, repo, mode, [])
+    cfg2, res2, lines2, s2 = _train(tmp_path, tiny_model, repo, mode, launcher)
     print(f"{mode}: 1 process {s1:.1f}s, 2 processes {s2:.1f}s")
 
     # both ranks ran to the end; rank 0 alone wrote the result line the runner parsed
@@ -151,7 +144,7 @@ def test_two_cpu_processes_equal_one(tmp_path, tiny_path, repo, mode):
     assert man["num_processes"] == 2 and man["examples"] == len(ROLLOUTS)
     assert storage.read_manifest(round_paths(cfg1, 1)["checkpoint"])["num_processes"] == 1
 
-    w0 = _weights(tiny_path)
+    w0 = _weights(tiny_model)
     w1 = _weights(round_paths(cfg1, 1)["checkpoint"])
     w2 = _weights(round_paths(cfg2, 1)["checkpoint"])
     assert w1.keys() == w2.keys() == w0.keys()
@@ -189,16 +182,16 @@ def test_schedule_is_the_same_for_any_number_of_processes(n_micro, mini, epochs)
             assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
-def test_saving_a_gathered_state_dict_equals_saving_the_model(tmp_path, tiny_path):
+def test_saving_a_gathered_state_dict_equals_saving_the_model(tmp_path, tiny_model):
     """The FSDP / ZeRO-3 save path (unwrapped model + a full state dict of separate tensors, as
     ``accelerator.get_state_dict`` returns) writes the same checkpoint as the plain one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from train.trainer import _save
 
-    tok = AutoTokenizer.from_pretrained(tiny_path)
-    a = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
-    b = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    a = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    b = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     gathered = {k: v.detach().clone() for k, v in b.state_dict().items()}  # no shared storage, like a gather
     _save(a, tok, tmp_path / "plain", "bfloat16")
     _save(b, tok, tmp_path / "gathered", "bfloat16", state_dict=gathered)

@@ -33,14 +33,6 @@ def tiny_cfg(repo: Path, data_dir: Path, runs: Path, **over):
 
 
 @pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-@pytest.fixture(scope="module")
 def tiny_round(harness, repo, data_dir, module_tmp):
     """Run round 1 of configs/tiny.yaml through the Prefect flow, twice; return both results."""
     from flows.round import capo_round

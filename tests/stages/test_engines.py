@@ -18,13 +18,6 @@ from train.trainer import Example, collate, token_logprobs
 CONV = [{"role": "user", "content": "What is 7 * 8? Put the answer in \\boxed{}."}]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(data_dir) -> str:
-    from pipeline.assets.models import ensure_model
-
-    return str(ensure_model("smollm2-135m-instruct", root=data_dir / "models"))
-
-
 def _recompute(model_path: str, prompt_ids, samples, temperature: float = 1.0) -> list[np.ndarray]:
     from transformers import AutoModelForCausalLM
 

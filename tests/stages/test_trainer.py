@@ -14,14 +14,11 @@ from train.trainer import Example, ppo_update
 
 
 @pytest.fixture(scope="module")
-def tiny(data_dir):
+def tiny(tiny_model):
     from transformers import AutoModelForCausalLM
 
-    from pipeline.assets.models import ensure_model
-
-    path = ensure_model("smollm2-135m-instruct", root=data_dir / "models")
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
 
 
 def _examples(seed: int = 0) -> list[Example]:
