@@ -168,7 +168,7 @@ def test_two_cpu_processes_equal_one(tmp_path, tiny_model, repo, mode):
 @pytest.mark.parametrize("n_micro,mini,epochs", [(3, 2, 1), (5, 3, 2), (1, 4, 1), (8, 2, 3)])
 def test_schedule_is_the_same_for_any_number_of_processes(n_micro, mini, epochs):
     from pipeline.config import TrainConfig
-    from train.trainer import plan_steps, rank_share
+    from train.distributed import plan_steps, rank_share
 
     tc = TrainConfig(num_mini_batches=mini, ppo_epochs=epochs)
     steps = plan_steps(n_micro, tc, seed=3)
@@ -187,14 +187,14 @@ def test_saving_a_gathered_state_dict_equals_saving_the_model(tmp_path, tiny_mod
     ``accelerator.get_state_dict`` returns) writes the same checkpoint as the plain one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from train.trainer import _save
+    from train.state import save_checkpoint
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     a = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     b = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     gathered = {k: v.detach().clone() for k, v in b.state_dict().items()}  # no shared storage, like a gather
-    _save(a, tok, tmp_path / "plain", "bfloat16")
-    _save(b, tok, tmp_path / "gathered", "bfloat16", state_dict=gathered)
+    save_checkpoint(a, tok, tmp_path / "plain", "bfloat16")
+    save_checkpoint(b, tok, tmp_path / "gathered", "bfloat16", state_dict=gathered)
     wa, wb = _weights(tmp_path / "plain"), _weights(tmp_path / "gathered")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     ca = AutoModelForCausalLM.from_pretrained(tmp_path / "gathered").config

@@ -148,7 +148,8 @@ def test_two_rounds_equal_one_process_training_both(two_runs):
 
     from pipeline.config import load_config
     from pipeline.precision import resolve_mixed_precision
-    from train.trainer import load_examples, ppo_update
+    from train.examples import load_examples
+    from train.trainer import ppo_update
 
     a = two_runs[0]
     cfg = load_config(None, json.loads((_variant(a, 1) / "train_metrics.parquet.manifest.json").read_text())["resolved_config"])

@@ -13,7 +13,8 @@ import torch
 
 from pipeline.config import SamplingConfig, TransformersEngineConfig, VLLMEngineConfig
 from pipeline.engines import TransformersEngine, make_engine
-from train.trainer import Example, collate, token_logprobs
+from train.examples import Example, collate
+from train.logprobs import token_logprobs
 
 CONV = [{"role": "user", "content": "What is 7 * 8? Put the answer in \\boxed{}."}]
 
@@ -121,7 +122,7 @@ def test_head_logprobs_backward_matches_autograd_in_float64():
     """The hand-written chunked backward of the output head (weight, bias and hidden gradients)
     equals autograd's on a tiny float64 problem (torch.autograd.gradcheck), with repeated and
     padded positions and T != 1."""
-    from train.trainer import _HeadLogProbs
+    from train.logprobs import HeadLogProbs
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 5, 3, dtype=torch.float64, generator=g, requires_grad=True)
@@ -129,7 +130,7 @@ def test_head_logprobs_backward_matches_autograd_in_float64():
     bias = torch.randn(7, dtype=torch.float64, generator=g, requires_grad=True)
     idx = torch.tensor([[0, 1, 2, 3], [2, 3, 4, 0]])  # the second row's last entry: a clamped pad position
     target = torch.tensor([[1, 6, 0, 2], [3, 3, 5, 0]])
-    assert torch.autograd.gradcheck(lambda h, w, b: _HeadLogProbs.apply(h, w, b, idx, target, 1 / 0.7, 3, None),
+    assert torch.autograd.gradcheck(lambda h, w, b: HeadLogProbs.apply(h, w, b, idx, target, 1 / 0.7, 3, None),
                                     (hidden, weight, bias))
 
 
@@ -139,7 +140,7 @@ def test_head_bypass_restores_a_hook_and_skips_softcapped_heads(tiny_model):
     is not fused."""
     from transformers import AutoModelForCausalLM
 
-    from train.trainer import _output_head
+    from train.logprobs import output_head
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     rng = np.random.default_rng(2)
@@ -150,8 +151,8 @@ def test_head_bypass_restores_a_hook_and_skips_softcapped_heads(tiny_model):
     with torch.no_grad():
         fused = token_logprobs(model, mb)
     assert model.lm_head.__dict__["forward"] is hook
-    assert _output_head(model) is model.lm_head
+    assert output_head(model) is model.lm_head
     model.config.final_logit_softcapping = 30.0
-    assert _output_head(model) is None
+    assert output_head(model) is None
     with torch.no_grad():
         torch.testing.assert_close(token_logprobs(model, mb), fused)  # the unfused path, same numbers here

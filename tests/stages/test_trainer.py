@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pipeline.config import LoraConfig, TrainConfig
-from train.trainer import Example, ppo_update
+from train.examples import Example
+from train.trainer import ppo_update
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +125,8 @@ def test_kl_to_a_frozen_reference_is_measured_and_pulls_back(tiny, mixed_precisi
 def test_temperature_is_applied_to_the_trainer_logprobs(tiny):
     """The old log-probs (and so the ratio) are of logits / T: at T = 0.5 they equal
     log_softmax(2 * logits), computed here by hand."""
-    from train.trainer import collate, token_logprobs
+    from train.examples import collate
+    from train.logprobs import token_logprobs
 
     ex = _examples()[:2]
     mb = collate(ex, pad_id=0)
@@ -144,7 +146,9 @@ def test_exported_bf16_checkpoint_reloaded_from_disk_moves_logprobs_with_the_adv
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.assets.models import ensure_model
-    from train.trainer import _save, collate, token_logprobs
+    from train.examples import collate
+    from train.logprobs import token_logprobs
+    from train.state import save_checkpoint
 
     rng = np.random.default_rng(1)
     ex = []
@@ -158,7 +162,7 @@ def test_exported_bf16_checkpoint_reloaded_from_disk_moves_logprobs_with_the_adv
     ppo_update(m, opt, ex, TrainConfig(micro_batch_size=4, num_mini_batches=1, ppo_epochs=2), pad_id=0, seed=0,
                accelerator=acc)
     tok = AutoTokenizer.from_pretrained(ensure_model("smollm2-135m-instruct", root=data_dir / "models"))
-    _save(acc.unwrap_model(m), tok, tmp_path / "ckpt", "bfloat16")
+    save_checkpoint(acc.unwrap_model(m), tok, tmp_path / "ckpt", "bfloat16")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32).eval()
     start = tiny.eval()
     from safetensors.torch import load_file

@@ -1,0 +1,82 @@
+"""Bookkeeping that makes W processes compute the one-process update: mini-batch plans, each
+process's share, loss normalizers, dummy micro-batches, and what Accelerate set up
+(docs/distributed-training.md)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from pipeline.config import TrainConfig
+from train.examples import Example, collate
+
+log = logging.getLogger("capo.train")
+
+
+def loss_normalizer(mode: str, mb: dict, t_global: int) -> float:
+    """Size of what the aggregation divides by, to weight micro-batches inside a mini-batch."""
+    m = mb["mask"]
+    if mode == "token-mean":
+        return float(m.sum())
+    if mode == "seq-mean-token-mean":
+        return float((m.sum(1) > 0).sum())
+    return float(m.size(0) * t_global)  # seq-mean-token-sum-norm
+
+
+def plan_steps(n_micro: int, tc: TrainConfig, seed: int) -> list[tuple[int, list[int]]]:
+    """The optimizer steps of a round: ``(epoch, micro-batch indices)`` per step, the same on every rank.
+
+    Each epoch permutes the ``n_micro`` micro-batches with ``numpy.random.default_rng(seed)`` and
+    splits the permutation into ``min(num_mini_batches, n_micro)`` near-equal mini-batches
+    (``numpy.array_split``), so the schedule depends on the data and the seed only, never on the
+    number of processes.
+    """
+    rng = np.random.default_rng(seed)
+    steps = []
+    for epoch in range(tc.ppo_epochs):
+        order = rng.permutation(n_micro)
+        steps += [(epoch, [int(j) for j in chunk]) for chunk in np.array_split(order, min(tc.num_mini_batches, n_micro))]
+    return steps
+
+
+def rank_share(chunk: list[int], rank: int, world: int) -> list[int]:
+    """Micro-batches of one mini-batch that process ``rank`` of ``world`` computes: round-robin
+    ``chunk[rank::world]``. A rank may get none when the mini-batch has fewer than ``world``."""
+    return chunk[rank::world]
+
+
+def dummy_micro_batch(pad_id: int) -> dict[str, torch.Tensor]:
+    """A one-token micro-batch whose loss is multiplied by 0: keeps a rank that has no data for a
+    mini-batch in step with the others (same number of forward/backward calls, so collectives match)."""
+    mb = collate([Example([pad_id], [pad_id], np.zeros(1, np.float32))], pad_id)
+    mb["old_logprobs"] = torch.zeros(1, 1)
+    mb["ref_logprobs"] = torch.zeros(1, 1)
+    return mb
+
+
+def force_cpu() -> bool:
+    """True when launched as several processes (``WORLD_SIZE`` > 1) on a machine with no accelerator.
+
+    Accelerate picks its multi-CPU (gloo) backend only when told to use the CPU; without this,
+    ``accelerate launch --multi_gpu`` or ``torchrun`` on a CPU-only machine would start W
+    independent single-process trainers that all write the same checkpoint. ``ACCELERATE_USE_CPU``
+    still forces the CPU anywhere.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    has_accel = getattr(torch, "accelerator", None)
+    return not (has_accel.is_available() if has_accel is not None else torch.cuda.is_available())
+
+
+def shards_parameters(accelerator) -> bool:
+    """Whether the prepared model holds only a shard of each weight (FSDP, DeepSpeed ZeRO-3)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return accelerator.state.deepspeed_plugin.zero_stage == 3
+    return False
