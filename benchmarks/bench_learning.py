@@ -34,8 +34,9 @@
     .venv/bin/python benchmarks/bench_learning.py --rounds 2 --seeds 0 --eval-size 50   # a smaller look
 
 Cost: every round of every arm is a real round (rollouts, verification, for CAPO the critic, PPO
-update). On a 2-core AVX2 CPU (fp32) a GRPO round of these defaults takes about 4 minutes, a CAPO
-round about twice that (the 1.5B critic), an eval of 200 problems about 7 minutes.
+update). Measured on a 2-core AVX2 CPU (fp32): a GRPO round of these defaults 4.8 minutes, a CAPO
+round 8.8 (the 1.5B critic's 32 critiques: 252 s), the selection and an eval of 200 problems about
+10-25 minutes each: the whole benchmark about 6.5 hours there (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -354,7 +355,8 @@ def main() -> None:
     ap.add_argument("--policy", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--critic", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--n", type=int, default=2, help="critiques per response (CAPO arm)")
-    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--lr", type=float, default=2e-6,
+                    help="1e-5 moved the 0.5B policy by a KL of 0.7-1.1 nats per token in one step (docs/benchmarks.md)")
     ap.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per round")
     ap.add_argument("--prompts-per-round", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
