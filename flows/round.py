@@ -43,7 +43,8 @@ def catalog_task(config: str, overrides: list[str], round_idx: int, results: lis
 @task(cache_policy=NO_CACHE)
 def report_task(config: str, overrides: list[str], preset: Optional[str] = None) -> dict:
     """Write the run's report (plots, paper-style table) and publish it as Prefect artifacts."""
-    from pipeline.report import publish_artifacts, write_report
+    from flows.artifacts import publish_artifacts
+    from pipeline.report import write_report
 
     cfg = load_config(config, overrides, preset)
     report = write_report(Path(cfg.runs_dir), cfg.run_id)

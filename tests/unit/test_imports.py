@@ -120,3 +120,11 @@ def test_pure_math_imports_no_engine_orchestrator_or_io(module):
         elif top not in stdlib and top not in PURE_MAY_IMPORT and top != "__future__":
             bad.append(name)
     assert bad == [], f"{module} imports {bad}"
+
+
+def test_pipeline_train_and_critic_eval_import_no_orchestrator():
+    """Prefect, Dask and Ray belong to ``flows/``: the stages and the trainer run without them."""
+    mods = _modules()
+    bad = [f"{m} -> {i}" for m, p in mods.items() if m.split(".")[0] != "flows"
+           for i in _imports(m, p) if i.split(".")[0] in ("prefect", "prefect_dask", "prefect_ray", "dask", "ray")]
+    assert bad == []

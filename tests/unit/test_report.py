@@ -9,8 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from flows.artifacts import publish_artifacts
 from pipeline.evaluate import EVAL_SCHEMA
-from pipeline.report import collect, publish_artifacts, write_report
+from pipeline.report import collect, write_report
 from pipeline.schemas import (
     CRITIQUES_SCHEMA,
     STEP_VERDICTS_SCHEMA,
