@@ -12,13 +12,14 @@
    voting rule, ``--n`` critiques per response), ``control`` (preset ``grpo`` with
    ``train.learning_rate=0``: every round runs, forward passes and metrics included, but no
    backward and no optimizer step, so no weight moves; its eval at round K re-measures the starting
-   policy, the eval's own noise). Each arm x seed is one run (``<runs-dir>/learn-<arm>-s<seed>``)
+   policy, the eval's own noise). Each arm x seed is one run (``<runs-dir>/learn-<arm>-s<seed>-<settings hash>``)
    run round by round through the same stage runner as ``capo run``; it resumes at its first
-   unfinished round when stopped and started again.
+   unfinished round when stopped and started again (under the same settings: the run id ends in
+   a hash of them).
 3. **Held-out eval**, greedy, at rounds ``0`` and ``K`` (``--eval-mid``: also ``K//2``). Round 0 is
    computed once and copied into every run (same policy, items, engine: same key).
 4. **Disk.** A round of the 0.5B policy writes a 1.3 GB bf16 checkpoint (``--save-dtype``) and a
-   7.5 GB training state (fp32 master weights and AdamW moments): each run keeps one state
+   7.6 GB training state (fp32 master weights and AdamW moments): each run keeps one state
    (``train.keep_states=1``) and, once round k is finished (trained, and evaluated when scheduled),
    deletes round k-1's checkpoint (its manifest stays, marked pruned). About 9 GB per run.
 5. **Per round** (JSON lines): mean training outcome reward (the round's rollouts), held-out
@@ -69,10 +70,19 @@ def base_overrides(a: argparse.Namespace, seed: int) -> list[str]:
             "scale.policy_engine=per-stage"]
 
 
+def run_id(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> str:
+    """``learn-<arm>-s<seed>-<hash>``: the hash covers every setting of the arm's rounds (and the
+    training file), so a run resumes only under the settings it started with; other settings start
+    another run instead of continuing one whose checkpoints were trained otherwise."""
+    from pipeline.config import section_hash
+
+    return f"learn-{arm}-s{seed}-" + section_hash({"overrides": base_overrides(a, seed), "train_file": str(train_file)})[:8]
+
+
 def arm_config(a: argparse.Namespace, arm: str, seed: int, train_file: Path):
     from pipeline.config import load_config
 
-    over = base_overrides(a, seed) + [f"run_id=learn-{arm}-s{seed}", f"data.train_prompts={train_file}",
+    over = base_overrides(a, seed) + [f"run_id={run_id(a, arm, seed, train_file)}", f"data.train_prompts={train_file}",
                                       f"variant={arm}"]
     if arm == "control":
         over.append("train.learning_rate=0")
@@ -165,7 +175,9 @@ def eval_rounds(a: argparse.Namespace) -> set[int]:
 
 
 def _finished(a: argparse.Namespace, cfg, k: int) -> bool:
-    """Round k trained (its train_metrics committed) and, when scheduled, evaluated."""
+    """Round k trained (its train_metrics committed) and, when scheduled, evaluated. Manifests,
+    not keys: round k-1's checkpoint may be pruned (its key would no longer compute); the run id
+    (:func:`run_id`) ties a run to its settings instead."""
     from pipeline import storage
     from pipeline.stages import round_paths
 
@@ -362,7 +374,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=192, help="rollout and eval")
     ap.add_argument("--save-dtype", default="bfloat16", help="train.save_dtype of the engine checkpoints")
-    ap.add_argument("--select-n", type=int, default=96, help="candidate training problems")
+    ap.add_argument("--select-n", type=int, default=64, help="candidate training problems")
     ap.add_argument("--select-k", type=int, default=4, help="samples per candidate")
     ap.add_argument("--pass-lo", type=float, default=0.25)
     ap.add_argument("--pass-hi", type=float, default=0.75)

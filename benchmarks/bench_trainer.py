@@ -100,7 +100,8 @@ def ours(model_path: str, prompt, resp, adv, lr: float, pad_id: int, mixed_preci
     from transformers import AutoModelForCausalLM
 
     from pipeline.config import TrainConfig
-    from train.trainer import Example, make_optimizer, ppo_update
+    from train.examples import Example
+    from train.trainer import make_optimizer, ppo_update
 
     B = prompt.shape[0]
     tc = TrainConfig(learning_rate=lr, num_mini_batches=1, micro_batch_size=B, ppo_epochs=1, max_grad_norm=1.0,
@@ -203,7 +204,8 @@ def memory_child(a: argparse.Namespace) -> None:
 
     from pipeline.config import TrainConfig
     from pipeline.precision import bench_context, resolve_mixed_precision
-    from train.trainer import Example, make_optimizer, ppo_update
+    from train.examples import Example
+    from train.trainer import make_optimizer, ppo_update
 
     v = MEMORY_VARIANTS[a.child_memory]
     B, P, R, mb = 2 * a.memory_micro_batch, a.memory_prompt_len, a.memory_response_len, a.memory_micro_batch

@@ -39,7 +39,7 @@ def eval_rounds(round_idx: int) -> list[int]:
 
 def round_plan(round_idx: int) -> list[tuple[str, int]]:
     """``(stage, round)`` in the order a round runs them: the training stages of ``round_idx``,
-    then the evals of :func:`eval_rounds` (the one sequence the flow, the CLI and the benchmarks use)."""
+    then the evals of :func:`eval_rounds` (the one sequence the flow, the CLI and bench_round use)."""
     return [(name, round_idx) for name in STAGES] + [("eval", k) for k in eval_rounds(round_idx)]
 
 

@@ -255,7 +255,7 @@ class TrainConfig(_Strict):
     """Training states (fp32 master weights, AdamW moments and step, RNG states; Accelerate's
     ``save_state``) kept per variant: the newest K rounds'. Round k+1 continues from round k's; K >= 2
     lets the newest round be re-trained. Older states are deleted (their manifests stay);
-    checkpoints are always kept. Disk per state: about 12 bytes per trained parameter (7.1 GB for
+    checkpoints are always kept. Disk per state: about 12 bytes per trained parameter (7.6 GB for
     the 0.5B policy, whose embeddings are untied; 1.6 GB for SmolLM2-135M)."""
     gradient_checkpointing: bool = True
     """Recompute each decoder layer's forward during backward instead of keeping its activations
@@ -283,7 +283,6 @@ class EvalConfig(_Strict):
     sample_size: int | None = Field(16, ge=1)
     """Problems per benchmark: a seeded subset, the same every round and run; None = the full sets."""
     seed: int = 0
-    """Seeds the prompt order, the engines' sampling and the trainer (round k uses ``seed + k``)."""
     """Seed of the subsets (not the run's seed, so runs with other seeds see the same problems)."""
     max_tokens: int = Field(384, ge=1)
     """Most new tokens per answer (MATH-style answers need more than GSM8K ones)."""

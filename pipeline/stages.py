@@ -309,9 +309,9 @@ def _no_critic(cfg: CAPOConfig) -> str | None:
 
 
 def _no_step_votes(cfg: CAPOConfig) -> str | None:
-    if cfg.critique.mode == "outcome":
-        return "critique.mode is outcome (GenORM baseline): no step votes"
-    return _no_critic(cfg)
+    if not cfg.critique.enabled:
+        return _no_critic(cfg)
+    return "critique.mode is outcome (GenORM baseline): no step votes" if cfg.critique.mode == "outcome" else None
 
 
 def _no_eval(cfg: CAPOConfig) -> str | None:
@@ -324,13 +324,16 @@ class Stage:
 
     Attributes:
         name: the stage's name (``capo stage NAME``).
-        inputs: :func:`round_paths` names of the tables it reads (committed by earlier stages).
+        inputs: :func:`round_paths` names of the tables it may read (committed by earlier stages;
+            which ones depends on the config: reward reads ``critiques`` only for the GenORM
+            baseline, eval of round 0 reads the starting policy, not a checkpoint).
         outputs: :func:`round_paths` names it commits; the stage is current when every one of them
             is current under its key.
         heavy: loads a model, so the flows run it in a child process (memory returned at its end).
         key: ``(cfg, round_idx) -> dict``, what its outputs depend on (:func:`stage_key`).
         function: ``"module:attribute"`` of ``(cfg, round_idx, force=False) -> StageResult``,
-            imported only when the stage runs (models and engines load lazily).
+            imported only when the stage runs (models and engines load lazily). Named, not
+            imported: ``pipeline`` never imports ``train`` (the train stage's function lives there).
         not_applicable: ``cfg -> reason or None``: the stage has nothing to do under ``cfg``.
     """
 

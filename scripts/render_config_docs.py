@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -36,24 +37,40 @@ def _models(annotation) -> list[type[BaseModel]]:
 
 
 def _type(annotation) -> str:
-    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
-    text = text or str(annotation).replace("typing.", "").replace("pipeline.config.", "")
-    return text.replace("|", "\\|")
+    """A readable type: Annotated metadata dropped, unions and Literals spelled out."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _type(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type(a) for a in args)
+    if origin is typing.Literal:
+        return " | ".join(json.dumps(a) for a in args)
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type(a) for a in args)}]"
+    if annotation is type(None):
+        return "None"
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
 
 
-def _default(field) -> str:
-    if field.default_factory is not None:
-        value = field.default_factory()
-    elif field.is_required():
-        return "required"
-    else:
-        value = field.default
+def _default(value) -> str:
     if isinstance(value, BaseModel):
         return "see below"
     return "`" + json.dumps(value, default=str) + "`"
 
 
-def _one_line(text: str | None) -> str:
+def _value(model: type[BaseModel], name: str, instance: BaseModel | None):
+    """The field's default as the config has it: read from the parent's default instance when
+    there is one (``critique.sampling`` is not ``SamplingConfig()``), else the class default."""
+    if instance is not None:
+        return getattr(instance, name)
+    field = model.model_fields[name]
+    return field.default_factory() if field.default_factory is not None else field.default
+
+
+def _cell(text: str | None) -> str:
     return " ".join((text or "").split()).replace("|", "\\|")
 
 
@@ -63,27 +80,26 @@ def render() -> str:
     lines = ["# Configuration reference", "",
              "Generated from `pipeline/config.py` by `scripts/render_config_docs.py`; do not edit by hand.",
              "Set a field in a YAML config (`configs/default.yaml`) or on the command line as a dotted",
-             "override (`train.learning_rate=1e-5`). Stage keys: a stage re-runs when a field in its key",
-             "changes (docs/design.md §2.1).", ""]
-    seen: set[str] = set()
-    queue: list[tuple[str, type[BaseModel]]] = [("", CAPOConfig)]
+             "override (`train.learning_rate=1e-5`). Defaults are those of an empty config; the embedded",
+             "`configs/default.yaml` sets a few of them. A stage re-runs when a field in its key changes",
+             "(docs/design.md §2.1).", ""]
+    queue: list[tuple[str, type[BaseModel], BaseModel | None]] = [("", CAPOConfig, CAPOConfig())]
     while queue:
-        prefix, model = queue.pop(0)
+        prefix, model, instance = queue.pop(0)
         title = prefix.rstrip(".") or "top level"
-        heading = f"{title} ({model.__name__})" if prefix else f"{title} ({model.__name__})"
-        if heading in seen:
-            continue
-        seen.add(heading)
-        lines += [f"## {heading}", ""]
+        lines += [f"## {title} ({model.__name__})", ""]
         if model.__doc__ and model.__doc__.strip() and not model.__doc__.startswith(BaseModel.__doc__ or "\0"):
-            lines += [_one_line(model.__doc__), ""]
+            lines += [_cell(model.__doc__), ""]
         lines += ["| field | type | default | description |", "| --- | --- | --- | --- |"]
         for name, field in model.model_fields.items():
-            lines.append(f"| `{prefix}{name}` | {_type(field.annotation)} | {_default(field)} | "
-                         f"{_one_line(field.description)} |")
-            for sub in _models(field.annotation):
-                queue.append((f"{prefix}{name}." if len(_models(field.annotation)) == 1
-                              else f"{prefix}{name}.[type={sub.model_fields['type'].default}].", sub))
+            value = _value(model, name, instance)
+            lines.append(f"| `{prefix}{name}` | {_cell(_type(field.annotation))} | {_default(value)} | "
+                         f"{_cell(field.description)} |")
+            subs = _models(field.annotation)
+            for sub in subs:
+                inst = value if isinstance(value, sub) else None
+                tag = f"{name}." if len(subs) == 1 else f"{name}.[type={sub.model_fields['type'].default}]."
+                queue.append((prefix + tag, sub, inst))
         lines.append("")
     return "\n".join(lines)
 

@@ -2,7 +2,7 @@
 
 The transformers engine is the reference: its per-token log-probs must equal what the trainer
 recomputes for the same prompt + response (this pins the prompt/response alignment of
-``train.trainer.collate``). vLLM's sampler log-probs must agree with both.
+``train.examples.collate``). vLLM's sampler log-probs must agree with both.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from pipeline import evaluate, storage
 from pipeline.config import DEFAULT_INSTRUCTIONS, TransformersEngineConfig, load_config
 from pipeline.engines import EngineStats, Generation, Sample
 from pipeline.evaluate import (
-    EVAL_SCHEMA,
     eval_path,
     eval_stage,
     evaluate_policy,
@@ -23,6 +22,7 @@ from pipeline.evaluate import (
     select_problems,
     summarize_eval,
 )
+from pipeline.schemas import EVAL_SCHEMA
 from pipeline.stage_generate import policy_messages
 
 INSTRUCTION = DEFAULT_INSTRUCTIONS["blank_line"]

@@ -71,7 +71,7 @@ def test_learning_rate_zero_runs_no_backward_and_moves_no_weight(tiny):
     assert all(torch.equal(v, before[k]) for k, v in m.named_parameters())
     assert all(p.grad is None for p in m.parameters()) and not opt.state
     assert len(metrics) == 2 and all(np.isnan(x["grad_norm"]) for x in metrics)
-    # policy == old policy: ratio exactly 1, nothing clipped, loss = -mean advantage (token-mean)
+    # policy == old policy: ratio exactly 1, nothing clipped
     assert all(x["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and x["clip_frac"] == 0.0 for x in metrics)
 
 

@@ -32,3 +32,8 @@ def test_docs_config_md_is_current(repo):
     assert "| `train.learning_rate` | float | `1e-06` |" in text
     assert "| `critique.engine.[type=openai].max_retries` |" in text
     assert "Rule whose step weights train the policy" in text
+    # nested defaults are the config's, not the class's: critique.sampling is not SamplingConfig()
+    assert "| `critique.sampling.temperature` | float | `0.7` |" in text
+    assert "| `critique.engine.[type=vllm].max_model_len` | int | `4096` |" in text
+    assert "| `rollout.sampling.max_tokens` | int | `320` |" in text
+    assert "FieldInfo" not in text
