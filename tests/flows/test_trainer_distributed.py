@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -114,7 +115,7 @@ def _train(tmp_path, tiny_model, repo, mode: str, launcher: list[str]):
 def _weights(path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
+    return {k: v.float() for k, v in load_file(str(Path(path) / "model.safetensors")).items()}
 
 
 def _metrics(cfg) -> dict[tuple[int, str], float]:
