@@ -1,9 +1,9 @@
 """Persistent policy engine: loading a new round's checkpoint in place vs starting a new engine.
 
 With ``scale.policy_engine=persistent`` the rollout and eval stages talk to one vLLM engine that
-lives for the whole run (:mod:`pipeline.engine_host`); between rounds it loads the new checkpoint
+lives for the whole run (:mod:`pipeline.engines.host`); between rounds it loads the new checkpoint
 with ``collective_rpc("reload_weights")`` instead of starting again. This measures, through the
-same :class:`~pipeline.engine_host.RemoteEngine` a stage uses, both ways of getting an engine
+same :class:`~pipeline.engines.host.RemoteEngine` a stage uses, both ways of getting an engine
 that serves a new checkpoint (a copy of the model in a temporary directory, so the path differs):
 
 - ``start``: the host's first request, which builds the vLLM engine (what every per-stage
@@ -41,8 +41,8 @@ def main() -> None:
     a = ap.parse_args()
 
     from pipeline.config import load_config
-    from pipeline.engine_host import RemoteEngine, policy_engine_session
-    from pipeline.stages import resolve_model
+    from pipeline.engines.host import RemoteEngine, policy_engine_session
+    from pipeline.stages.base import resolve_model
 
     tmp = Path(tempfile.mkdtemp(prefix="capo-reload-bench-"))
     try:

@@ -45,7 +45,7 @@ def conversations(prompts_file: Path, k: int) -> list[list[dict]]:
     import pyarrow.parquet as pq
 
     from pipeline.config import load_config
-    from pipeline.stage_generate import policy_messages
+    from pipeline.stages.base import policy_messages
 
     rows = pq.read_table(prompts_file, columns=["question"]).slice(0, k).to_pylist()
     instruction = load_config(None).instruction()
@@ -125,7 +125,7 @@ def main() -> None:
     if a.engine:
         child(a)
         return
-    from pipeline.engines import engine_process_env
+    from pipeline.engines.base import engine_process_env
     from pipeline.precision import bench_context, resolve_dtype
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -95,7 +95,7 @@ def candidate_rows(a: argparse.Namespace, cfg) -> list[dict]:
     import pyarrow.parquet as pq
 
     from pipeline.assets.benchmarks import ensure_benchmark
-    from pipeline.evaluate import select_problems
+    from pipeline.stages.eval import select_problems
 
     table = pq.read_table(ensure_benchmark(a.dataset, Path(a.data_dir) / "eval",
                                            cache_dir=Path(a.data_dir) / "cache")).to_pylist()
@@ -112,8 +112,7 @@ def select_training_items(a: argparse.Namespace) -> Path:
     from pipeline.config import load_config
     from pipeline.engines import make_engine
     from pipeline.grading import grade
-    from pipeline.stage_generate import policy_messages
-    from pipeline.stages import resolve_model
+    from pipeline.stages.base import policy_messages, resolve_model
 
     cfg = load_config(ROOT / "configs" / "default.yaml", base_overrides(a, 0))
     tag = (f"{a.dataset}-n{a.select_n}-k{a.select_k}-lo{a.pass_lo}-hi{a.pass_hi}-t{a.max_tokens}"
@@ -153,7 +152,7 @@ def selection_in_child(a: argparse.Namespace) -> Path:
     import os
     import subprocess
 
-    from pipeline.engines import engine_process_env
+    from pipeline.engines.base import engine_process_env
 
     env = {**os.environ, **engine_process_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--select-only"], stdout=subprocess.PIPE,
@@ -179,7 +178,7 @@ def _finished(a: argparse.Namespace, cfg, k: int) -> bool:
     not keys: round k-1's checkpoint may be pruned (its key would no longer compute); the run id
     (:func:`run_id`) ties a run to its settings instead."""
     from pipeline import storage
-    from pipeline.stages import round_paths
+    from pipeline.stages.base import round_paths
 
     p = round_paths(cfg, k)
     if storage.read_manifest(p["train_metrics"]) is None:
@@ -191,7 +190,7 @@ def _prune_checkpoint(cfg, k: int) -> None:
     """Delete round k's checkpoint (round k+1 is finished: nothing reads it again); its manifest
     stays, marked pruned, so later rounds' keys still resolve."""
     from pipeline import storage
-    from pipeline.stages import round_paths
+    from pipeline.stages.base import round_paths
 
     ckpt = round_paths(cfg, k)["checkpoint"]
     if k >= 1 and ckpt.is_dir():
@@ -204,7 +203,8 @@ def run_arm(a: argparse.Namespace, arm: str, seed: int, train_file: Path, round0
     """Rounds 1..K of one arm from its first unfinished round, eval at the scheduled rounds.
     Returns one ``{"arm", "seed", "round", "stage", "seconds"}`` dict per stage that ran."""
     from flows.runner import run_stage
-    from pipeline.stages import STAGES, round_paths
+    from pipeline.stages import STAGES
+    from pipeline.stages.base import round_paths
     from pipeline.storage import manifest_path
 
     cfg = arm_config(a, arm, seed, train_file)
@@ -232,7 +232,7 @@ def run_arm(a: argparse.Namespace, arm: str, seed: int, train_file: Path, round0
 def stage_seconds(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> dict[int, dict[str, float]]:
     """Seconds of each stage of each round, from the tables' manifests (``elapsed_s`` where recorded)."""
     from pipeline import storage
-    from pipeline.stages import round_paths
+    from pipeline.stages.base import round_paths
 
     cfg = arm_config(a, arm, seed, train_file)
     out: dict[int, dict[str, float]] = {}
@@ -250,7 +250,7 @@ def round_metrics(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
     """One dict per round 0..K from the run's tables."""
     import pyarrow.parquet as pq
 
-    from pipeline.stages import round_paths
+    from pipeline.stages.base import round_paths
 
     cfg = arm_config(a, arm, seed, train_file)
     secs = stage_seconds(a, arm, seed, train_file)
@@ -289,7 +289,7 @@ def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
     import pyarrow.parquet as pq
 
     from pipeline.core.significance import compare
-    from pipeline.stages import round_paths
+    from pipeline.stages.base import round_paths
 
     cfg = arm_config(a, arm, seed, train_file)
     p0, pk = round_paths(cfg, 0)["eval"], round_paths(cfg, a.rounds)["eval"]
@@ -391,7 +391,7 @@ def main() -> None:
         print(json.dumps({"bench": "learning", "selection_file": str(select_training_items(a))}), flush=True)
         return
     from pipeline.precision import bench_context
-    from pipeline.stages import round_paths
+    from pipeline.stages.base import round_paths
 
     ctx = bench_context()
     t0 = time.perf_counter()

@@ -39,8 +39,7 @@ def main() -> None:
     from pipeline.engines import make_engine
     from pipeline.grading import grade
     from pipeline.precision import bench_context
-    from pipeline.stage_generate import policy_messages
-    from pipeline.stages import resolve_model
+    from pipeline.stages.base import policy_messages, resolve_model
 
     cfg = load_config(ROOT / "configs" / "default.yaml", [f"data_dir={a.data_dir}",
                                                           f"rollout.sampling.max_tokens={a.max_tokens}"])

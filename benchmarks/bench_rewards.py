@@ -27,8 +27,8 @@ import pyarrow as pa
 from pipeline import storage
 from pipeline.config import load_config
 from pipeline.core.rewards import group_run_advantages, token_rewards
-from pipeline.stage_score import reward_stage
-from pipeline.stages import round_paths
+from pipeline.stages.base import round_paths
+from pipeline.stages.reward import reward_stage
 
 
 def synth(P: int, G: int, seed: int):
@@ -111,12 +111,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, [f"runs_dir={tmp}/runs", f"data_dir={tmp}/data", "run_id=bench"])
         write_inputs(cfg, n_tok, correct, rids, pids, step_len, weights)
-        import pipeline.stages as stages
+        import pipeline.stages.reward as reward_module
 
-        stages.stage_key = lambda *args, **kw: {"bench": True}  # inputs are synthetic: no prompt table
-        import pipeline.stage_score as ss
-
-        ss.stage_key = stages.stage_key
+        reward_module.reward_key = lambda *args, **kw: {"bench": True}  # inputs are synthetic: no prompt table
         stage_s = float("inf")
         for _ in range(a.repeats):  # best of N: the machine is shared and noisy
             t0 = time.perf_counter()

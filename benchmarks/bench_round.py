@@ -122,7 +122,8 @@ def rekey(cfg, round_idx: int, todo: list[str]) -> list[str]:
     """In a COPY only: re-commit the manifests of stages whose output exists but was produced under an
     older key (e.g. a config field added since) under today's key, so the resume path can be timed."""
     from pipeline import storage
-    from pipeline.stages import get_stage, round_paths, stage_key
+    from pipeline.stages import get_stage, stage_key
+    from pipeline.stages.base import round_paths
 
     done = []
     for item in todo:

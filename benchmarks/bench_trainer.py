@@ -241,7 +241,7 @@ def compare_memory(a: argparse.Namespace) -> None:
 
     peak = {}
     for name in MEMORY_VARIANTS:
-        from pipeline.engines import engine_process_env
+        from pipeline.engines.base import engine_process_env
 
         env = {**os.environ, **(engine_process_env() if name == "after" else {})}  # as the runner starts the stage
         out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child-memory", name], stdout=subprocess.PIPE,

@@ -33,7 +33,6 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline import storage
@@ -41,10 +40,23 @@ from pipeline.config import (
     EngineConfig,
     SamplingConfig,
     VLLMEngineConfig,
+    deep_merge,
     parse_overrides,
+    read_config_file,
 )
 from pipeline.core.critique import PARSER_VERSION, TEMPLATE_VERSION
-from pipeline.stages import StageResult, model_fingerprint, resolve_model
+from pipeline.schemas import (
+    CRITIC_EVAL_BENCHMARK_SCHEMA,
+    CRITIC_EVAL_CRITIQUES_SCHEMA,
+    CRITIC_EVAL_PREDICTIONS_SCHEMA,
+    CRITIC_EVAL_SCORES_SCHEMA,
+)
+from pipeline.stages.base import (
+    StageResult,
+    check_outputs,
+    model_fingerprint,
+    resolve_model,
+)
 
 log = logging.getLogger("capo.critic_eval")
 
@@ -153,15 +165,6 @@ class CriticEvalConfig(_Strict):
         return {(s if one else f"{s}/{pol}"): (s, pol) for s in self.setups() for pol in self.partial_critiques}
 
 
-def _merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        old = out.get(k)
-        same_type = isinstance(v, dict) and isinstance(old, dict) and v.get("type", old.get("type")) == old.get("type")
-        out[k] = _merge(old, v) if same_type else v
-    return out
-
-
 def load_eval_config(path: str | Path | None = None, overrides: list[str] | None = None) -> CriticEvalConfig:
     """Load a ``critic-eval`` YAML config and apply ``key=value`` overrides (YAML values, e.g.
     ``n_values=[1,2]`` or ``critics=[{name: big, model: Qwen/Qwen2.5-72B-Instruct, engine: {type:
@@ -171,13 +174,8 @@ def load_eval_config(path: str | Path | None = None, overrides: list[str] | None
         FileNotFoundError: no such config file.
         pydantic.ValidationError: an unknown key or a bad value.
     """
-    raw: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"config file {str(p)!r} not found (try configs/critic_eval.yaml)")
-        raw = yaml.safe_load(p.read_text()) or {}
-    return CriticEvalConfig.model_validate(_merge(raw, parse_overrides(overrides)))
+    raw = read_config_file(path, "configs/critic_eval.yaml") if path is not None else {}
+    return CriticEvalConfig.model_validate(deep_merge(raw, parse_overrides(overrides)))
 
 
 def write_resolved_config(cfg: CriticEvalConfig) -> Path:
@@ -189,81 +187,11 @@ def write_resolved_config(cfg: CriticEvalConfig) -> Path:
 
 
 # ------------------------------------------------------------------------------------------ tables
-CRITIQUES_SCHEMA = pa.schema([
-    pa.field("eval_name", pa.string(), nullable=False),  # CriticEvalConfig.name (for SQL across runs)
-    pa.field("setup", pa.string(), nullable=False),
-    pa.field("item_id", pa.string(), nullable=False),
-    pa.field("critique_idx", pa.int32(), nullable=False),
-    pa.field("critic_model", pa.string()),
-    pa.field("template_version", pa.string()),
-    pa.field("include_gold_answer", pa.bool_()),
-    pa.field("n_steps", pa.int32()),
-    pa.field("raw_text", pa.string()),
-    pa.field("wrong_steps", pa.list_(pa.int32())),  # the final list; null when it did not parse
-    pa.field("steps_judged", pa.list_(pa.int32())),  # steps with a line of their own
-    pa.field("steps_wrong_lines", pa.list_(pa.int32())),  # steps their own line calls wrong
-    pa.field("parse_status", pa.string(), nullable=False),
-    pa.field("critic_tokens", pa.int32()),
-    pa.field("finish_reason", pa.string()),
-])
-
-SCORES_SCHEMA = pa.schema(
-    [pa.field("eval_name", pa.string(), nullable=False),
-     pa.field("setup", pa.string(), nullable=False), pa.field("partial", pa.string()),
-     pa.field("subset", pa.string(), nullable=False),
-     pa.field("rule", pa.string(), nullable=False), pa.field("n", pa.int32(), nullable=False)]
-    + [pa.field(k, pa.int32()) for k in ("n_items", "n_erroneous", "n_correct")]
-    + [pa.field(k, pa.float64()) for k in (
-        "acc_erroneous", "acc_correct", "f1", "label_flagged", "step_precision", "step_recall", "flag_rate",
-        "parse_failure_rate", "no_valid_rate", "critic_tokens_per_item", "seconds_per_item")]
-)
-
-PREDICTIONS_SCHEMA = pa.schema([
-    pa.field("eval_name", pa.string(), nullable=False),
-    pa.field("setup", pa.string(), nullable=False),
-    pa.field("partial", pa.string()),
-    pa.field("item_id", pa.string(), nullable=False),
-    pa.field("kind", pa.string()),
-    pa.field("rule", pa.string(), nullable=False),
-    pa.field("n", pa.int32(), nullable=False),
-    pa.field("label", pa.int32()),
-    pa.field("earliest_flagged", pa.int32()),  # -1 = nothing flagged
-    pa.field("n_valid", pa.int32()),
-    pa.field("weights", pa.list_(pa.float32())),  # (S,) vote weight per step
-])
-
-
-def _conform(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
-    """``table`` in ``schema``'s column order and types (ValueError naming missing columns)."""
-    missing = [f.name for f in schema if f.name not in table.column_names]
-    if missing:
-        raise ValueError(f"{where} lacks columns {missing}; expected {schema.names}")
-    return table.select(schema.names).cast(schema)
-
-
-def write_output(table: pa.Table, path: Path, schema: pa.Schema, *, stage: str, key: dict, extra: dict | None = None) -> dict:
-    """Conform ``table`` to ``schema`` and write it with :func:`pipeline.storage.write_parquet`
-    (atomic, manifest committed, an earlier output superseded). Returns the manifest."""
-    return storage.write_parquet(_conform(table, schema, stage), path, stage=stage, key=key, extra=extra)
-
-
 def paths(cfg: CriticEvalConfig) -> dict[str, Path]:
     rd = cfg.run_dir()
     return {"run_dir": rd, "benchmark": rd / "benchmark.parquet", "critiques_dir": rd / "critiques",
             "scores": rd / "scores.parquet", "predictions": rd / "predictions.parquet",
             "report": rd / "report.md", "plot": rd / "f1_vs_n.png"}
-
-
-def _skip_or_log(stage: str, outs: list[Path], key: dict, force: bool) -> StageResult | None:
-    """A skipped StageResult when every output is current under ``key`` (and not ``force``)."""
-    curs = [storage.is_current(o, key) for o in outs]
-    stale = next((c for c in curs if not c.current), None)
-    if stale is None and not force:
-        res = StageResult(stage, str(outs[0]), True, curs[0].reason)
-        log.info(res.line())
-        return res
-    log.info("[%s] running: %s", stage, stale.reason if stale else "forced")
-    return None
 
 
 # ---------------------------------------------------------------------------------------- benchmark
@@ -297,15 +225,15 @@ def benchmark_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
             raise FileNotFoundError(f"benchmark file {src} not found; give a ProcessBench .jsonl/.parquet "
                                     f"or {BUILTIN_BENCHMARK!r}")
         key = {"source": str(src), "file": storage.file_sha256(src), "max_items": b.max_items}
-    if (res := _skip_or_log("benchmark", [out], key, force)) is not None:
+    if (res := check_outputs("benchmark", [out], key, force)).skipped:
         return res
     t0 = time.perf_counter()
     if b.source == BUILTIN_BENCHMARK:
         rows = critic_bench.build_benchmark(pq.read_table(src).to_pylist(), b.n_problems, cfg.seed, b.adversarial)
     else:
         rows = critic_bench.processbench_rows(_read_records(src)[: b.max_items], src.stem)
-    table = pa.Table.from_pylist(rows, schema=critic_bench.BENCHMARK_SCHEMA)
-    man = write_output(table, out, critic_bench.BENCHMARK_SCHEMA, stage="benchmark", key=key)
+    table = pa.Table.from_pylist(rows, schema=CRITIC_EVAL_BENCHMARK_SCHEMA)
+    man = storage.write_table(table, out, "critic_eval_benchmark", stage="benchmark", key=key)
     return StageResult("benchmark", str(out), False, "built", man["rows"], time.perf_counter() - t0)
 
 
@@ -319,11 +247,9 @@ def _benchmark_fingerprint(cfg: CriticEvalConfig) -> str:
 
 
 def read_benchmark(cfg: CriticEvalConfig) -> list[dict]:
-    from critic_eval.items import BENCHMARK_SCHEMA
-
     path = paths(cfg)["benchmark"]
     _benchmark_fingerprint(cfg)
-    return _conform(pq.read_table(path), BENCHMARK_SCHEMA, str(path)).to_pylist()
+    return storage.read_table(path, "critic_eval_benchmark").to_pylist()
 
 
 # ----------------------------------------------------------------------------------------- critique
@@ -352,7 +278,7 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
         raise KeyError(f"unknown setup {setup!r}; valid: {list(cfg.setups())}")
     critic, gold = cfg.setups()[setup]
     out, key = critique_path(cfg, setup), critique_key(cfg, setup)
-    if (res := _skip_or_log("critique", [out], key, force)) is not None:
+    if (res := check_outputs("critique", [out], key, force)).skipped:
         return res
     items = read_benchmark(cfg)
     model = resolve_model(critic.model, cfg)
@@ -377,8 +303,8 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
                          "finish_reason": s.finish_reason})
     secs = time.perf_counter() - t0
     log.info("[critique] %s: %s", setup, json.dumps(stats))
-    man = write_output(pa.Table.from_pylist(rows, schema=CRITIQUES_SCHEMA), out, CRITIQUES_SCHEMA,
-                       stage="critique", key=key, extra={"elapsed_s": round(secs, 3), "engine": stats,
+    man = storage.write_table(pa.Table.from_pylist(rows, schema=CRITIC_EVAL_CRITIQUES_SCHEMA), out,
+                              "critic_eval_critiques", stage="critique", key=key, extra={"elapsed_s": round(secs, 3), "engine": stats,
                                                          "critic": model, "setup": setup})
     return StageResult("critique", str(out), False, "sampled", man["rows"], secs)
 
@@ -425,7 +351,7 @@ def score_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
 
     p = paths(cfg)
     key = score_key(cfg)
-    if (res := _skip_or_log("score", [p["scores"], p["predictions"]], key, force)) is not None:
+    if (res := check_outputs("score", [p["scores"], p["predictions"]], key, force)).skipped:
         return res
     t0 = time.perf_counter()
     items = read_benchmark(cfg)
@@ -435,7 +361,7 @@ def score_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
         path = critique_path(cfg, setup)
         if storage.read_manifest(path) is None:
             raise FileNotFoundError(f"{path} is missing or uncommitted; run the critique stage of setup {setup!r} first")
-        crit = _conform(pq.read_table(path), CRITIQUES_SCHEMA, str(path)).to_pylist()
+        crit = storage.read_table(path, "critic_eval_critiques").to_pylist()
         evals = _eval_items(items, crit, setup, partial)
         spt = _seconds_per_token(storage.read_manifest(path) or {})
         for subset, idx in groups.items():
@@ -452,10 +378,10 @@ def score_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
                                   "kind": it["kind"],
                                   "rule": rule, "n": n, "label": it["label"], "earliest_flagged": pr.earliest,
                                   "n_valid": pr.n_valid, "weights": pr.weights.tolist()})
-    write_output(pa.Table.from_pylist(preds, schema=PREDICTIONS_SCHEMA), p["predictions"], PREDICTIONS_SCHEMA,
-                 stage="score", key=key)
-    man = write_output(pa.Table.from_pylist(scores, schema=SCORES_SCHEMA), p["scores"], SCORES_SCHEMA,
-                       stage="score", key=key, extra={"elapsed_s": round(time.perf_counter() - t0, 3)})
+    storage.write_table(pa.Table.from_pylist(preds, schema=CRITIC_EVAL_PREDICTIONS_SCHEMA), p["predictions"],
+                        "critic_eval_predictions", stage="score", key=key)
+    man = storage.write_table(pa.Table.from_pylist(scores, schema=CRITIC_EVAL_SCORES_SCHEMA), p["scores"],
+                              "critic_eval_scores", stage="score", key=key, extra={"elapsed_s": round(time.perf_counter() - t0, 3)})
     return StageResult("score", str(p["scores"]), False, "scored", man["rows"], time.perf_counter() - t0)
 
 
@@ -516,7 +442,7 @@ def report_stage(cfg: CriticEvalConfig) -> StageResult:
 
     p = paths(cfg)
     t0 = time.perf_counter()
-    scores = _conform(pq.read_table(p["scores"]), SCORES_SCHEMA, str(p["scores"])).to_pylist()
+    scores = storage.read_table(p["scores"], "critic_eval_scores").to_pylist()
     items = read_benchmark(cfg)
     kinds: dict[str, int] = {}
     for it in items:
@@ -535,7 +461,7 @@ def report_stage(cfg: CriticEvalConfig) -> StageResult:
     for setup in cfg.setups():
         path = critique_path(cfg, setup)
         if path.is_file():
-            verdicts[setup] = verdict_distribution(_conform(pq.read_table(path), CRITIQUES_SCHEMA, str(path)).to_pylist())
+            verdicts[setup] = verdict_distribution(storage.read_table(path, "critic_eval_critiques").to_pylist())
     b = cfg.benchmark
     desc = (f"`{b.source}` ({b.split} split, {b.n_problems} problems, seed {cfg.seed})"
             if b.source == BUILTIN_BENCHMARK else f"`{b.source}`")

@@ -3,7 +3,7 @@
 Every model-loading stage runs as ``python -m flows.cli stage ...`` (or ``flows.critic_eval``, or
 an ``accelerate launch`` of ``train.trainer``): a child gets the resolved config as a YAML file,
 logs its lines through :func:`stream_child`, and reports its :class:`pipeline.stages.StageResult`
-as one JSON line after a result tag (:data:`pipeline.stages.RESULT_TAG`).
+as one JSON line after a result tag (:data:`pipeline.stages.base.RESULT_TAG`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pipeline.config import CAPOConfig
 from pipeline.config import write_resolved_config as write_config
-from pipeline.stages import RESULT_TAG, round_paths
+from pipeline.stages.base import RESULT_TAG, round_paths
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -50,7 +50,7 @@ def setup(
 ) -> None:
     """Convert the config's embedded models to HF checkpoints and ingest its prompt tables."""
     _setup_logging()
-    from pipeline.stages import prompts_path, resolve_model
+    from pipeline.stages.base import prompts_path, resolve_model
 
     cfg = _cfg(config, overrides, preset)
     out = {"policy": resolve_model(cfg.rollout.policy, cfg)}
@@ -72,7 +72,7 @@ def round_cmd(
 ) -> None:
     """Run one round (every stage, skipping finished ones) without Prefect."""
     _setup_logging()
-    from pipeline.engine_host import policy_engine_session
+    from pipeline.engines.host import policy_engine_session
 
     cfg = _cfg(config, overrides, preset)
     with policy_engine_session(cfg):
@@ -90,7 +90,7 @@ def run_cmd(
     """Run K on-policy rounds without Prefect (round k+1 samples from round k's checkpoint); a
     killed run started again continues from the first unfinished stage of the first unfinished round."""
     _setup_logging()
-    from pipeline.engine_host import policy_engine_session
+    from pipeline.engines.host import policy_engine_session
 
     cfg = _cfg(config, overrides, preset)
     with policy_engine_session(cfg):  # scale.policy_engine=persistent: one policy engine for all rounds
@@ -134,7 +134,7 @@ def stage(
     import resource
 
     from flows.runner import run_stage, stage_function
-    from pipeline.stages import RESULT_TAG
+    from pipeline.stages.base import RESULT_TAG
 
     cfg = _cfg(config, overrides, preset)
     if shards is not None:
@@ -144,7 +144,7 @@ def stage(
             ids = [int(x) for x in shards.split(",") if x.strip()]
         except ValueError:
             raise typer.BadParameter(f"--shards takes comma-separated shard ids (e.g. 0,3,5), got {shards!r}")
-        from pipeline.stage_generate import critique_shards
+        from pipeline.stages.critique import critique_shards
 
         out = critique_shards(cfg, round, ids)
         out["peak_rss_mb"] = float(f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f}")
@@ -173,7 +173,7 @@ def noise_floor_cmd(
     import os
 
     _setup_logging()
-    from pipeline.engines import batch_invariant_env
+    from pipeline.engines.base import batch_invariant_env
 
     os.environ.update(batch_invariant_env())  # before vLLM is imported, as the runner gives the eval stage
     from pipeline.noise_floor import measure_noise_floor

@@ -28,7 +28,7 @@ from prefect.cache_policies import NO_CACHE
 
 from critic_eval import stages as ces
 from flows.children import stream_child
-from pipeline.stages import StageResult
+from pipeline.stages.base import StageResult
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = str(REPO / "configs" / "critic_eval.yaml")

@@ -5,7 +5,7 @@ same is-it-current check as every stage, so a finished critique stage never star
 hands the stage to :func:`run_critique_fanout`. That runs the Prefect flow ``critique-fanout`` on a
 ``DaskTaskRunner`` / ``RayTaskRunner`` (optional extra ``fanout``: ``pip install -e '.[fanout]'``):
 
-1. in this process: plan the round's shards (:func:`pipeline.stage_generate.critique_shard_plan`:
+1. in this process: plan the round's shards (:func:`pipeline.stages.critique.critique_shard_plan`:
    the rollouts in table order, ``critique.batch_rollouts`` per shard), keep those already
    committed under the stage key, and split the others into ``scale.critique.workers`` contiguous
    chunks (:func:`split_chunks`);
@@ -39,7 +39,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 
 from pipeline.config import CAPOConfig, CritiqueFanoutConfig, load_config
-from pipeline.stages import StageResult
+from pipeline.stages.base import StageResult
 
 INSTALL_HINT = "pip install -e '.[fanout]'"
 """How to install the optional packages the dask and ray runners need."""
@@ -132,14 +132,14 @@ def split_chunks(shard_ids: list[int], workers: int) -> list[list[int]]:
 def critique_chunk(config_path: str, round_idx: int, chunk_idx: int, shard_ids: list[int], runner: str) -> dict:
     """Compute and commit critique shards ``shard_ids`` in a child process (``capo stage critique
     --shards``) started from the Dask / Ray worker this task runs on; its log lines are streamed
-    to the task's log. Returns the child's :func:`pipeline.stage_generate.critique_shards` result
+    to the task's log. Returns the child's :func:`pipeline.stages.critique.critique_shards` result
     plus where it ran (``worker_pid``, ``worker_host``: the Dask / Ray worker that started it).
 
     Raises:
         RuntimeError: the child process failed (exit code and last output lines in the message).
     """
     from flows.children import stream_child
-    from pipeline.engines import engine_process_env
+    from pipeline.engines.base import engine_process_env
 
     cmd = [sys.executable, "-m", "flows.cli", "stage", "critique", "--config", config_path,
            "--round", str(round_idx), "--shards", ",".join(str(s) for s in shard_ids)]
@@ -180,7 +180,7 @@ def critique_fanout(config_path: str, round_idx: int, force: bool = False) -> di
         RuntimeError: a chunk failed (the shards other chunks committed are kept: a re-run
             computes only what is missing).
     """
-    from pipeline.stage_generate import critique_stage
+    from pipeline.stages.critique import critique_stage
 
     cfg = load_config(config_path)
     fan = cfg.scale.critique

@@ -18,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.runner import round_plan, run_stage, write_round_summary
 from pipeline.config import load_config
-from pipeline.engine_host import policy_engine_session
+from pipeline.engines.host import policy_engine_session
 from pipeline.storage import refresh_catalog
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.yaml")
@@ -87,7 +87,7 @@ def capo_run(rounds: int = 2, start_round: int = 1, config: str = DEFAULT_CONFIG
     """Run rounds ``start_round .. start_round + rounds - 1`` on-policy (each from the last checkpoint).
 
     With ``scale.policy_engine=persistent`` one vLLM policy engine serves every round's rollout
-    and eval stages, loading each new checkpoint in place (:mod:`pipeline.engine_host`).
+    and eval stages, loading each new checkpoint in place (:mod:`pipeline.engines.host`).
     """
     cfg = load_config(config, list(overrides or []), preset)
     with policy_engine_session(cfg, get_run_logger()):

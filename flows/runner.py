@@ -18,11 +18,12 @@ from pathlib import Path
 from flows.children import stream_child, write_resolved_config
 from pipeline import storage
 from pipeline.config import CAPOConfig, section_hash
-from pipeline.stages import STAGES, StageResult, get_stage, round_paths, stage_key
+from pipeline.stages import STAGES, get_stage, stage_key
+from pipeline.stages.base import StageResult, round_paths
 
 
 def stage_function(name: str):
-    """The function that computes stage ``name`` (:meth:`pipeline.stages.Stage.load`: imported
+    """The function that computes stage ``name`` (:meth:`pipeline.stages.base.Stage.load`: imported
     lazily, so models load only when needed).
 
     Raises:
@@ -154,11 +155,11 @@ def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logge
         cmd = [sys.executable, "-m", "flows.cli", "stage", name, "--config", str(conf), "--round", str(round_idx)]
     if force:
         cmd.append("--force")
-    from pipeline.engines import engine_process_env
+    from pipeline.engines.base import engine_process_env
 
     extra = engine_process_env() if name in ("rollout", "critique", "eval", "train") else {}
     if name == "eval":
-        from pipeline.engines import batch_invariant_env
+        from pipeline.engines.base import batch_invariant_env
 
         extra.update(batch_invariant_env())
     payload = stream_child(cmd, name, logger, f"stage {name!r} of round {round_idx}", extra)

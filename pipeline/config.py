@@ -422,7 +422,7 @@ def parse_overrides(overrides: list[str] | None) -> dict:
     return out
 
 
-def _deep_merge(base: dict, extra: dict) -> dict:
+def deep_merge(base: dict, extra: dict) -> dict:
     """``extra`` over ``base``, section by section. A section that switches a tagged union to
     another ``type`` (``critique.engine.type=openai``) replaces the old one: the old variant's
     fields would be unknown to the new one."""
@@ -430,7 +430,7 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     for k, v in extra.items():
         old = out.get(k)
         if isinstance(v, dict) and isinstance(old, dict) and v.get("type", old.get("type")) == old.get("type"):
-            out[k] = _deep_merge(old, v)
+            out[k] = deep_merge(old, v)
         else:
             out[k] = v
     return out
@@ -456,6 +456,22 @@ def load_preset(name: str) -> dict:
     return yaml.safe_load(path.read_text()) or {}
 
 
+def read_config_file(path: str | Path, example: str) -> dict:
+    """The mapping a YAML config file holds (an empty file: ``{}``); ``example`` is named in errors.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file does not hold a mapping.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {str(p)!r} not found (try {example})")
+    raw = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {str(p)!r} must hold a mapping, got {type(raw).__name__}")
+    return raw
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None,
                 preset: str | None = None) -> CAPOConfig:
     """Load a YAML config (built-in defaults when ``path`` is None), then a preset, then overrides.
@@ -469,18 +485,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         pydantic.ValidationError: an unknown key, a bad value or an impossible combination (the
             message names them and the valid choices).
     """
-    raw: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"config file {str(p)!r} not found (try configs/default.yaml)")
-        raw = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ValueError(f"config file {str(p)!r} must hold a mapping, got {type(raw).__name__}")
+    raw = read_config_file(path, "configs/default.yaml") if path is not None else {}
     if preset:
-        raw = _deep_merge(raw, {"variant": preset, **load_preset(preset)})
+        raw = deep_merge(raw, {"variant": preset, **load_preset(preset)})
     extra = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
-    return CAPOConfig.model_validate(_deep_merge(raw, extra))
+    return CAPOConfig.model_validate(deep_merge(raw, extra))
 
 
 def section_hash(cfg: CAPOConfig | BaseModel | dict | Any, *sections: str) -> str:

@@ -38,8 +38,7 @@ import torch
 from pipeline import storage
 from pipeline.config import CAPOConfig
 from pipeline.core.significance import compare
-from pipeline.evaluate import eval_path, evaluate_policy
-from pipeline.stages import eval_key, eval_policy
+from pipeline.stages.eval import eval_key, eval_path, eval_policy, evaluate_policy
 
 log = logging.getLogger("capo.noise_floor")
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from pipeline import storage
 from pipeline.assets.benchmarks import BENCHMARKS
-from pipeline.evaluate import summarize_eval
+from pipeline.stages.eval import summarize_eval
 
 log = logging.getLogger("capo.report")
 

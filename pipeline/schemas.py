@@ -153,6 +153,64 @@ EVAL_SCHEMA = pa.schema(
     ]
 )
 
+# --------------------------------------------------------------------- critic-eval (critic_eval/)
+CRITIC_EVAL_BENCHMARK_SCHEMA = pa.schema([
+    pa.field("id", pa.string(), nullable=False),
+    pa.field("problem", pa.string(), nullable=False),
+    pa.field("steps", pa.list_(pa.string()), nullable=False),  # shown to the critic
+    pa.field("label", pa.int32(), nullable=False),  # first wrong step, -1 when all are right
+    pa.field("gold_answer", pa.string()),
+    pa.field("step_labels", pa.list_(pa.int32())),  # 1 = the step is wrong; null when unknown
+    pa.field("kind", pa.string(), nullable=False),  # original | carried | as_was | adv_* | external
+    pa.field("source_id", pa.string()),  # prompt_id of the GSM8K problem
+    pa.field("annotated_steps", pa.list_(pa.string())),  # steps with <<expr=result>>; audit only
+    pa.field("corruption", pa.string()),  # e.g. "step 1: 18 -> 180 (x10)"
+])
+
+CRITIC_EVAL_CRITIQUES_SCHEMA = pa.schema([
+    pa.field("eval_name", pa.string(), nullable=False),  # critic_eval.stages.CriticEvalConfig.name (for SQL across runs)
+    pa.field("setup", pa.string(), nullable=False),
+    pa.field("item_id", pa.string(), nullable=False),
+    pa.field("critique_idx", pa.int32(), nullable=False),
+    pa.field("critic_model", pa.string()),
+    pa.field("template_version", pa.string()),
+    pa.field("include_gold_answer", pa.bool_()),
+    pa.field("n_steps", pa.int32()),
+    pa.field("raw_text", pa.string()),
+    pa.field("wrong_steps", pa.list_(pa.int32())),  # the final list; null when it did not parse
+    pa.field("steps_judged", pa.list_(pa.int32())),  # steps with a line of their own
+    pa.field("steps_wrong_lines", pa.list_(pa.int32())),  # steps their own line calls wrong
+    pa.field("parse_status", pa.string(), nullable=False),
+    pa.field("critic_tokens", pa.int32()),
+    pa.field("finish_reason", pa.string()),
+])
+
+CRITIC_EVAL_SCORES_SCHEMA = pa.schema(
+    [pa.field("eval_name", pa.string(), nullable=False),
+     pa.field("setup", pa.string(), nullable=False), pa.field("partial", pa.string()),
+     pa.field("subset", pa.string(), nullable=False),
+     pa.field("rule", pa.string(), nullable=False), pa.field("n", pa.int32(), nullable=False)]
+    + [pa.field(k, pa.int32()) for k in ("n_items", "n_erroneous", "n_correct")]
+    + [pa.field(k, pa.float64()) for k in (
+        "acc_erroneous", "acc_correct", "f1", "label_flagged", "step_precision", "step_recall", "flag_rate",
+        "parse_failure_rate", "no_valid_rate", "critic_tokens_per_item", "seconds_per_item")]
+)
+
+CRITIC_EVAL_PREDICTIONS_SCHEMA = pa.schema([
+    pa.field("eval_name", pa.string(), nullable=False),
+    pa.field("setup", pa.string(), nullable=False),
+    pa.field("partial", pa.string()),
+    pa.field("item_id", pa.string(), nullable=False),
+    pa.field("kind", pa.string()),
+    pa.field("rule", pa.string(), nullable=False),
+    pa.field("n", pa.int32(), nullable=False),
+    pa.field("label", pa.int32()),
+    pa.field("earliest_flagged", pa.int32()),  # -1 = nothing flagged
+    pa.field("n_valid", pa.int32()),
+    pa.field("weights", pa.list_(pa.float32())),  # (S,) vote weight per step
+])
+
+
 SCHEMAS: dict[str, pa.Schema] = {
     "prompts": PROMPTS_SCHEMA,
     "rollouts": ROLLOUTS_SCHEMA,
@@ -163,6 +221,10 @@ SCHEMAS: dict[str, pa.Schema] = {
     "token_rewards": TOKEN_REWARDS_SCHEMA,
     "train_metrics": TRAIN_METRICS_SCHEMA,
     "eval": EVAL_SCHEMA,
+    "critic_eval_benchmark": CRITIC_EVAL_BENCHMARK_SCHEMA,
+    "critic_eval_critiques": CRITIC_EVAL_CRITIQUES_SCHEMA,
+    "critic_eval_scores": CRITIC_EVAL_SCORES_SCHEMA,
+    "critic_eval_predictions": CRITIC_EVAL_PREDICTIONS_SCHEMA,
 }
 
 

@@ -303,7 +303,7 @@ CATALOG_NAME = "catalog.duckdb"
 CATALOG_STORAGE_VERSION = "v1.2.0"
 """Storage version of the catalog file, so the PyPI ``duckdb-cli`` (1.5.x) can open it too."""
 
-_GLOBS = {
+CATALOG_GLOBS = {
     "rollouts": "*/round_*/rollouts.parquet",
     "outcomes": "*/round_*/outcomes.parquet",
     "steps": "*/round_*/steps.parquet",
@@ -373,7 +373,7 @@ FROM g LEFT JOIN pk ON g.run_id = pk.run_id AND g.round = pk.round AND g.benchma
                        AND g.variant IS NOT DISTINCT FROM pk.variant
 ORDER BY run_id, round, variant NULLS FIRST, benchmark
 """
-"""Per run, round, variant and benchmark: :func:`pipeline.evaluate.summarize_eval` in SQL (pass@k as
+"""Per run, round, variant and benchmark: :func:`pipeline.stages.eval.summarize_eval` in SQL (pass@k as
 any-correct: every sampled problem has n = k samples)."""
 
 
@@ -399,7 +399,7 @@ def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
     con = duckdb.connect()
     try:
         con.execute(f"ATTACH '{tmp}' AS cat (STORAGE_VERSION '{CATALOG_STORAGE_VERSION}')")
-        views = dict(_GLOBS)
+        views = dict(CATALOG_GLOBS)
         sources = {name: str(runs_dir / pattern) for name, pattern in views.items()}
         if data_dir is not None:
             sources["prompts"] = str(Path(data_dir).resolve() / "prompts" / "*.parquet")

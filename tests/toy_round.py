@@ -12,7 +12,7 @@ import pyarrow as pa
 from pipeline import storage
 from pipeline.config import load_config
 from pipeline.schemas import SCHEMAS
-from pipeline.stages import round_paths
+from pipeline.stages.base import round_paths
 
 # --------------------------------------------------------------------------- hand-built round
 #

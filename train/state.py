@@ -12,7 +12,7 @@ import torch
 
 from pipeline import storage
 from pipeline.config import CAPOConfig
-from pipeline.stages import round_paths
+from pipeline.stages.base import round_paths
 
 log = logging.getLogger("capo.train")
 

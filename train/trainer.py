@@ -34,13 +34,8 @@ import torch
 from pipeline import storage
 from pipeline.config import CAPOConfig, TrainConfig, load_config
 from pipeline.schemas import TRAIN_METRICS_SCHEMA
-from pipeline.stages import (
-    StageResult,
-    policy_for_round,
-    provenance,
-    round_paths,
-    stage_key,
-)
+from pipeline.stages import stage_key
+from pipeline.stages.base import StageResult, policy_for_round, provenance, round_paths
 from train.distributed import (
     dummy_micro_batch,
     force_cpu,
@@ -65,7 +60,8 @@ _TOKEN_MEANS = {"clip_frac", "approx_kl", "ratio_mean"}  # token means in any lo
 
 def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_id: int, seed: int,
                accelerator, ref_model=None, temperature: float = 1.0, fuse_head: bool | None = None) -> list[dict]:
-    """One round of PPO-clip: old log-probs first, then ``ppo_epochs`` x ``num_mini_batches`` steps.
+    """One round of PPO-clip: old log-probs first (:func:`old_logprobs`), then ``ppo_epochs`` x
+    ``num_mini_batches`` optimizer steps, each over the gradients of :func:`accumulate_gradients`.
 
     ``examples`` is the whole round, identical on every process. Micro-batches are fixed groups of
     ``micro_batch_size`` consecutive examples; :func:`plan_steps` groups them into mini-batches
@@ -119,82 +115,23 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
     Raises:
         ValueError: ``examples`` is empty.
     """
-    from accelerate.utils import DistributedType
-
     if not examples:
         raise ValueError("ppo_update needs at least one example")
-    rank, world = accelerator.process_index, accelerator.num_processes
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    world = accelerator.num_processes
     micro = [collate(examples[i : i + tc.micro_batch_size], pad_id) for i in range(0, len(examples), tc.micro_batch_size)]
-    t_global = max(len(e.response_ids) for e in examples)
+    t_global = max(len(e.response_ids) for e in examples)  # the round's longest response (seq-mean-token-sum-norm)
     steps = plan_steps(len(micro), tc, seed)
     shares = [sorted({j for _, chunk in steps for j in rank_share(chunk, r, world)}) for r in range(world)]
-    dummy = dummy_micro_batch(pad_id)
-    T = temperature
     fuse = not shards_parameters(accelerator) if fuse_head is None else fuse_head  # a sharded head is whole only in forward
-    model.eval()
-    diff = torch.zeros(5, dtype=torch.float64)  # sum |old - engine|, tokens compared, sum entropy, tokens, max
-    with torch.no_grad():  # old (and reference) log-probs of this process's micro-batches, before any update
-        for j in shares[rank]:
-            lp_old, ent = token_logprobs(model, micro[j], T, with_entropy=True, fuse_head=fuse)
-            micro[j]["old_logprobs"] = lp_old.cpu()
-            diff[2] += float(ent.sum())
-            diff[3] += float(micro[j]["mask"].sum())
-            if ref_model is not None:
-                with accelerator.autocast():  # the policy's forward runs under this autocast too
-                    micro[j]["ref_logprobs"] = token_logprobs(ref_model, micro[j], T).cpu()
-            elp = micro[j]["engine_logprobs"]
-            ok = micro[j]["mask"] & torch.isfinite(elp)
-            if ok.any():
-                d = (micro[j]["old_logprobs"] - elp)[ok].abs().double()
-                diff[0] += float(d.sum())
-                diff[1] += float(ok.sum())
-                diff[4] = max(float(diff[4]), float(d.max()))
-        for _ in range(max(map(len, shares)) - len(shares[rank])):
-            token_logprobs(model, dummy, T, fuse_head=fuse)  # forwards are collective under DDP (buffers) and FSDP/ZeRO-3
-    if world > 1:
-        mx = accelerator.reduce(diff[4:].to(accelerator.device), reduction="max")
-        diff = torch.cat([accelerator.reduce(diff[:4].to(accelerator.device), reduction="sum").cpu(), mx.cpu()])
-    mismatch = {"engine_logprob_diff_mean": float(diff[0] / diff[1]) if diff[1] > 0 else float("nan"),
-                "engine_logprob_diff_max": float(diff[4]) if diff[1] > 0 else float("nan"),
-                "entropy": float(diff[2] / diff[3]) if diff[3] > 0 else float("nan")}
+    mismatch = old_logprobs(model, micro, shares, accelerator, ref_model, temperature, fuse, pad_id)
     model.train()
     params = list(model.parameters())  # all of them: FSDP's clip_grad_norm_ path needs exactly these
-    # learning rate 0 (the no-update control arm): the same forward passes and metrics, no backward
-    # and no optimizer step (on every process alike, so no collective is left waiting)
-    update = any(g["lr"] > 0 for g in optimizer.param_groups)
+    update = any(g["lr"] > 0 for g in optimizer.param_groups)  # lr 0 (the control arm): no backward, no step
     metrics = []
     for step, (epoch, chunk) in enumerate(steps):
         t0 = time.perf_counter()
-        share = rank_share(chunk, rank, world)
-        calls = -(-len(chunk) // world)  # ceil: the busiest process's micro-batches this step
-        total = sum(loss_normalizer(tc.loss_agg_mode, micro[j], t_global) for j in chunk)
-        ntok = int(sum(micro[j]["mask"].sum() for j in chunk))
-        local = torch.zeros(len(_METRICS), dtype=torch.float64)
-        for i in range(calls):
-            real = i < len(share)
-            mb = micro[share[i]] if real else dummy
-            sync = i == calls - 1
-            if deepspeed:
-                accelerator.sync_gradients = sync  # DeepSpeed reduces and steps inside backward at the boundary
-            with contextlib.nullcontext() if sync else accelerator.no_sync(model), torch.set_grad_enabled(update):
-                lp = token_logprobs(model, mb, T, fuse_head=fuse)
-                dev = lp.device
-                out = ppo_clip_loss(lp, mb["old_logprobs"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev),
-                                    tc.clip_low, tc.clip_high, tc.loss_agg_mode,
-                                    ref_logprobs=mb["ref_logprobs"].to(dev) if ref_model is not None else None,
-                                    kl_coef=tc.kl_coef)
-                w = 0.0
-                if real:
-                    w = loss_normalizer(tc.loss_agg_mode, mb, t_global) / total
-                    if tc.loss_agg_mode == "seq-mean-token-sum-norm":
-                        w *= mb["mask"].size(1) / t_global  # agg used the micro-batch's own T
-                if update:
-                    accelerator.backward(out.loss * (w * world))  # x world: the gradient all-reduce averages
-            if real:
-                wt = float(mb["mask"].sum()) / max(ntok, 1)
-                local += torch.tensor([float(getattr(out, k).detach()) * (wt if k in _TOKEN_MEANS else w) for k in _METRICS],
-                                      dtype=torch.float64)
+        local, ntok = accumulate_gradients(model, micro, chunk, tc, accelerator, t_global, temperature, fuse, pad_id,
+                                           ref_model is not None, update)
         grad_norm = None
         if update:
             grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm)
@@ -209,6 +146,101 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
         if accelerator.is_main_process:
             log.info("[train] step %d: %s", step, json.dumps({k: round(v, 5) for k, v in metrics[-1].items()}))
     return metrics
+
+
+def old_logprobs(model, micro: list[dict], shares: list[list[int]], accelerator, ref_model, temperature: float,
+                 fuse_head: bool, pad_id: int) -> dict:
+    """Old (and reference) log-probs of this process's micro-batches, before any update; stored in
+    place as ``micro[j]["old_logprobs"]`` / ``["ref_logprobs"]``, (B, T) float32 on the CPU.
+
+    Runs in ``model.eval()`` mode (no dropout) under the update's autocast. A process with fewer
+    micro-batches than the busiest runs dummy forwards (forwards are collective under DDP buffers
+    and FSDP/ZeRO-3).
+
+    Returns:
+        The round's rollout/trainer mismatch and entropy, reduced over processes:
+        ``engine_logprob_diff_mean`` / ``engine_logprob_diff_max`` (|old - engine log-prob| over
+        response tokens with an engine log-prob, nats; NaN without any) and ``entropy`` (token
+        mean of the tempered distribution, nats).
+    """
+    rank, world = accelerator.process_index, accelerator.num_processes
+    model.eval()
+    diff = torch.zeros(5, dtype=torch.float64)  # sum |old - engine|, tokens compared, sum entropy, tokens, max
+    with torch.no_grad():
+        for j in shares[rank]:
+            mb = micro[j]
+            lp_old, ent = token_logprobs(model, mb, temperature, with_entropy=True, fuse_head=fuse_head)
+            mb["old_logprobs"] = lp_old.cpu()
+            diff[2] += float(ent.sum())
+            diff[3] += float(mb["mask"].sum())
+            if ref_model is not None:
+                with accelerator.autocast():  # the policy's forward runs under this autocast too
+                    mb["ref_logprobs"] = token_logprobs(ref_model, mb, temperature).cpu()
+            ok = mb["mask"] & torch.isfinite(mb["engine_logprobs"])
+            if ok.any():
+                d = (mb["old_logprobs"] - mb["engine_logprobs"])[ok].abs().double()
+                diff[0] += float(d.sum())
+                diff[1] += float(ok.sum())
+                diff[4] = max(float(diff[4]), float(d.max()))
+        dummy = dummy_micro_batch(pad_id)
+        for _ in range(max(map(len, shares)) - len(shares[rank])):
+            token_logprobs(model, dummy, temperature, fuse_head=fuse_head)
+    if world > 1:
+        mx = accelerator.reduce(diff[4:].to(accelerator.device), reduction="max")
+        diff = torch.cat([accelerator.reduce(diff[:4].to(accelerator.device), reduction="sum").cpu(), mx.cpu()])
+    return {"engine_logprob_diff_mean": float(diff[0] / diff[1]) if diff[1] > 0 else float("nan"),
+            "engine_logprob_diff_max": float(diff[4]) if diff[1] > 0 else float("nan"),
+            "entropy": float(diff[2] / diff[3]) if diff[3] > 0 else float("nan")}
+
+
+def accumulate_gradients(model, micro: list[dict], chunk: list[int], tc: TrainConfig, accelerator, t_global: int,
+                         temperature: float, fuse_head: bool, pad_id: int, with_ref: bool,
+                         update: bool) -> tuple[torch.Tensor, int]:
+    """Forward and backward of this process's micro-batches of one mini-batch (``chunk``, indices
+    into ``micro``), gradients synchronized once, at the last call.
+
+    Each micro-batch's loss (:func:`train.loss.ppo_clip_loss`) is weighted by its share of the
+    mini-batch's normalizer (:func:`loss_normalizer`) and by the number of processes W (the
+    gradient all-reduce averages). Every process makes the same number of calls (dummy
+    micro-batches with weight 0 where it has fewer). ``update`` False runs the forwards only.
+
+    Returns:
+        ``(local, ntok)``: this process's weighted sums of :data:`_METRICS` (float64, (len(_METRICS),);
+        summed over processes they are the mini-batch's metrics) and the mini-batch's response tokens.
+    """
+    from accelerate.utils import DistributedType
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    share = rank_share(chunk, rank, world)
+    calls = -(-len(chunk) // world)  # ceil: the busiest process's micro-batches this step
+    total = sum(loss_normalizer(tc.loss_agg_mode, micro[j], t_global) for j in chunk)
+    ntok = int(sum(micro[j]["mask"].sum() for j in chunk))
+    local = torch.zeros(len(_METRICS), dtype=torch.float64)
+    dummy = dummy_micro_batch(pad_id)
+    for i in range(calls):
+        real = i < len(share)
+        mb = micro[share[i]] if real else dummy
+        sync = i == calls - 1
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            accelerator.sync_gradients = sync  # DeepSpeed reduces and steps inside backward at the boundary
+        with contextlib.nullcontext() if sync else accelerator.no_sync(model), torch.set_grad_enabled(update):
+            lp = token_logprobs(model, mb, temperature, fuse_head=fuse_head)
+            dev = lp.device
+            out = ppo_clip_loss(lp, mb["old_logprobs"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev),
+                                tc.clip_low, tc.clip_high, tc.loss_agg_mode,
+                                ref_logprobs=mb["ref_logprobs"].to(dev) if with_ref else None, kl_coef=tc.kl_coef)
+            w = 0.0
+            if real:
+                w = loss_normalizer(tc.loss_agg_mode, mb, t_global) / total
+                if tc.loss_agg_mode == "seq-mean-token-sum-norm":
+                    w *= mb["mask"].size(1) / t_global  # agg used the micro-batch's own T
+            if update:
+                accelerator.backward(out.loss * (w * world))  # x world: the gradient all-reduce averages
+        if real:
+            wt = float(mb["mask"].sum()) / max(ntok, 1)
+            local += torch.tensor([float(getattr(out, k).detach()) * (wt if k in _TOKEN_MEANS else w) for k in _METRICS],
+                                  dtype=torch.float64)
+    return local, ntok
 
 
 def make_optimizer(model, tc: TrainConfig, accelerator) -> torch.optim.AdamW:
@@ -285,7 +317,7 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     if tc.report_to:
         accelerator.init_trackers(cfg.run_id, config={"variant": cfg.variant, **cfg.model_dump(mode="json")["train"]})
     set_seed(cfg.seed + round_idx)
-    from pipeline.stages import resolve_model
+    from pipeline.stages.base import resolve_model
 
     policy = policy_for_round(cfg, round_idx)  # the checkpoint that sampled the round (tokenizer)
     start = resolve_model(cfg.rollout.policy, cfg)
@@ -393,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     import dataclasses
     import resource
 
-    from pipeline.stages import RESULT_TAG
+    from pipeline.stages.base import RESULT_TAG
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None)

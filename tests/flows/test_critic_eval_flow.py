@@ -15,7 +15,7 @@ from pipeline.core.critique import (
     VERDICT_STATUSES,
     build_critique_messages,
 )
-from pipeline.engines import Engine, Generation, Sample
+from pipeline.engines.base import Engine, Generation, Sample
 
 TINY = {"name": "tiny", "model": "smollm2-135m-instruct",
         "sampling": {"temperature": 0.7, "top_p": 0.95, "max_tokens": 32},

@@ -1,5 +1,5 @@
 """Critique fan-out (flows/fanout.py) and the shard plan it shares with the local runner
-(pipeline/stage_generate.py).
+(pipeline/stages/critique.py).
 
 Fast tests: the shard plan, chunk split, seeds, resume/prune rules and a fan-out simulated in this
 process, on a hand-built round of 7 rollouts with a fake critic engine; the missing-extra error.
@@ -26,9 +26,10 @@ import pytest
 from pipeline import storage
 from pipeline.config import load_config
 from pipeline.core.critique import PARSE_STATUSES, VERDICT_STATUSES
-from pipeline.engines import Engine, Generation, Sample
+from pipeline.engines.base import Engine, Generation, Sample
 from pipeline.schemas import SCHEMAS
-from pipeline.stages import prompts_path, round_paths, stage_key
+from pipeline.stages import stage_key
+from pipeline.stages.base import prompts_path, round_paths
 
 # --------------------------------------------------------------------------------- hand-built round
 #
@@ -92,7 +93,7 @@ class FakeCritic(Engine):
 
 @pytest.fixture
 def toy(tmp_path, monkeypatch):
-    import pipeline.stage_generate as sg
+    import pipeline.stages.critique as sg
 
     FakeCritic.seeds, FakeCritic.calls = [], []
     monkeypatch.setattr(sg, "make_engine", FakeCritic)
@@ -107,7 +108,7 @@ def _table(cfg):
 
 def test_shard_plan_and_chunks_by_hand(toy):
     from flows.fanout import split_chunks
-    from pipeline.stage_generate import critique_done_shards, critique_shard_plan
+    from pipeline.stages.critique import critique_done_shards, critique_shard_plan
 
     plan = critique_shard_plan(toy, 1)
     assert plan == [["r0", "r1"], ["r2", "r3"], ["r4", "r5"], ["r6"]]
@@ -122,7 +123,8 @@ def test_shard_plan_and_chunks_by_hand(toy):
 
 
 def test_critic_seed_rule(toy):
-    from pipeline.stage_generate import critic_seed, round_seed
+    from pipeline.stages.base import round_seed
+    from pipeline.stages.critique import critic_seed
 
     base = round_seed(toy, 1, 2)
     assert critic_seed(toy, 1, 0) == base  # the first chunk / an uninterrupted local run: as before
@@ -135,13 +137,13 @@ def test_fanout_in_process_matches_local_and_records_workers(toy, tmp_path):
     """A fan-out simulated here (each chunk through critique_shards, as a worker's child would)
     writes the same table under the same key as the local runner."""
     from flows.fanout import split_chunks
-    from pipeline.stage_generate import critic_seed, critique_stage
+    from pipeline.stages.critique import critic_seed, critique_stage
 
     asked = []
 
     def run_shards(todo):
         asked.append(todo)
-        from pipeline.stage_generate import critique_shards
+        from pipeline.stages.critique import critique_shards
 
         return [{"runner": "test", "chunk": i, **critique_shards(toy, 1, c)} for i, c in enumerate(split_chunks(todo, 2))]
 
@@ -170,7 +172,7 @@ def test_fanout_in_process_matches_local_and_records_workers(toy, tmp_path):
 
 
 def test_fanout_resumes_committed_shards_and_local_resume_logs(toy, caplog):
-    from pipeline.stage_generate import critique_shards, critique_stage
+    from pipeline.stages.critique import critique_shards, critique_stage
 
     first = critique_shards(toy, 1, [1])
     assert first["computed"] == [1] and first["critic_calls"] == 1  # r3 is empty
@@ -195,7 +197,7 @@ def test_fanout_resumes_committed_shards_and_local_resume_logs(toy, caplog):
 
 
 def test_prune_removes_stale_and_uncommitted_parts(toy, tmp_path):
-    from pipeline.stage_generate import (
+    from pipeline.stages.critique import (
         critique_done_shards,
         critique_parts_dir,
         critique_shards,
@@ -215,7 +217,7 @@ def test_prune_removes_stale_and_uncommitted_parts(toy, tmp_path):
 
 def test_part_without_rollouts_sha_is_checked_by_content(toy):
     """Parts written before shards were planned have only the key in their sidecar."""
-    from pipeline.stage_generate import (
+    from pipeline.stages.critique import (
         critique_done_shards,
         critique_parts_dir,
         critique_shards,
@@ -229,7 +231,7 @@ def test_part_without_rollouts_sha_is_checked_by_content(toy):
 
 
 def test_a_shard_left_missing_fails_the_stage(toy):
-    from pipeline.stage_generate import critique_shards, critique_stage
+    from pipeline.stages.critique import critique_shards, critique_stage
 
     with pytest.raises(RuntimeError, match=r"shards \[3\] of round 1 were not committed"):
         critique_stage(toy, 1, run_shards=lambda todo: [critique_shards(toy, 1, todo[:-1])])
@@ -239,7 +241,7 @@ def test_a_shard_left_missing_fails_the_stage(toy):
 
 
 def test_sum_engine_stats_by_hand():
-    from pipeline.stage_generate import sum_engine_stats
+    from pipeline.stages.critique import sum_engine_stats
 
     a = {"requests": 2, "generated_tokens": 30, "seconds": 2.0, "generated_tokens_per_s": 15.0, "load_seconds": 1.0}
     b = {"requests": 1, "generated_tokens": 10, "seconds": 3.0, "generated_tokens_per_s": 3.3, "load_seconds": 2.0}

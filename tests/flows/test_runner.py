@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from flows.runner import PeakRSS
-from pipeline.engines import EngineStats, Generation, Sample, TransformersEngine
+from pipeline.engines.base import EngineStats, Generation, Sample
+from pipeline.engines.transformers_engine import TransformersEngine
 
 
 def test_peak_rss_sees_memory_allocated_and_freed_inside_the_block():
@@ -41,13 +42,13 @@ def test_engine_stats_count_scheduled_cached_and_computed_prompt_tokens():
 def test_engine_process_env_preloads_tcmalloc_before_what_was_there(monkeypatch, tmp_path):
     import sys
 
-    from pipeline import engines
+    from pipeline.engines import base as engines
 
     lib = tmp_path / "lib" / "capo-preload" / engines.TCMALLOC_NAME
     lib.parent.mkdir(parents=True)
     lib.write_bytes(b"")
     monkeypatch.setattr(sys, "prefix", str(tmp_path))
-    monkeypatch.setattr(engines, "_has_cuda", lambda: False)
+    monkeypatch.setattr(engines, "has_cuda", lambda: False)
     monkeypatch.setenv("LD_PRELOAD", "/opt/other.so")
     monkeypatch.delenv("CAPO_NO_PRELOAD", raising=False)
     assert engines.engine_process_env() == {"LD_PRELOAD": f"{lib}:/opt/other.so"}
@@ -57,7 +58,7 @@ def test_engine_process_env_preloads_tcmalloc_before_what_was_there(monkeypatch,
     monkeypatch.setenv("CAPO_NO_PRELOAD", "1")
     assert engines.engine_process_env() == {}
     monkeypatch.delenv("CAPO_NO_PRELOAD")
-    monkeypatch.setattr(engines, "_has_cuda", lambda: True)
+    monkeypatch.setattr(engines, "has_cuda", lambda: True)
     assert engines.engine_process_env() == {}  # GPU machines: nothing
 
 
@@ -66,7 +67,7 @@ def test_stream_child_adds_env_and_returns_the_result_line(tmp_path):
     import sys
 
     from flows.children import stream_child
-    from pipeline.stages import RESULT_TAG
+    from pipeline.stages.base import RESULT_TAG
 
     code = ("import os, json; print('hello'); "
             f"print({RESULT_TAG!r} + json.dumps({{'x': os.environ['CAPO_TEST_X'], 'child': os.environ['CAPO_CHILD']}}))")

@@ -32,7 +32,7 @@ from pipeline import storage
 from pipeline.config import load_config
 from pipeline.core.rewards import group_token_advantages, token_rewards
 from pipeline.schemas import SCHEMAS
-from pipeline.stages import round_paths
+from pipeline.stages.base import round_paths
 
 LR = 2e-4
 TOL = 2e-6  # max |w_1proc - w_2proc| allowed; AdamW moves weights by ~LR per step, 100x more

@@ -52,7 +52,7 @@ def perturbed_checkpoint(data_dir, module_tmp) -> tuple[str, str]:
 
 
 def test_host_reloads_weights_in_place_and_matches_a_fresh_engine(repo, data_dir, tmp_path, perturbed_checkpoint):
-    from pipeline.engine_host import (
+    from pipeline.engines.host import (
         ADDRESS_ENV,
         RemoteEngine,
         policy_engine,
@@ -94,7 +94,7 @@ def test_host_reloads_weights_in_place_and_matches_a_fresh_engine(repo, data_dir
 
 
 def test_host_reports_a_bad_checkpoint_and_keeps_serving(repo, data_dir, tmp_path, perturbed_checkpoint):
-    from pipeline.engine_host import RemoteEngine, policy_engine_session
+    from pipeline.engines.host import RemoteEngine, policy_engine_session
 
     base, _ = perturbed_checkpoint
     cfg = _tiny(repo, data_dir, tmp_path)
@@ -109,7 +109,7 @@ def test_host_reports_a_bad_checkpoint_and_keeps_serving(repo, data_dir, tmp_pat
 def test_two_rounds_share_one_engine_start(repo, data_dir, tmp_path):
     """``capo run --rounds 2``: round 1 starts the engine; eval of round 1 reloads its checkpoint;
     round 2's rollouts reuse it (the same policy) and its eval reloads again."""
-    from pipeline.stages import round_paths
+    from pipeline.stages.base import round_paths
     from pipeline.storage import read_manifest
 
     runs = tmp_path / "runs"

@@ -22,7 +22,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.core.critique import PARSE_STATUSES, VERDICT_STATUSES
-from pipeline.stages import round_paths
+from pipeline.stages.base import round_paths
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pipeline.config import SamplingConfig, TransformersEngineConfig, VLLMEngineConfig
-from pipeline.engines import TransformersEngine, make_engine
+from pipeline.engines import make_engine
+from pipeline.engines.transformers_engine import TransformersEngine
 from train.examples import Example, collate
 from train.logprobs import token_logprobs
 

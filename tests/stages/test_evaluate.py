@@ -11,10 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 
 import pipeline.engines
-from pipeline import evaluate, storage
+from pipeline import storage
 from pipeline.config import DEFAULT_INSTRUCTIONS, TransformersEngineConfig, load_config
-from pipeline.engines import EngineStats, Generation, Sample
-from pipeline.evaluate import (
+from pipeline.engines.base import EngineStats, Generation, Sample
+from pipeline.schemas import EVAL_SCHEMA
+from pipeline.stages import eval as evaluate
+from pipeline.stages.base import policy_messages
+from pipeline.stages.eval import (
     eval_path,
     eval_stage,
     evaluate_policy,
@@ -22,8 +25,6 @@ from pipeline.evaluate import (
     select_problems,
     summarize_eval,
 )
-from pipeline.schemas import EVAL_SCHEMA
-from pipeline.stage_generate import policy_messages
 
 INSTRUCTION = DEFAULT_INSTRUCTIONS["blank_line"]
 

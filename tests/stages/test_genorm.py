@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pipeline import storage
-from pipeline.stage_score import reward_stage
-from pipeline.stages import round_paths
+from pipeline.stages.base import round_paths
+from pipeline.stages.reward import reward_stage
 from tests.toy_round import PID
 from tests.toy_round import critique_row as _critique
 from tests.toy_round import toy_config as _cfg

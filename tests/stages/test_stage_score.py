@@ -1,4 +1,4 @@
-"""The light stages (pipeline/stage_score.py): math-verify grading, and vote -> reward end to end on
+"""The light stages (pipeline/stages/{verify,segment,vote,reward}.py): math-verify grading, and vote -> reward end to end on
 hand-built tables whose rewards and advantages are worked out by hand below."""
 
 import math
@@ -10,13 +10,11 @@ import pytest
 
 from pipeline import storage
 from pipeline.grading import verify_answer
-from pipeline.stage_score import (
-    reward_stage,
-    segment_stage,
-    verify_stage,
-    vote_stage,
-)
-from pipeline.stages import prompts_path, round_paths
+from pipeline.stages.base import prompts_path, round_paths
+from pipeline.stages.reward import reward_stage
+from pipeline.stages.segment import segment_stage
+from pipeline.stages.verify import verify_stage
+from pipeline.stages.vote import vote_stage
 from tests.toy_round import (
     CORRECT,
     N_TOK,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.stages import select_prompt_indices
+from pipeline.stages.rollout import select_prompt_indices
 
 
 def test_rounds_take_disjoint_slices_of_one_permutation_per_epoch():

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import load_config
-from pipeline.stages import HEAVY_STAGES, REGISTRY, STAGES, get_stage, round_paths
+from pipeline.stages import HEAVY_STAGES, REGISTRY, STAGES, get_stage
+from pipeline.stages.base import round_paths
 
 
 def test_registry_holds_the_round_in_order():
@@ -42,3 +43,17 @@ def test_not_applicable_rules_follow_the_config(repo, tmp_path):
 def test_an_unknown_stage_names_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown stage 'votes'.*'vote'"):
         get_stage("votes")
+
+
+def test_each_stage_is_one_module_that_declares_its_record():
+    """Adding a stage touches one module (plus its name in the registry): ``pipeline/stages/<name>.py``
+    declares the record and holds the key and the function (train's function lives in ``train/``,
+    which ``pipeline`` does not import)."""
+    import importlib
+
+    for name, stage in REGISTRY.items():
+        module = importlib.import_module(f"pipeline.stages.{name}")
+        assert module.STAGE is stage, name
+        assert stage.key.__module__ == module.__name__, name
+        home = "train.trainer" if name == "train" else module.__name__
+        assert stage.function.split(":")[0] == home and stage.load().__module__ == home, name

@@ -10,10 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from flows.artifacts import publish_artifacts
-from pipeline.evaluate import EVAL_SCHEMA
 from pipeline.report import collect, write_report
 from pipeline.schemas import (
     CRITIQUES_SCHEMA,
+    EVAL_SCHEMA,
     STEP_VERDICTS_SCHEMA,
     TOKEN_REWARDS_SCHEMA,
     TRAIN_METRICS_SCHEMA,

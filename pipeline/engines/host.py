@@ -40,7 +40,7 @@ from typing import Iterator
 
 from pipeline import engines
 from pipeline.config import CAPOConfig, SamplingConfig, VLLMEngineConfig
-from pipeline.engines import Engine, Generation, load_tokenizer
+from pipeline.engines.base import Engine, Generation, engine_process_env, load_tokenizer
 
 log = logging.getLogger("capo.engine_host")
 
@@ -132,7 +132,7 @@ class _Host:
         self.reloads = 0
 
     def load(self, model: str, cfg: dict, seed: int) -> dict:
-        from pipeline.engines import VLLMEngine
+        from pipeline.engines.vllm_engine import VLLMEngine
 
         t0 = time.perf_counter()
         if self.engine is not None and cfg != self.cfg:
@@ -237,9 +237,9 @@ def policy_engine_session(cfg: CAPOConfig, logger: logging.Logger | None = None)
     authkey = secrets.token_bytes(16)
     log_path = cfg.run_dir() / "policy_engine.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **engines.engine_process_env(), AUTHKEY_ENV: authkey.hex(), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **engine_process_env(), AUTHKEY_ENV: authkey.hex(), "PYTHONUNBUFFERED": "1"}
     with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.engine_host", "--address", address],
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.engines.host", "--address", address],
                                 stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
     deadline = time.monotonic() + 120

@@ -1,8 +1,8 @@
-"""Held-out evaluation of a policy: greedy accuracy (and pass@k) on math benchmarks.
+"""Stage ``eval``: held-out evaluation of a policy, greedy accuracy (and pass@k) on math benchmarks.
 
 Round 0 is the starting policy (``rollout.policy``); round k >= 1 is the checkpoint round k of the
 variant wrote. Prompts are built exactly as the rollout stage builds them
-(:func:`pipeline.stage_generate.policy_messages` with the run's instruction), generated through
+(:func:`pipeline.stages.base.policy_messages` with the run's instruction), generated through
 :func:`pipeline.engines.make_engine` (one engine load, one ``generate`` call over every benchmark
 for greedy decoding and one more for pass@k samples), and graded with math-verify in a process pool
 (it times out with ``signal.alarm``, which works only in a process's main thread).
@@ -27,14 +27,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline import storage
 from pipeline.assets.benchmarks import ensure_benchmark
 from pipeline.config import CAPOConfig, SamplingConfig
 from pipeline.grading import grade
 from pipeline.schemas import EVAL_SCHEMA
-from pipeline.stages import (
-    eval_key,
-    eval_policy,
+from pipeline.stages.base import (
+    Stage,
+    model_fingerprint,
+    policy_messages,
     provenance,
+    resolve_model,
     round_paths,
     run_table_stage,
 )
@@ -102,8 +105,7 @@ def evaluate_policy(model: str, benchmarks: list[str], sample_size: int | None, 
     The engine is loaded once; each decoding mode is one ``generate`` call over all benchmarks.
     ``eval_root`` is where benchmark tables live (default ``<data_dir>/eval``).
     """
-    from pipeline.engine_host import policy_engine
-    from pipeline.stage_generate import policy_messages
+    from pipeline.engines.host import policy_engine
 
     if not instruction:
         raise ValueError("instruction is empty; pass the run's policy instruction (CAPOConfig.instruction())")
@@ -190,3 +192,44 @@ def eval_stage(cfg: CAPOConfig, round_idx: int, force: bool = False):
                                        "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1"})
 
     return run_table_stage("eval", eval_path(cfg, round_idx), "eval", eval_key(cfg, round_idx), compute, force)
+
+
+def eval_policy(cfg: CAPOConfig, round_idx: int) -> str:
+    """The policy round ``round_idx`` evaluates: the starting one for 0, else round k's checkpoint.
+
+    Raises:
+        FileNotFoundError: round k has not committed its checkpoint yet.
+    """
+    if round_idx == 0:
+        return resolve_model(cfg.rollout.policy, cfg)
+    ckpt = round_paths(cfg, round_idx)["checkpoint"]
+    if storage.read_manifest(ckpt) is None:
+        raise FileNotFoundError(f"eval of round {round_idx} needs the checkpoint {ckpt}, which does not exist "
+                                f"yet: run round {round_idx} first (capo round --round {round_idx})")
+    return str(ckpt)
+
+
+def eval_key(cfg: CAPOConfig, round_idx: int) -> dict:
+    """What the eval table of a round depends on (policy, eval settings, engine, data, verifier)."""
+    from importlib.metadata import version
+
+    from pipeline.assets.benchmarks import ensure_benchmark
+    from pipeline.precision import precision_record
+
+    ec = cfg.eval
+    engine = ec.engine or cfg.rollout.engine
+    root = Path(cfg.data_dir).resolve() / "eval"
+    return {"round": round_idx, "dtype": precision_record(cfg)["eval_dtype"], "variant": cfg.variant if round_idx else None,
+            "policy": model_fingerprint(eval_policy(cfg, round_idx)),
+            "eval": ec.model_dump(mode="json", exclude={"enabled", "engine"}), "engine": engine.model_dump(mode="json"),
+            "instruction": cfg.instruction(),
+            "benchmarks": {n: storage.file_sha256(ensure_benchmark(n, root)) for n in ec.benchmarks},
+            "verifier": f"math-verify=={version('math-verify')}"}
+
+
+def no_eval(cfg: CAPOConfig) -> str | None:
+    """Why the eval stage has nothing to do under ``cfg`` (None: it has)."""
+    return "eval.enabled is false: no held-out evaluation" if not cfg.eval.enabled else None
+
+
+STAGE = Stage("eval", ("checkpoint",), ("eval",), True, eval_key, "pipeline.stages.eval:eval_stage", no_eval)

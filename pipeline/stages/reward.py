@@ -1,146 +1,55 @@
-"""The light stages: verify (outcome), segment (steps), vote (step verdicts), reward (token rewards).
+"""Stage ``reward``: per-token rewards and advantages for the config's variant -> ``token_rewards.parquet``.
 
-They are cheap (seconds per round) and run inside the flow process; only ``verify`` fans out to a
-process pool, because math-verify enforces its timeouts with ``signal.alarm``, which works only in
-a process's main thread.
+The CAPO reward (paper §3.4, eq. 6): every token of step j gets ``C*r_v - P*w_j`` where ``r_v`` is the
+outcome reward and ``w_j`` the step's vote; the formulas are :mod:`pipeline.core.rewards`. This module
+turns the tables into their inputs, vectorized end to end (numpy + pyarrow list arrays).
 """
 
 from __future__ import annotations
 
-import logging
-from collections import Counter
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from pipeline import storage
 from pipeline.config import CAPOConfig
-from pipeline.core.critique import critique_votes
 from pipeline.core.rewards import (
     group_run_advantages,
     grpo_sequence_advantages,
     token_rewards,
 )
-from pipeline.core.segment import segment_response
-from pipeline.core.voting import VOTING_RULES, flag_counts, vote
-from pipeline.grading import grade
-from pipeline.schemas import (
-    OUTCOMES_SCHEMA,
-    STEP_VERDICTS_SCHEMA,
-    STEPS_SCHEMA,
-    TOKEN_REWARDS_SCHEMA,
-)
-from pipeline.stages import (
+from pipeline.schemas import TOKEN_REWARDS_SCHEMA
+from pipeline.stages.base import (
+    Stage,
     StageResult,
-    prompts_path,
+    input_fp,
     provenance,
     round_paths,
     run_table_stage,
-    stage_key,
 )
 
-log = logging.getLogger("capo.stages")
 
-
-# ------------------------------------------------------------------------------------------- verify
-def verify_stage(cfg: CAPOConfig, round_idx: int, force: bool = False, workers: int = 2) -> StageResult:
-    """math-verify every response against its gold answer -> ``outcomes.parquet``."""
+def reward_key(cfg: CAPOConfig, round_idx: int) -> dict:
+    """What the token rewards depend on: rollouts, outcomes, the step verdicts
+    (process mode) or critiques (GenORM), vote and reward settings and the variant."""
     p = round_paths(cfg, round_idx)
-    key = stage_key("verify", cfg, round_idx)
-
-    def compute():
-        ro = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_id", "response_text"]).to_pylist()
-        gold = {r["prompt_id"]: r["gold_answer"] for r in pq.read_table(prompts_path(cfg), columns=["prompt_id", "gold_answer"]).to_pylist()}
-        pairs = [(gold[r["prompt_id"]], r["response_text"] or "") for r in ro]
-        results = grade(pairs, workers=workers)
-        rows = [{"run_id": cfg.run_id, "round": round_idx, "rollout_id": r["rollout_id"], "prompt_id": r["prompt_id"],
-                 "gold_answer": gold[r["prompt_id"]], "extracted_answer": ext, "outcome_correct": ok, "verify_status": st}
-                for r, (ext, ok, st) in zip(ro, results)]
-        acc = float(np.mean([x[1] for x in results])) if results else 0.0
-        return pa.Table.from_pylist(rows, schema=OUTCOMES_SCHEMA), provenance(cfg, {"accuracy": acc})
-
-    return run_table_stage("verify", p["outcomes"], "outcomes", key, compute, force)
+    c = cfg.model_dump(mode="json")
+    ins = {"rollouts": input_fp(p["rollouts"]), "outcomes": input_fp(p["outcomes"])}
+    if cfg.critique.enabled and cfg.critique.mode == "process":
+        ins.update(steps=input_fp(p["steps"]), step_verdicts=input_fp(p["step_verdicts"]))
+    if cfg.critique.enabled and cfg.critique.mode == "outcome":
+        ins.update(critiques=input_fp(p["critiques"]))
+    return {**ins, "critique_enabled": cfg.critique.enabled, "critique_mode": cfg.critique.mode,
+            "vote": c["vote"], "reward": c["reward"], "variant": cfg.variant}
 
 
-# ------------------------------------------------------------------------------------------ segment
-def segment_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
-    """Split responses into steps and map tokens to steps -> ``steps.parquet``."""
-    from pipeline.core.tokenization import decode_with_bytes
-    from pipeline.engines import load_tokenizer
-
-    p = round_paths(cfg, round_idx)
-    key = stage_key("segment", cfg, round_idx)
-
-    def compute():
-        ro = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "policy", "response_token_ids"])
-        tokenizers: dict = {}
-        rows = []
-        for r in ro.to_pylist():
-            tok = tokenizers.get(r["policy"]) or tokenizers.setdefault(r["policy"], load_tokenizer(r["policy"]))
-            text, raw, nbytes = decode_with_bytes(tok, r["response_token_ids"])
-            seg = segment_response(text, nbytes, cfg.steps.mode, text_bytes=raw)
-            for s, ((cs, ce), st) in enumerate(zip(seg.step_spans, seg.step_texts)):
-                rows.append({"run_id": cfg.run_id, "round": round_idx, "rollout_id": r["rollout_id"], "step_idx": s,
-                             "n_steps": seg.n_steps, "char_start": cs, "char_end": ce,
-                             "token_start": int(seg.token_start[s]), "token_end": int(seg.token_end[s]),
-                             "step_text": st, "empty_response": seg.empty})
-        return pa.Table.from_pylist(rows, schema=STEPS_SCHEMA), provenance(cfg)
-
-    return run_table_stage("segment", p["steps"], "steps", key, compute, force)
-
-
-# --------------------------------------------------------------------------------------------- vote
-def vote_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
-    """Vote the critiques of every response under ALL rules -> ``step_verdicts.parquet``."""
-    p = round_paths(cfg, round_idx)
-    key = stage_key("vote", cfg, round_idx)
-
-    def compute():
-        steps = storage.read_table(p["steps"], "steps").select(["rollout_id", "n_steps"]).to_pylist()
-        n_steps = {r["rollout_id"]: r["n_steps"] for r in steps}
-        crit = storage.read_table(p["critiques"], "critiques").select(
-            ["rollout_id", "wrong_steps", "steps_wrong_lines", "parse_status"])
-        lists: dict[str, list] = {rid: [] for rid in n_steps}
-        counts: Counter = Counter()
-        for r in crit.to_pylist():
-            lists[r["rollout_id"]].append(critique_votes(r["parse_status"], r["wrong_steps"], r["steps_wrong_lines"],
-                                                         cfg.vote.partial_critiques))
-            counts[r["parse_status"]] += 1
-        cols: dict[str, list] = {k: [] for k in ("rollout_id", "step_idx", "rule", "n_valid", "n_flagged", "weight")}
-        for rid, S in n_steps.items():
-            n_valid, n_flagged = flag_counts(lists[rid], S)
-            for rule in VOTING_RULES:
-                w = vote(n_flagged, np.int32(n_valid), rule, cfg.vote.majority_threshold)
-                cols["rollout_id"] += [rid] * S
-                cols["step_idx"] += list(range(S))
-                cols["rule"] += [rule] * S
-                cols["n_valid"] += [n_valid] * S
-                cols["n_flagged"] += n_flagged.tolist()
-                cols["weight"] += w.tolist()
-        n = len(cols["rollout_id"])
-        table = pa.table({"run_id": [cfg.run_id] * n, "round": pa.array([round_idx] * n, pa.int32()),
-                          "variant": [cfg.variant] * n, **cols,
-                          "majority_threshold": pa.array([cfg.vote.majority_threshold] * n, pa.float32())})
-        voting = sum(v is not None for vs in lists.values() for v in vs)
-        log.info("[vote] critiques by status %s; %d vote (partial critiques: %s)", dict(counts), voting,
-                 cfg.vote.partial_critiques)
-        return table.cast(STEP_VERDICTS_SCHEMA), provenance(cfg, {"critiques_by_status": dict(counts),
-                                                                  "critiques_voting": voting,
-                                                                  "partial_critiques": cfg.vote.partial_critiques})
-
-    return run_table_stage("vote", p["step_verdicts"], "step_verdicts", key, compute, force)
-
-
-# ------------------------------------------------------------------------------------------- reward
 def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
     """Token rewards ``C*r_v - P*w`` and advantages for the config's variant -> ``token_rewards``.
 
     Vectorized end to end (numpy + pyarrow list arrays): no per-token Python.
     """
     p = round_paths(cfg, round_idx)
-    key = stage_key("reward", cfg, round_idx)
+    key = reward_key(cfg, round_idx)
     rc = cfg.reward
 
     def compute():
@@ -246,3 +155,7 @@ def _step_runs(p, rid: pa.Array, offsets: np.ndarray, rule: str) -> tuple[np.nda
     n_valid = np.zeros(B, dtype=np.int32)
     np.maximum.at(n_valid, pos, n_valid_s)
     return pos, length, weight, n_valid
+
+
+STAGE = Stage("reward", ("rollouts", "outcomes", "steps", "step_verdicts", "critiques"), ("token_rewards",), False,
+              reward_key, "pipeline.stages.reward:reward_stage")

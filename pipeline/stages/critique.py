@@ -1,7 +1,7 @@
-"""The two generation stages: rollouts from the policy, critiques from the critic (GenPRM).
+"""Stage ``critique``: N critiques per response from the critic (GenPRM), parsed -> ``critiques.parquet``.
 
-Both load an engine only when they have work to do, so a re-run over cached tables never starts a
-model. The critique stage is resumable mid-stage: it commits shards of ``critique.batch_rollouts``
+The critic engine loads only when there is work to do, so a re-run over cached tables never starts
+a model. The stage is resumable mid-stage: it commits shards of ``critique.batch_rollouts``
 rollouts under ``critiques.parts/`` and, when run again, computes only the shards not committed yet;
 the same shards can be fanned out over a Dask or Ray cluster (``flows/fanout.py``).
 """
@@ -25,67 +25,37 @@ import pyarrow.parquet as pq
 
 from pipeline import storage
 from pipeline.config import CAPOConfig
-from pipeline.core.tokenization import decode_with_bytes
 from pipeline.engines import make_engine
-from pipeline.schemas import CRITIQUES_SCHEMA, ROLLOUTS_SCHEMA
-from pipeline.stages import (
+from pipeline.schemas import CRITIQUES_SCHEMA
+from pipeline.stages.base import (
+    Stage,
     StageResult,
-    policy_for_round,
+    input_fp,
+    model_fingerprint,
+    no_critic,
     prompts_path,
     provenance,
     resolve_model,
     round_paths,
+    round_seed,
     run_table_stage,
-    select_prompt_indices,
-    stage_key,
 )
 
 log = logging.getLogger("capo.stages")
 
 
-def round_seed(cfg: CAPOConfig, round_idx: int, salt: int) -> int:
-    return int(np.random.default_rng([cfg.seed, round_idx, salt]).integers(0, 2**31 - 1))
+def critique_key(cfg: CAPOConfig, round_idx: int) -> dict:
+    """What the critiques depend on: steps, rollouts, critique settings (not the shard size),
+    template, parser version, prompts, resolved dtype and critic."""
+    from pipeline.core.critique import PARSER_VERSION
+    from pipeline.precision import precision_record
 
-
-def policy_messages(question: str, instruction: str) -> list[dict]:
-    """Chat messages that ask the policy for a step-by-step solution with one ``\\boxed{}``."""
-    return [{"role": "user", "content": f"{question.strip()}\n\n{instruction}"}]
-
-
-# ------------------------------------------------------------------------------------------ rollout
-def rollout_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
-    """Sample G responses per prompt from the round's policy -> ``rollouts.parquet``."""
     p = round_paths(cfg, round_idx)
-    key = stage_key("rollout", cfg, round_idx)
-
-    def compute():
-        policy = policy_for_round(cfg, round_idx)
-        prompts = pq.read_table(prompts_path(cfg))
-        idx = select_prompt_indices(prompts.num_rows, cfg.data.prompts_per_round, round_idx, cfg.seed)
-        chosen = prompts.take(pa.array(idx)).to_pylist()
-        convs = [policy_messages(r["question"], cfg.instruction()) for r in chosen]
-        from pipeline.engine_host import policy_engine
-
-        engine = policy_engine(policy, cfg.rollout.engine, seed=round_seed(cfg, round_idx, 1))
-        gens = engine.generate(convs, cfg.rollout.group_size, cfg.rollout.sampling)
-        rows = []
-        for prompt, gen in zip(chosen, gens):
-            for j, s in enumerate(gen.samples):
-                text, _, _ = decode_with_bytes(engine.tokenizer, s.token_ids)
-                rows.append({
-                    "run_id": cfg.run_id, "round": round_idx,
-                    "rollout_id": f"{cfg.run_id}/r{round_idx}/{prompt['prompt_id']}/{j}",
-                    "prompt_id": prompt["prompt_id"], "sample_idx": j, "policy": policy,
-                    "prompt_token_ids": gen.prompt_token_ids, "response_text": text,
-                    "response_token_ids": s.token_ids, "rollout_logprobs": s.logprobs,
-                    "finish_reason": s.finish_reason, "num_tokens": len(s.token_ids),
-                })
-        stats = engine.stats.as_dict()
-        engine.close()
-        log.info("rollout engine: %s", json.dumps(stats))
-        return pa.Table.from_pylist(rows, schema=ROLLOUTS_SCHEMA), provenance(cfg, {"engine": stats, "policy": policy})
-
-    return run_table_stage("rollout", p["rollouts"], "rollouts", key, compute, force)
+    crit = {k: v for k, v in cfg.model_dump(mode="json")["critique"].items() if k not in ("batch_rollouts", "template")}
+    return {"steps": input_fp(p["steps"]), "rollouts": input_fp(p["rollouts"]), "critique": crit,
+            "template_version": cfg.critique.template, "parser": PARSER_VERSION,
+            "prompts": storage.file_sha256(prompts_path(cfg)), "dtype": precision_record(cfg)["critique_dtype"],
+            "critic": model_fingerprint(resolve_model(cfg.critique.critic, cfg))}
 
 
 # ----------------------------------------------------------------------------------------- critique
@@ -180,7 +150,7 @@ def critique_done_shards(cfg: CAPOConfig, round_idx: int, plan: list[list[str]] 
     parts_dir = critique_parts_dir(cfg, round_idx)
     if not parts_dir.is_dir():
         return []
-    shard_key = storage.key_hash(stage_key("critique", cfg, round_idx))
+    shard_key = storage.key_hash(critique_key(cfg, round_idx))
     done = [i for i, ids in enumerate(plan) if _shard_committed(parts_dir, i, shard_key, ids)]
     if prune:
         keep = {_part_path(parts_dir, i).name for i in done} | {_part_path(parts_dir, i).with_suffix(".json").name for i in done}
@@ -219,7 +189,7 @@ def _critique_inputs(cfg: CAPOConfig, round_idx: int) -> _CritiqueInputs:
             empty.add(r["rollout_id"])
     plan = _cut([r["rollout_id"] for r in rollouts], cfg.critique.batch_rollouts)  # = critique_shard_plan
     return _CritiqueInputs(critic, plan, {r["rollout_id"]: r for r in rollouts},
-                           by_rollout, empty, prompts, storage.key_hash(stage_key("critique", cfg, round_idx)),
+                           by_rollout, empty, prompts, storage.key_hash(critique_key(cfg, round_idx)),
                            critique_parts_dir(cfg, round_idx))
 
 
@@ -353,7 +323,7 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
     from pipeline.core.critique import OUTCOME_PARSE_STATUSES, VERDICT_STATUSES
 
     p = round_paths(cfg, round_idx)
-    key = stage_key("critique", cfg, round_idx)
+    key = critique_key(cfg, round_idx)
     parts_dir = critique_parts_dir(cfg, round_idx)
     stats_box: dict = {"critic_calls": 0, "peak_rss_mb": None}
 
@@ -397,3 +367,7 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
             f.unlink()
         parts_dir.rmdir()
     return res
+
+
+STAGE = Stage("critique", ("rollouts", "steps"), ("critiques",), True, critique_key,
+              "pipeline.stages.critique:critique_stage", no_critic)
