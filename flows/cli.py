@@ -8,6 +8,7 @@
     capo noise-floor --round 0       the eval's noise floor: same checkpoint again, one bf16 rounding away
     capo report                      plots and the paper-style table of a run (runs/<run>/report/)
     capo sql "SELECT ..."            query the DuckDB catalog read-only
+    capo browse RUN --round 1        the critique browser of a round (HTML; --serve on 127.0.0.1)
     capo critic-eval run|bench|critique   measure a critic (ProcessBench F1 per voting rule and N)
 """
 
@@ -219,6 +220,44 @@ def sql(
         con.sql(query).show(max_rows=max_rows, max_width=200)
     finally:
         con.close()
+
+
+@app.command()
+def browse(
+    run: str = typer.Argument(..., help="run id (a folder of --runs-dir) or the path of a run folder"),
+    round_idx: int = typer.Option(1, "--round", "-r", help="round to show (>= 1)"),
+    variant: Optional[str] = typer.Option(None, help="variant to show (default: the round's first)"),
+    runs_dir: str = typer.Option("runs", help="directory holding the runs"),
+    out: Optional[str] = typer.Option(None, help="folder to write index.html to (default: <run>/browse/round_<k>-<variant>/)"),
+    serve: bool = typer.Option(False, "--serve", help="serve the page on 127.0.0.1 (only) until Ctrl-C"),
+    port: int = typer.Option(8765, help="port for --serve"),
+) -> None:
+    """Write the critique browser of a round: each response's steps as the critic saw them, the
+    votes, the raw critiques and the token rewards and advantages, with filters. Opens from disk."""
+    _setup_logging()
+    from pipeline.browse import build_browser
+    from pipeline.browse import serve as serve_folder
+
+    run_dir = Path(run) if Path(run).is_dir() and not (Path(runs_dir) / run).is_dir() else Path(runs_dir) / run
+    if not run_dir.is_dir():
+        runs = sorted(p.name for p in Path(runs_dir).glob("*") if (p / "round_001").is_dir()) if Path(runs_dir).is_dir() else []
+        raise typer.BadParameter(f"no run {run!r} in {runs_dir}/; runs there: {runs or 'none'}")
+    if round_idx < 1:
+        raise typer.BadParameter(f"--round {round_idx}: round 0 is the starting policy (no rollouts); give a round >= 1")
+    try:
+        page = build_browser(run_dir, round_idx, variant, Path(out) if out else None)
+    except (FileNotFoundError, ValueError) as e:
+        raise typer.BadParameter(str(e)) from None
+    typer.echo(str(page))
+    if serve:
+        server = serve_folder(page.parent, port)
+        typer.echo(f"serving on http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C stops)")
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
 
 
 @app.command()

@@ -478,7 +478,12 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
         sections.append(("Training rounds", "train acc. = math-verify on the round's rollouts; steps flagged under "
                          "the variant's voting rule; PPO metrics averaged over optimizer steps.", th, trows))
     table_md = "\n\n".join(f"### {t}\n\n{_md_table(h, r)}\n\n{note}" for t, note, h, r in sections) or "_no tables yet_"
-    md = [f"# CAPO run `{run_id}`\n", table_md, "\n## Plots\n"]
+    browsers = write_browsers(run_dir, out, notes)
+    md = [f"# CAPO run `{run_id}`\n", table_md]
+    if browsers:
+        md += ["\n## Critique browser\n", "What the critic saw, per round: steps, votes, raw critiques, token "
+               "rewards (`capo browse RUN --round K`).\n", *(f"- [{label}]({rel})" for label, rel in browsers)]
+    md += ["\n## Plots\n"]
     md += [f"![{name}]({p.name})\n" for name, p in plots.items()]
     md += ["\n## Not shown\n", *(f"- {n}" for n in notes)] if notes else []
     files = {"report_md": out / "report.md", "report_html": out / "report.html", "table_md": out / "table.md",
@@ -486,12 +491,36 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
     files["report_md"].write_text("\n".join(md) + "\n")
     files["table_md"].write_text(table_md + "\n")
     files["accuracy_json"].write_text(json.dumps(raw, indent=1))
-    files["report_html"].write_text(_html(run_id, sections, plots, notes))
+    files["report_html"].write_text(_html(run_id, sections, plots, notes, browsers))
     log.info("report of run %s: %s", run_id, out)
     return {**files, **plots}
 
 
-def _html(run_id: str, sections, plots: dict[str, Path], notes: list[str]) -> str:
+def write_browsers(run_dir: Path, report_dir: Path, notes: list[str]) -> list[tuple[str, str]]:
+    """Write the critique browser of every round and variant of the run (:mod:`pipeline.browse`);
+    returns ``(label, path relative to report_dir)`` per browser. A browser that cannot be built
+    is named in ``notes`` (the report is still written)."""
+    import os
+
+    from pipeline.browse import build_browser
+
+    out = []
+    for rd in sorted(run_dir.glob("round_*")):
+        if rd.name == "round_000" or not (rd / "variants").is_dir():
+            continue
+        k = int(rd.name.split("_")[1])
+        for vd in sorted(p for p in (rd / "variants").iterdir() if p.is_dir()):
+            try:
+                page = build_browser(run_dir, k, vd.name)
+            except Exception as e:  # an unfinished round or an old table: the report goes on
+                notes.append(f"critique browser of round {k} ({vd.name}) not written: {e}")
+                continue
+            out.append((f"round {k}, {vd.name}", os.path.relpath(page, report_dir)))
+    return out
+
+
+def _html(run_id: str, sections, plots: dict[str, Path], notes: list[str],
+          browsers: list[tuple[str, str]] = ()) -> str:
     css = ("body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse;margin:.5em 0}"
            "td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}"
            "td:first-child,th:first-child{text-align:left}"
@@ -500,6 +529,9 @@ def _html(run_id: str, sections, plots: dict[str, Path], notes: list[str]) -> st
              f"<style>{css}</style></head><body>\n<h1>CAPO run <code>{html.escape(run_id)}</code></h1>"]
     for title, note, h, rows in sections:
         parts += [f"<h2>{html.escape(title)}</h2>", _html_table(h, rows), f"<p class='note'>{html.escape(note)}</p>"]
+    if browsers:
+        parts += ["<h2>Critique browser</h2><ul>",
+                  *(f"<li><a href='{html.escape(rel)}'>{html.escape(label)}</a></li>" for label, rel in browsers), "</ul>"]
     parts += ["<h2>Plots</h2>", *(f"<img src='{p.name}' alt='{name}'>" for name, p in plots.items())]
     if notes:
         parts += ["<h2>Not shown</h2><ul>", *(f"<li>{html.escape(n)}</li>" for n in notes), "</ul>"]

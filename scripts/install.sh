@@ -38,6 +38,20 @@ if [ "$ENGINE_EXTRA" = cpu ] && [ ! -f .venv/lib/capo-preload/libtcmalloc_minima
   fi
   rm -rf "$TMP_DEB"
 fi
+# The critique browser's test opens the page in headless Chromium (Debian's package, driven by
+# Playwright's Python API; Playwright's own browser download needs a CDN this machine cannot reach).
+# Installed with apt where we may; elsewhere that test is skipped with its reason.
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo -n"
+  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" -eq 0 ] || [ -n "$SUDO" ]; } \
+     && { DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium >/dev/null 2>&1 \
+          || { $SUDO apt-get update -q >/dev/null 2>&1 \
+               && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium >/dev/null 2>&1; }; }; then
+    echo "chromium: $(command -v chromium)"
+  else
+    echo "note: could not install chromium with apt-get; the critique browser's Chromium test will be skipped"
+  fi
+fi
 .venv/bin/python - <<'PY'
 import importlib
 for m in ("vllm", "prefect", "duckdb", "polars", "transformers", "accelerate", "math_verify", "torch"):

@@ -264,3 +264,47 @@ def test_noise_floor_of_a_real_round(tiny_round, repo):
     report = (Path(cfg.runs_dir) / cfg.run_id / "report" / "report.md").read_text()
     assert "Noise floor of the eval" in report and "one bf16 rounding (rounded to bf16)" in report
     assert "same checkpoint again" in report and "not batch-invariant" in report
+
+
+def test_the_critique_browser_of_the_real_round_in_chromium(tiny_round, repo):
+    """Issue 14, as a person uses it: `capo browse`, open the page, filter, click a step."""
+    import shutil
+
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("Chromium is not installed (scripts/install.sh installs Debian's `chromium` where apt works)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
+    cfg = tiny_round[0]
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "browse", cfg.run_id, "--round", "1",
+                          "--runs-dir", cfg.runs_dir], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    page_path = Path(out.stdout.strip().splitlines()[-1])
+    assert page_path.is_file() and page_path.parent.name == f"round_001-{cfg.variant}"
+    # what the filter must show, from the tables themselves
+    con = duckdb.connect(str(Path(cfg.runs_dir) / "catalog.duckdb"), read_only=True)
+    wrong_unflagged = {r[0] for r in con.execute(
+        "SELECT o.rollout_id FROM outcomes o WHERE NOT o.outcome_correct AND NOT EXISTS (SELECT 1 FROM step_verdicts v "
+        "WHERE v.rollout_id = o.rollout_id AND v.rule = ? AND v.variant = ? AND v.weight > 0)",
+        [cfg.vote.rule, cfg.variant]).fetchall()}
+    critiques = {}
+    for rid, idx, raw in con.execute("SELECT rollout_id, critique_idx, raw_text FROM critiques ORDER BY 1, 2").fetchall():
+        critiques.setdefault(rid, []).append(raw)
+    tokens = dict(con.execute("SELECT rollout_id, num_tokens FROM rollouts").fetchall())
+    con.close()
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.goto(page_path.as_uri())
+        assert page.locator(".response").count() == cfg.data.prompts_per_round * cfg.rollout.group_size
+        page.check("input[name=filter][value=wrong_unflagged]")
+        shown = page.locator(".response:not(.hidden)")
+        assert {shown.nth(i).get_attribute("data-rollout") for i in range(shown.count())} == wrong_unflagged
+        page.check("input[name=filter][value=all]")
+        first = page.locator(".response").first
+        rid = first.get_attribute("data-rollout")
+        first.locator(".step").first.click()
+        shown_raw = [first.locator('[data-testid="critique"] pre').nth(i).inner_text()
+                     for i in range(len(critiques[rid]))]
+        assert [s.strip() for s in shown_raw] == [c.strip() for c in critiques[rid]]
+        assert first.locator('[data-testid="token-strip"] span').count() == tokens[rid]
+        browser.close()

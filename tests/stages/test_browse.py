@@ -1,0 +1,150 @@
+"""The critique browser (issue 14) on the hand-built round: the data it shows (numbers worked by
+hand in tests/toy_round.py), the queries it states (run again in the real catalog), escaping of
+untrusted model text, and the page used in headless Chromium (filters, a click on a step)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from pipeline import storage
+from pipeline.browse import build_browser, collect
+from pipeline.stages.reward import reward_stage
+from pipeline.stages.vote import vote_stage
+from tests.toy_round import toy_config, write_round
+
+EVIL = "</script><img src=x onerror=\"document.title='pwned'\"><b>bold</b> &amp; 'quoted'"
+
+
+@pytest.fixture
+def toy_run(tmp_path, monkeypatch):
+    import tests.toy_round as toy
+
+    write = toy.write_rows
+
+    def with_evil_text(cfg, name, rows, stage):  # untrusted model text in a step and in a critique
+        for r in rows:
+            if name == "steps" and (r["rollout_id"], r["step_idx"]) == ("A", 1):
+                r["step_text"] = EVIL
+            if name == "critiques" and (r["rollout_id"], r["critique_idx"]) == ("A", 0):
+                r["raw_text"] = EVIL
+        write(cfg, name, rows, stage)
+
+    monkeypatch.setattr(toy, "write_rows", with_evil_text)
+    cfg = toy_config(tmp_path, "vote.rule=intersection", "variant=capo-intersection")
+    write_round(cfg)
+    vote_stage(cfg, 1)
+    reward_stage(cfg, 1)
+    return cfg
+
+
+def test_the_browser_shows_the_round_as_worked_by_hand(toy_run):
+    cfg = toy_run
+    data = collect(cfg.run_dir(), 1)
+    assert data["meta"]["variant"] == "capo-intersection" and data["meta"]["rule"] == "intersection"
+    (prompt,) = data["prompts"]
+    assert prompt["question"].startswith("Sam has 6 apples") and prompt["gold"] == "5"
+    a, b = prompt["responses"]
+    assert (a["rollout_id"], a["correct"], b["rollout_id"], b["correct"]) == ("A", True, "B", False)
+    # intersection: A's step 1 flagged by 2 of 2 valid critiques -> weight 1; B nothing
+    assert [s["n_flagged"] for s in a["steps"]] == [0, 2, 1] and [s["weight"] for s in a["steps"]] == [0, 1, 0]
+    assert [s["n_flagged"] for s in b["steps"]] == [1, 1, 0] and [s["weight"] for s in b["steps"]] == [0, 0, 0]
+    assert (a["flagged_steps"], b["flagged_steps"]) == (1, 0)
+    assert a["split"] and b["split"]  # A's step 2 (1 of 2), B's steps 0 and 1 (1 of 2)
+    assert (a["parse_failures"], b["parse_failures"]) == (1, 0)  # A's critique 2 did not parse
+    assert [c["idx"] for c in a["critiques"]] == [0, 1, 2] and a["critiques"][1]["wrong"] == [2, 1]
+    assert len(a["advantages"]) == 11 and len(b["advantages"]) == 7 and len(a["tokens"]) == 11
+    ov = data["overview"]
+    assert ov["accuracy"] == 0.5 and ov["steps"] == 6 and ov["flagged_step_rate"] == pytest.approx(1 / 6)
+    assert dict(ov["parse_status"]) == {"ok": 4, "no_verdict": 1}
+    assert ov["filters"] == {"wrong_unflagged": 1, "right_flagged": 1, "split": 2, "parse_failures": 1}
+
+
+def test_every_stated_query_runs_unchanged_in_the_catalog(toy_run):
+    """What the page says it came from is what ``capo sql`` answers."""
+    cfg = toy_run
+    data = collect(cfg.run_dir(), 1)
+    cat = storage.refresh_catalog(Path(cfg.runs_dir), Path(cfg.data_dir))
+    con = duckdb.connect(str(cat), read_only=True)
+    try:
+        for name in ("responses", "steps", "critiques", "token_rewards", "parse_status"):
+            rows = con.execute(data["queries"][name]).fetchall()
+            assert len(rows) == {"responses": 2, "steps": 6, "critiques": 5, "token_rewards": 2, "parse_status": 2}[name], name
+    finally:
+        con.close()
+
+
+def test_model_text_reaches_the_page_as_data_only(toy_run):
+    page = build_browser(toy_run.run_dir(), 1)
+    html = page.read_text()
+    assert "</script><img" not in html and "<b>bold</b>" not in html
+    blob = html.split('id="capo-data">', 1)[1].split("</script>", 1)[0]
+    data = json.loads(blob)
+    a = data["prompts"][0]["responses"][0]
+    assert a["steps"][1]["text"] == EVIL and a["critiques"][0]["raw"] == EVIL  # intact once parsed
+
+
+def _chromium():
+    import shutil
+
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("Chromium is not installed (scripts/install.sh installs Debian's `chromium` where apt works)")
+    pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
+    return path
+
+
+def test_a_person_filters_and_opens_the_critiques_of_a_step(toy_run):
+    from playwright.sync_api import sync_playwright
+
+    exe = _chromium()
+    page_path = build_browser(toy_run.run_dir(), 1)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        page = browser.new_page()
+        dialogs = []
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+        page.goto(page_path.as_uri())
+        assert "ok 4, no_verdict 1" in page.get_by_test_id("parse-status").inner_text()
+        assert page.locator(".response:not(.hidden)").count() == 2
+        page.get_by_label("wrong answer, nothing flagged").check()
+        visible = page.locator(".response:not(.hidden)")
+        assert visible.count() == 1 and visible.first.get_attribute("data-rollout") == "B"
+        page.get_by_label("right answer, steps flagged").check()
+        assert page.locator(".response:not(.hidden)").first.get_attribute("data-rollout") == "A"
+        # click A's step 1: its three critiques, the two that list it marked
+        page.locator('.response[data-rollout="A"] .step[data-step="1"]').click()
+        panel = page.locator('.response[data-rollout="A"] [data-testid="critiques"]')
+        assert panel.locator('[data-testid="critique"]').count() == 3
+        assert panel.locator(".critique.flags-step").count() == 2
+        assert "step 1: flagged by 2 of 3" in panel.inner_text()
+        # untrusted text is shown as text: no element was injected, no script ran
+        assert page.locator("img").count() == 0 and page.locator("main b").count() == 0
+        assert page.locator('.response[data-rollout="A"] .step[data-step="1"]').inner_text().endswith(EVIL)
+        assert panel.locator('[data-testid="critique"] pre').first.inner_text() == EVIL
+        assert page.title().startswith("CAPO critiques") and dialogs == []
+        page.get_by_label("all").check()
+        page.fill("#search", "no such text anywhere")
+        assert page.locator(".response:not(.hidden)").count() == 0
+        browser.close()
+
+
+def test_the_run_report_links_the_browser_of_each_round(toy_run, tmp_path):
+    from pipeline.report import write_report
+
+    out = write_report(Path(toy_run.runs_dir), toy_run.run_id)
+    page = out["report_html"].read_text()
+    href = "../browse/round_001-capo-intersection/index.html"
+    assert f"<a href='{href}'>round 1, capo-intersection</a>" in page
+    assert (out["report_html"].parent / href).resolve().is_file()
+    assert f"[round 1, capo-intersection]({href})" in out["report_md"].read_text()
+
+
+def test_bad_requests_name_what_would_be_valid(toy_run):
+    with pytest.raises(ValueError, match=r"variant 'grpo' is not in .*valid: \['capo-intersection'\]"):
+        collect(toy_run.run_dir(), 1, "grpo")
+    with pytest.raises(FileNotFoundError, match=r"round_002 does not exist; rounds of .*\['round_001'\]"):
+        collect(toy_run.run_dir(), 2)
