@@ -148,3 +148,43 @@ def test_bad_requests_name_what_would_be_valid(toy_run):
         collect(toy_run.run_dir(), 1, "grpo")
     with pytest.raises(FileNotFoundError, match=r"round_002 does not exist; rounds of .*\['round_001'\]"):
         collect(toy_run.run_dir(), 2)
+
+
+def test_the_same_prompt_in_another_round_is_linked(toy_run):
+    """Round 2 made of round 1's tables with round = 2 and the second response now correct: the
+    browser of round 2 lists round 1 (1/2 correct, 1 step flagged) and links its page."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from pipeline.stages.base import round_paths
+
+    cfg = toy_run
+    p1, p2 = round_paths(cfg, 1), round_paths(cfg, 2)
+    for name in ("rollouts", "outcomes", "steps", "critiques", "step_verdicts", "token_rewards"):
+        t = storage.read_table(p1[name], name)
+        t = t.set_column(t.schema.get_field_index("round"), "round", pa.array([2] * t.num_rows, pa.int32()))
+        if name == "outcomes":
+            t = t.set_column(t.schema.get_field_index("outcome_correct"), "outcome_correct",
+                             pa.array([True] * t.num_rows))
+        storage.write_table(t, p2[name], name, stage="hand", key={"copy": name},
+                            extra={"resolved_config": cfg.model_dump(mode="json")} if name == "token_rewards" else None)
+    assert pc.all(pc.equal(storage.read_table(p2["outcomes"], "outcomes").column("round"), 2)).as_py()
+    build_browser(cfg.run_dir(), 1)
+    data = collect(cfg.run_dir(), 2)
+    (prompt,) = data["prompts"]
+    assert prompt["other_rounds"] == [{"round": 1, "responses": 2, "correct": 1, "flagged_steps": 1}]
+    assert data["overview"]["accuracy"] == 1.0
+    page = build_browser(cfg.run_dir(), 2)
+    exe = _chromium()  # skips here (the data is checked above) where Chromium is not installed
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        tab = browser.new_page()
+        tab.goto(page.as_uri())
+        link = tab.get_by_test_id("other-rounds").get_by_role("link", name="round 1")
+        link.click()
+        tab.wait_for_load_state()
+        assert tab.url.endswith("/round_001-capo-intersection/index.html#toy-train-00000")
+        assert tab.title().startswith("CAPO critiques: toy round 1 ")
+        browser.close()
