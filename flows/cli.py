@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -76,7 +77,7 @@ def round_cmd(
     from pipeline.engines.host import policy_engine_session
 
     cfg = _cfg(config, overrides, preset)
-    with policy_engine_session(cfg):
+    with _writing(cfg), policy_engine_session(cfg):
         _run_round(cfg, round, force or [])
 
 
@@ -94,9 +95,23 @@ def run_cmd(
     from pipeline.engines.host import policy_engine_session
 
     cfg = _cfg(config, overrides, preset)
-    with policy_engine_session(cfg):  # scale.policy_engine=persistent: one policy engine for all rounds
+    with _writing(cfg), policy_engine_session(cfg):  # scale.policy_engine=persistent: one engine for all rounds
         for k in range(start_round, start_round + rounds):
             _run_round(cfg, k, [])
+
+
+def _writing(cfg) -> contextlib.ExitStack:
+    """The run's write lock (:func:`pipeline.runlock.run_lock`) as a context to hold while writing;
+    a second writer exits at once with status 3 and a message naming the holder."""
+    from pipeline.runlock import RunLockedError, run_lock
+
+    stack = contextlib.ExitStack()
+    try:
+        stack.enter_context(run_lock(cfg.run_dir()))
+    except RunLockedError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(3) from None
+    return stack
 
 
 def _run_round(cfg, round_idx: int, force: list[str]) -> None:
@@ -151,12 +166,13 @@ def stage(
         out["peak_rss_mb"] = float(f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f}")
         print(RESULT_TAG + json.dumps(out), flush=True)
         return
-    if name == "critique" and cfg.scale.critique.runner != "local":
-        res = run_stage(name, cfg, round, force=force)  # skips when current, else fans out (flows/fanout.py)
-    else:
-        res = stage_function(name)(cfg, round, force=force)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
-        res = dataclasses.replace(res, peak_rss_mb=float(f"{peak:.1f}"))  # (`round` is the CLI option here)
+    with _writing(cfg):  # a no-op in a stage child of the runner (it inherits its parent's lock)
+        if name == "critique" and cfg.scale.critique.runner != "local":
+            res = run_stage(name, cfg, round, force=force)  # skips when current, else fans out (flows/fanout.py)
+        else:
+            res = stage_function(name)(cfg, round, force=force)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+            res = dataclasses.replace(res, peak_rss_mb=float(f"{peak:.1f}"))  # (`round` is the CLI option here)
     print(RESULT_TAG + json.dumps(dataclasses.asdict(res)), flush=True)
 
 
@@ -180,11 +196,12 @@ def noise_floor_cmd(
     from pipeline.noise_floor import measure_noise_floor
 
     cfg = _cfg(config, overrides, preset)
-    summary = measure_noise_floor(cfg, round, force=force)
-    typer.echo(json.dumps(summary, indent=1))
-    from pipeline.report import write_report
+    with _writing(cfg):
+        summary = measure_noise_floor(cfg, round, force=force)
+        typer.echo(json.dumps(summary, indent=1))
+        from pipeline.report import write_report
 
-    typer.echo(f"report: {write_report(Path(cfg.runs_dir), cfg.run_id).get('report_html', '')}")
+        typer.echo(f"report: {write_report(Path(cfg.runs_dir), cfg.run_id).get('report_html', '')}")
 
 
 @app.command()

@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from flows.runner import round_plan, run_stage, write_round_summary
 from pipeline.config import load_config
 from pipeline.engines.host import policy_engine_session
+from pipeline.runlock import run_lock
 from pipeline.storage import refresh_catalog
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.yaml")
@@ -71,10 +72,11 @@ def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional
 
     get_run_logger().info(describe(precision_record(cfg)))
     t0 = time.perf_counter()
-    with policy_engine_session(cfg, get_run_logger()):  # a no-op unless scale.policy_engine=persistent
-        results = [stage_task(name, config, overrides, k, preset) for name, k in round_plan(round)]
-    catalog_task(config, overrides, round, results, time.perf_counter() - t0, preset)
-    report_task(config, overrides, preset)
+    with run_lock(cfg.run_dir()):  # one writer per run: a second one fails here, naming the holder
+        with policy_engine_session(cfg, get_run_logger()):  # a no-op unless scale.policy_engine=persistent
+            results = [stage_task(name, config, overrides, k, preset) for name, k in round_plan(round)]
+        catalog_task(config, overrides, round, results, time.perf_counter() - t0, preset)
+        report_task(config, overrides, preset)
     logger = get_run_logger()
     for r in results:
         logger.info("%s: %s", r["stage"], "skipped" if r["skipped"] else f"ran in {r['seconds']:.1f}s")
@@ -90,6 +92,6 @@ def capo_run(rounds: int = 2, start_round: int = 1, config: str = DEFAULT_CONFIG
     and eval stages, loading each new checkpoint in place (:mod:`pipeline.engines.host`).
     """
     cfg = load_config(config, list(overrides or []), preset)
-    with policy_engine_session(cfg, get_run_logger()):
+    with run_lock(cfg.run_dir()), policy_engine_session(cfg, get_run_logger()):
         for k in range(start_round, start_round + rounds):
             capo_round(round=k, config=config, overrides=overrides, preset=preset)

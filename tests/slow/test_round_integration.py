@@ -308,3 +308,26 @@ def test_the_critique_browser_of_the_real_round_in_chromium(tiny_round, repo):
         assert [s.strip() for s in shown_raw] == [c.strip() for c in critiques[rid]]
         assert first.locator('[data-testid="token-strip"] span').count() == tokens[rid]
         browser.close()
+
+
+def test_two_rounds_started_together_on_one_run_exactly_one_writes(tiny_round, repo):
+    """Issue 15, item 1: `capo round` twice at once on the finished run (vote forced, so there is
+    something to write): one runs, the other exits with status 3 naming it; the tables are one run's."""
+    from pipeline import storage
+
+    cfg = tiny_round[0]
+    p = round_paths(cfg, 1)
+    before = {n: storage.read_manifest(p[n])["fingerprint"] for n in ("critiques", "step_verdicts", "token_rewards")}
+    cmd = [sys.executable, "-m", "flows.cli", "round", "--config", "configs/tiny.yaml", "--round", "1",
+           "--force", "vote", f"runs_dir={cfg.runs_dir}", f"data_dir={cfg.data_dir}"]
+    env = {k: v for k, v in os.environ.items() if k != "CAPO_RUN_LOCK"}
+    procs = [subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outs = [pr.communicate(timeout=900) for pr in procs]
+    codes = sorted(pr.returncode for pr in procs)
+    assert codes == [0, 3], [o[1][-1500:] for o in outs]
+    loser = outs[[pr.returncode for pr in procs].index(3)][1]
+    winner_pid = procs[[pr.returncode for pr in procs].index(0)].pid
+    assert f"being written by pid {winner_pid}" in loser
+    after = {n: storage.read_manifest(p[n])["fingerprint"] for n in before}
+    assert after == before  # the forced vote wrote the same verdicts; nothing else ran twice
