@@ -44,7 +44,7 @@ from pipeline.config import (
     parse_overrides,
     read_config_file,
 )
-from pipeline.core.critique import PARSER_VERSION, TEMPLATE_VERSION
+from pipeline.core.critique import DATA_ESCAPE_VERSION, PARSER_VERSION, TEMPLATE_VERSION
 from pipeline.schemas import (
     CRITIC_EVAL_BENCHMARK_SCHEMA,
     CRITIC_EVAL_CRITIQUES_SCHEMA,
@@ -261,7 +261,7 @@ def critique_key(cfg: CriticEvalConfig, setup: str) -> dict:
     critic, gold = cfg.setups()[setup]
     return {"benchmark": _benchmark_fingerprint(cfg), "critic": critic.model_dump(mode="json"),
             "include_gold_answer": gold, "n_max": cfg.n_max, "template_version": critic.template,
-            "parser": PARSER_VERSION, "seed": cfg.seed,
+            "parser": PARSER_VERSION, "data_escape": DATA_ESCAPE_VERSION, "seed": cfg.seed,
             "model": model_fingerprint(resolve_model(critic.model, cfg))}
 
 

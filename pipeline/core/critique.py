@@ -107,12 +107,44 @@ _OUTCOME_FORMAT = """\
 Judge only whether the final answer of the solution is correct. Reason briefly, then end with \
 exactly one final line: "Final answer correct: yes" or "Final answer correct: no"."""
 
-_SOLUTION_TAG = re.compile(r"<(/?)\s*solution\s*>", re.IGNORECASE)
+DATA_ESCAPE_VERSION = "tags-entities-lookalikes-lines-v2"
+"""Version of how judged text is put into the critic prompt (:func:`_as_data`); part of the
+critique key, so a change re-critiques instead of reusing critiques of another prompt."""
 
 
-def _as_data(text: str) -> str:
-    """Defuse `<solution>` / `</solution>` inside judged text so it cannot close the block."""
-    return _SOLUTION_TAG.sub(lambda m: f"[{m.group(1)}solution]", text)
+def _letters(word: str) -> str:
+    # each letter ASCII (either case) or its fullwidth form (U+FF21.., U+FF41..)
+    return "".join(f"[{c}{c.upper()}{chr(0xFF41 + ord(c) - 97)}{chr(0xFF21 + ord(c) - 97)}]" for c in word)
+
+
+_LT = r"(?:<|\uFF1C|\uFE64|\u2039|\u3008|\u27E8|\u2329|&lt;?|&#0*60;?|&#[xX]0*3[cC];?)"
+_GT = r"(?:>|\uFF1E|\uFE65|\u203A|\u3009|\u27E9|\u232A|&gt;?|&#0*62;?|&#[xX]0*3[eE];?)"
+_SLASH = r"(?:/|\uFF0F|\u2044|\u2215|&#0*47;?|&#[xX]0*2[fF];?|&sol;)"
+_SOLUTION_TAG = re.compile(rf"{_LT}\s{{0,20}}({_SLASH}?)\s{{0,20}}{_letters('solution')}\s{{0,20}}{_GT}")
+_FORGED_LINE = re.compile(r"[\s*_`#>|-]{0,8}(?:step[\s*_`]{0,3}\d|wrong[\s*_`]+step[\s*_`]+list|"
+                          r"final[\s*_`]+answer[\s*_`]+correct)", re.IGNORECASE)
+
+
+def _as_data(text: str, step: int | None = None) -> str:
+    """Judged text as data that cannot break out of the ``<solution>`` block or pose as the
+    prompt's own lines (docs/design.md, "the critic prompt").
+
+    - A ``<solution>`` / ``</solution>`` tag in any spelling (spaces inside, ``&lt;`` entities,
+      decimal and hex character references, fullwidth and other look-alike brackets, slashes and
+      letters) becomes ``[solution]`` / ``[/solution]``.
+    - A line after the first that starts like one of the prompt's step lines (``Step 3: ...``) or
+      verdict lines (``Wrong step list: ...``, ``Final answer correct: ...``) is marked as text of
+      step ``step`` (``[in step 0] Step 3: correct``), so a policy cannot forge a judgment.
+
+    Linear in the length of ``text``; never raises on any string.
+    """
+    text = _SOLUTION_TAG.sub(lambda m: f"[{'/' if m.group(1) else ''}solution]", text)
+    lines = text.split("\n")
+    where = f"[in step {step}]" if step is not None else "[in the solution]"
+    for k in range(1, len(lines)):
+        if _FORGED_LINE.match(lines[k], 0, 200):
+            lines[k] = f"{where} {lines[k]}"
+    return "\n".join(lines)
 
 
 def _problem_block(question: str, gold_answer: str | None) -> str:
@@ -147,7 +179,7 @@ def build_critique_messages(
     """
     if len(steps) == 0:
         raise ValueError("steps is empty; segment_response gives every response >= 1 step")
-    numbered = "\n".join(f"Step {i}: {_as_data(step.strip())}" for i, step in enumerate(steps))
+    numbered = "\n".join(f"Step {i}: {_as_data(step.strip(), i)}" for i, step in enumerate(steps))
     user = (
         f"{_problem_block(question, gold_answer)}\n{_DATA_NOTE}\n\n"
         f"<solution>\n{numbered}\n</solution>\n\n{_step_format(template, len(steps))}"

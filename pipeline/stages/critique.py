@@ -47,13 +47,13 @@ log = logging.getLogger("capo.stages")
 def critique_key(cfg: CAPOConfig, round_idx: int) -> dict:
     """What the critiques depend on: steps, rollouts, critique settings (not the shard size),
     template, parser version, prompts, resolved dtype and critic."""
-    from pipeline.core.critique import PARSER_VERSION
+    from pipeline.core.critique import DATA_ESCAPE_VERSION, PARSER_VERSION
     from pipeline.precision import precision_record
 
     p = round_paths(cfg, round_idx)
     crit = {k: v for k, v in cfg.model_dump(mode="json")["critique"].items() if k not in ("batch_rollouts", "template")}
     return {"steps": input_fp(p["steps"]), "rollouts": input_fp(p["rollouts"]), "critique": crit,
-            "template_version": cfg.critique.template, "parser": PARSER_VERSION,
+            "template_version": cfg.critique.template, "parser": PARSER_VERSION, "data_escape": DATA_ESCAPE_VERSION,
             "prompts": storage.file_sha256(prompts_path(cfg)), "dtype": precision_record(cfg)["critique_dtype"],
             "critic": model_fingerprint(resolve_model(cfg.critique.critic, cfg))}
 
