@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -22,7 +23,27 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: Any) -> Any:
+        """``group_size: true`` is a mistake, not 1: a bool is refused for a number field."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+                    raise ValueError(f"{name}={value!r}: a number is expected here, not a bool")
+        return data
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field takes numbers and not bools (int, float, or Optional of them)."""
+    import typing
+
+    args = typing.get_args(annotation) or (annotation,)
+    return bool(args) and all(a in (int, float, type(None)) for a in args) and any(a in (int, float) for a in args)
 
 
 # --------------------------------------------------------------------------------------- engines
@@ -105,8 +126,8 @@ class RolloutConfig(_Strict):
     policy: str = "qwen2.5-coder-0.5b-instruct"
     """Starting policy for round 1: an embedded model name, a local checkpoint or a HF model id.
     Round k > 1 always samples from the checkpoint that round k-1 wrote."""
-    group_size: int = Field(4, ge=1)
-    """G: responses sampled per prompt (paper: 16)."""
+    group_size: int = Field(4, ge=2)
+    """G: responses sampled per prompt (paper: 16); at least 2, since advantages are normalized within the group."""
     sampling: SamplingConfig = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=320)
     """How the policy samples its G responses; the trainer's log-probs use the same temperature."""
     engine: EngineConfig = VLLMEngineConfig()
@@ -114,6 +135,15 @@ class RolloutConfig(_Strict):
     instruction: str | None = None
     """Appended to every problem. None picks the instruction that matches ``steps.mode``
     (:data:`DEFAULT_INSTRUCTIONS`); it always asks for exactly one ``\\boxed{}`` answer."""
+
+    @model_validator(mode="after")
+    def _policy_servable(self) -> "RolloutConfig":
+        if self.engine.type == "openai":
+            raise ValueError("rollout.engine.type=openai cannot serve the policy: rollouts need the sampled token ids "
+                             "and their log-probs, which the OpenAI API does not return, and round k > 1 samples from "
+                             "a local checkpoint; valid: vllm, transformers (openai serves the critic)")
+        check_model(self.policy, "rollout.policy")
+        return self
 
 
 DEFAULT_INSTRUCTIONS = {
@@ -130,6 +160,21 @@ DEFAULT_INSTRUCTIONS = {
 class StepsConfig(_Strict):
     mode: Literal["blank_line", "line", "step_tag"] = "blank_line"
     """How a response is split into steps (docs/design.md §1.3; paper splits on blank lines)."""
+
+
+def check_model(name: str, role: str) -> str:
+    """A model reference a role can load: an embedded model name, an existing local checkpoint
+    folder, or a hub id ``org/name`` (served from the local cache; not checked offline).
+
+    Raises:
+        ValueError: a path (absolute, ``./``, ``~`` or with more than one ``/``) that is not a folder.
+    """
+    looks_like_path = name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
+    if looks_like_path and not Path(name).expanduser().is_dir():
+        raise ValueError(f"{role}={name!r} is not a checkpoint folder; give an embedded model "
+                         "(qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct, smollm2-135m-instruct), "
+                         "an existing local folder, or a hub id org/name")
+    return name
 
 
 class CritiqueConfig(_Strict):
@@ -155,6 +200,12 @@ class CritiqueConfig(_Strict):
     """A longer context than the policy's: the critic's prompt holds the problem and the whole response."""
     batch_rollouts: int = Field(16, ge=1)
     """Rollouts per resumable critique shard (a killed stage restarts at the first unfinished shard)."""
+
+    @model_validator(mode="after")
+    def _critic_loadable(self) -> "CritiqueConfig":
+        if self.engine.type != "openai":  # a served model's name is the server's business
+            check_model(self.critic, "critique.critic")
+        return self
 
 
 class VoteConfig(_Strict):
@@ -378,6 +429,15 @@ class CAPOConfig(_Strict):
         if r.estimator == "grpo" and r.process_weight > 0:
             raise ValueError("reward.estimator=grpo is sequence-level and would ignore the process reward "
                              f"(reward.process_weight={r.process_weight}); use capo-token-group or set it to 0")
+        roles = [("rollout", self.rollout.sampling.max_tokens, self.rollout.engine),
+                 ("critique", c.sampling.max_tokens, c.engine),
+                 ("eval", self.eval.max_tokens, self.eval.engine or self.rollout.engine)]
+        for role, max_tokens, engine in roles:
+            limit = getattr(engine, "max_model_len", None)
+            if limit is not None and max_tokens >= limit:
+                raise ValueError(f"{role} max_tokens={max_tokens} leaves no room for the prompt in the engine's "
+                                 f"max_model_len={limit} (prompt + generated tokens); lower max_tokens or raise "
+                                 "max_model_len")
         return self
 
     def instruction(self) -> str:
@@ -393,6 +453,45 @@ class CAPOConfig(_Strict):
             raise ValueError(f"round must be >= 0 (0 = the starting policy, evaluated only; round 1 "
                              f"samples from it), got {round_idx}")
         return self.run_dir() / f"round_{round_idx:03d}"
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML for configs: a duplicate key is an error (YAML would keep the last silently), and a
+    number with a leading zero (``run_id: 0123``) stays the string it was written as (YAML 1.1
+    would read it as octal 83)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ValueError(f"duplicate key {key!r} (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "
+                                 "a config may give each key once")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node)
+        if re.fullmatch(r"[-+]?0[0-9_]+", text):
+            return text
+        return super().construct_yaml_int(node)
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
+
+
+def load_yaml(text: str, where: str = "config") -> Any:
+    """Parse config YAML with :class:`_ConfigLoader`.
+
+    Raises:
+        ValueError: a duplicate key or malformed YAML (names ``where``).
+    """
+    try:
+        return yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{where} is not valid YAML: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _set_dotted(d: dict, key: str, value: Any) -> None:
@@ -418,7 +517,7 @@ def parse_overrides(overrides: list[str] | None) -> dict:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like section.key=value, e.g. vote.rule=union")
         k, v = item.split("=", 1)
-        _set_dotted(out, k.strip(), yaml.safe_load(v))
+        _set_dotted(out, k.strip(), load_yaml(v, f"override {item!r}"))
     return out
 
 
@@ -453,7 +552,7 @@ def load_preset(name: str) -> dict:
     path = PRESETS_DIR / f"{name}.yaml"
     if not path.is_file():
         raise ValueError(f"unknown preset {name!r}; valid: {list_presets()}")
-    return yaml.safe_load(path.read_text()) or {}
+    return load_yaml(path.read_text(encoding="utf-8"), str(path)) or {}
 
 
 def read_config_file(path: str | Path, example: str) -> dict:
@@ -466,7 +565,11 @@ def read_config_file(path: str | Path, example: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"config file {str(p)!r} not found (try {example})")
-    raw = yaml.safe_load(p.read_text()) or {}
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    raw = load_yaml(text, f"config file {str(p)!r}") or {}
     if not isinstance(raw, dict):
         raise ValueError(f"config file {str(p)!r} must hold a mapping, got {type(raw).__name__}")
     return raw

@@ -1,0 +1,81 @@
+"""Bad config input gets a clear error naming the value and what would be valid (issue 15, item 6).
+One row per bad input; each is tried through the same path a user takes (overrides or a file)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from pipeline.config import load_config
+
+BAD_OVERRIDES = [
+    # (overrides, words the message must contain)
+    (["rollout.group_size=true"], ["group_size=True", "a number is expected"]),
+    (["rollout.group_size=1"], ["group_size", "greater than or equal to 2"]),
+    (["critique.num_critiques=0"], ["num_critiques", "greater than or equal to 1"]),
+    (["rollout.sampling.temperature=.inf"], ["temperature", "finite"]),
+    (["train.learning_rate=.inf"], ["learning_rate", "finite"]),
+    (["train.learning_rate=.nan"], ["learning_rate", "finite"]),
+    (["train.kl_coef=-0.1"], ["kl_coef", "greater than or equal to 0"]),
+    (["reward.correct_weight=.inf"], ["correct_weight", "finite"]),
+    (["reward.process_weight=-1"], ["process_weight", "greater than or equal to 0"]),
+    (["vote.majority_threshold=1.5"], ["majority_threshold", "less than 1"]),
+    (["rollout.sampling.max_tokens=4096"], ["rollout max_tokens=4096", "max_model_len=2048"]),
+    (["critique.sampling.max_tokens=5000"], ["critique max_tokens=5000", "max_model_len=4096"]),
+    (["eval.max_tokens=2048"], ["eval max_tokens=2048", "max_model_len=2048"]),
+    (["rollout.engine.type=openai"], ["rollout.engine.type=openai cannot serve the policy", "valid: vllm, transformers"]),
+    (["rollout.policy=/no/such/checkpoint"], ["rollout.policy='/no/such/checkpoint' is not a checkpoint folder"]),
+    (["critique.critic=./missing/critic/dir"], ["critique.critic='./missing/critic/dir'", "embedded model"]),
+    (["run_id=a/b"], ["run_id", "pattern"]),
+    (["critique.enabled=yes please"], ["enabled", "bool"]),
+    (["vote.rule=unanimous"], ["rule", "'intersection'", "'union'"]),
+    (["rollout.group_size"], ["must look like section.key=value"]),
+    (["vote.rule=[unclosed"], ["not valid YAML"]),
+]
+
+
+@pytest.mark.parametrize("overrides,words", BAD_OVERRIDES, ids=[o[0] for o, _ in BAD_OVERRIDES])
+def test_bad_override_is_refused_with_a_clear_message(overrides, words):
+    with pytest.raises((ValidationError, ValueError)) as err:
+        load_config(None, overrides)
+    msg = str(err.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+
+
+def test_a_leading_zero_run_id_stays_as_written(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("run_id: 0123\nseed: 010\n")
+    cfg = load_config(f)
+    assert cfg.run_id == "0123" and cfg.seed == 10  # not octal 83 / 8
+    assert load_config(None, ["run_id=0123"]).run_id == "0123"
+
+
+@pytest.mark.parametrize("text,words", [
+    ("vote:\n  rule: union\nvote:\n  rule: average\n", ["duplicate key 'vote'", "lines 1 and 3"]),
+    ("reward:\n  correct_weight: 2\n  correct_weight: 3\n", ["duplicate key 'correct_weight'"]),
+    ("- just\n- a list\n", ["must hold a mapping"]),
+    ("vote: [unclosed\n", ["is not valid YAML"]),
+])
+def test_bad_config_file_is_refused_naming_the_file(tmp_path, text, words):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_config(f)
+    assert all(w in str(err.value) for w in words) and "bad.yaml" in str(err.value)
+
+
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
+    f = tmp_path / "latin1.yaml"
+    f.write_bytes("run_id: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.yaml' is not UTF-8 text"):
+        load_config(f)
+
+
+def test_valid_references_still_load(tmp_path):
+    ckpt = tmp_path / "my" / "policy" / "ckpt"
+    ckpt.mkdir(parents=True)
+    cfg = load_config(None, [f"rollout.policy={ckpt}", "critique.critic=Qwen/Qwen2.5-72B-Instruct",
+                             "critique.engine.type=openai", "critique.engine.base_url=http://127.0.0.1:8000/v1"])
+    assert cfg.rollout.policy == str(ckpt) and cfg.critique.engine.type == "openai"
+    assert load_config(None, ["train.learning_rate=1e-5"]).train.learning_rate == 1e-5  # YAML 1.1 reads 1e-5 as text
