@@ -29,15 +29,11 @@ import duckdb
 from pipeline import storage
 from pipeline.core.critique import OUTCOME_PARSE_STATUSES, VERDICT_STATUSES
 from pipeline.schemas import SCHEMAS
+from pipeline.storage import sql_literal
 
 log = logging.getLogger("capo.browse")
 
 TEMPLATE = "browse.html.j2"
-
-
-def sql_literal(value: str) -> str:
-    """``value`` as a SQL string literal (single quotes doubled)."""
-    return "'" + str(value).replace("'", "''") + "'"
 
 
 def browser_queries(run_id: str, round_idx: int, variant: str, rule: str) -> dict[str, str]:

@@ -114,15 +114,43 @@ def manifest_path(path: Path) -> Path:
 
 
 def read_manifest(path: Path) -> dict | None:
-    """The manifest of stage output ``path``, or None when there is none (or it is unreadable)."""
+    """The manifest of stage output ``path``, or None when there is none, or it is unreadable (not
+    UTF-8, not JSON, not a JSON object): the output then reads as not current and is recomputed."""
     mp = manifest_path(path)
     if not mp.is_file():
         return None
     try:
-        return json.loads(mp.read_text())
-    except json.JSONDecodeError:
-        log.warning("manifest %s is not valid JSON; treating %s as not current", mp, path.name)
+        man = json.loads(mp.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        log.warning("manifest %s is unreadable (%s); treating %s as not current", mp, type(e).__name__, path.name)
         return None
+    if not isinstance(man, dict) or not isinstance(man.get("key_hash", ""), str):
+        log.warning("manifest %s does not hold a manifest; treating %s as not current", mp, path.name)
+        return None
+    return man
+
+
+def fsync_file(path: Path | str) -> None:
+    """Flush ``path``'s data to disk (a commit point must survive a power loss, not only a kill)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path | str) -> None:
+    """Flush a directory's entries (a rename into it) to disk; a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -133,6 +161,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 @dataclass(frozen=True)
@@ -247,7 +276,9 @@ def write_parquet(table: pa.Table, path: Path, *, stage: str, key: dict, extra: 
     os.close(fd)
     try:
         pq.write_table(table, tmp, compression="zstd")
+        fsync_file(tmp)
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -269,7 +300,9 @@ def read_table(path: Path, name: str) -> pa.Table:
 def write_part(table: pa.Table, parts_dir: Path, part_idx: int, name: str, meta: dict) -> Path:
     """Write one resumable shard of a long stage: ``part-XXXXX.parquet`` plus a JSON sidecar.
 
-    The sidecar (written after the shard) is the shard's commit marker.
+    The sidecar (written after the shard, both fsynced with their directory) is the shard's commit
+    marker; it records the part's row count and sha256, which :func:`part_intact` checks, so a torn
+    or altered part is recomputed instead of trusted.
     """
     parts_dir.mkdir(parents=True, exist_ok=True)
     path = parts_dir / f"part-{part_idx:05d}.parquet"
@@ -277,9 +310,24 @@ def write_part(table: pa.Table, parts_dir: Path, part_idx: int, name: str, meta:
     fd, tmp = tempfile.mkstemp(dir=parts_dir, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     pq.write_table(table, tmp, compression="zstd")
+    fsync_file(tmp)
     os.replace(tmp, path)
-    _atomic_write_text(path.with_suffix(".json"), json.dumps({**meta, "rows": table.num_rows}))
+    fsync_dir(parts_dir)
+    _atomic_write_text(path.with_suffix(".json"),
+                       json.dumps({**meta, "rows": table.num_rows, "sha256": file_sha256(path)}))
     return path
+
+
+def part_intact(path: Path, meta: dict) -> bool:
+    """Whether shard ``path`` is the part its sidecar ``meta`` committed: its footer reads, its row
+    count matches and (sidecars from this version on) its sha256 matches."""
+    try:
+        rows = pq.read_metadata(path).num_rows
+    except Exception:  # truncated or not Parquet
+        return False
+    if "rows" in meta and rows != meta["rows"]:
+        return False
+    return "sha256" not in meta or file_sha256(path) == meta["sha256"]
 
 
 def read_parts(parts_dir: Path, name: str, meta_key: Any) -> list[pa.Table]:
@@ -382,12 +430,28 @@ def _present(con) -> set[str]:
         "SELECT table_name FROM information_schema.tables WHERE table_catalog = 'cat'").fetchall()}
 
 
+def sql_literal(value: str) -> str:
+    """``value`` as a SQL string literal (single quotes doubled): paths with a ``'`` stay paths."""
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def _unreadable_parquet(path: Path) -> str | None:
+    """Why ``path`` cannot be read as Parquet (its footer does not parse), or None."""
+    try:
+        pq.read_metadata(path)
+    except Exception as e:  # truncated, overwritten, not Parquet at all
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
 def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
     """(Re)build ``<runs_dir>/catalog.duckdb``: one view per table over every run and round.
 
     Views use absolute paths (DuckDB resolves relative ones against the reader's directory). The
     file is built under a temporary name and renamed into place, so a user holding the old catalog
-    open read-only is never blocked and never sees a half-built one.
+    open read-only is never blocked and never sees a half-built one. A table whose Parquet footer
+    does not read (truncated, overwritten) is left out of its view and named, with the reason, in
+    the view ``skipped_tables`` and the log, so one bad file does not break every run's catalog.
     """
     import duckdb
 
@@ -398,19 +462,32 @@ def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
     tmp.unlink(missing_ok=True)
     con = duckdb.connect()
     try:
-        con.execute(f"ATTACH '{tmp}' AS cat (STORAGE_VERSION '{CATALOG_STORAGE_VERSION}')")
+        con.execute(f"ATTACH {sql_literal(str(tmp))} AS cat (STORAGE_VERSION '{CATALOG_STORAGE_VERSION}')")
         views = dict(CATALOG_GLOBS)
         sources = {name: str(runs_dir / pattern) for name, pattern in views.items()}
         if data_dir is not None:
             sources["prompts"] = str(Path(data_dir).resolve() / "prompts" / "*.parquet")
+        skipped: list[tuple[str, str, str]] = []  # (view, file, why)
         for name, glob in sources.items():
-            has_files = any(Path("/").glob(glob.lstrip("/")))
-            if not has_files:
+            files = sorted(Path("/").glob(glob.lstrip("/")))
+            if not files:
                 continue
-            con.execute(
-                f"CREATE OR REPLACE VIEW cat.{name} AS SELECT * FROM "
-                f"read_parquet('{glob}', union_by_name = true)"
-            )
+            bad = {f: why for f in files if (why := _unreadable_parquet(f))}
+            skipped += [(name, str(f), why) for f, why in bad.items()]
+            if not bad:  # a glob: tables written after this refresh show up too
+                source = sql_literal(glob)
+            elif len(bad) == len(files):
+                continue
+            else:  # the readable files only; the others are named in skipped_tables
+                source = "[" + ", ".join(sql_literal(str(f)) for f in files if f not in bad) + "]"
+            con.execute(f"CREATE OR REPLACE VIEW cat.{name} AS SELECT * FROM "
+                        f"read_parquet({source}, union_by_name = true)")
+        if skipped:
+            for view, f, why in skipped:
+                log.warning("catalog: view %s leaves out %s (%s); recompute its stage (--force) or delete it", view, f, why)
+            rows = ", ".join(f"({sql_literal(v)}, {sql_literal(f)}, {sql_literal(w)})" for v, f, w in skipped)
+            con.execute(f"CREATE OR REPLACE VIEW cat.skipped_tables AS SELECT * FROM (VALUES {rows}) "
+                        "AS t(view_name, path, reason)")
         man_glob = str(runs_dir / "*" / "round_*" / "**" / f"*{MANIFEST_SUFFIX}")
         if any(runs_dir.glob(f"*/round_*/**/*{MANIFEST_SUFFIX}")):
             # Explicit columns: a manifest lacking one (e.g. no elapsed_s) reads as NULL instead of
@@ -419,7 +496,7 @@ def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
             names = ", ".join(f'"{c}"' for c in _MANIFEST_COLUMNS)
             con.execute(
                 f"CREATE OR REPLACE VIEW cat.manifests AS SELECT {names} "
-                f"FROM read_json('{man_glob}', columns = {{{types}}}, format = 'auto', filename = true) "
+                f"FROM read_json({sql_literal(man_glob)}, columns = {{{types}}}, format = 'auto', filename = true) "
                 "WHERE filename NOT LIKE '%/superseded/%'"
             )
         if "token_rewards" in _present(con):

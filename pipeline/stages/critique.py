@@ -122,10 +122,13 @@ def _shard_committed(parts_dir: Path, shard: int, shard_key: str, ids: list[str]
     if not (path.is_file() and side.is_file()):
         return False
     try:
-        meta = json.loads(side.read_text())
-    except json.JSONDecodeError:
+        meta = json.loads(side.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
-    if meta.get("key") != shard_key:
+    if not isinstance(meta, dict) or meta.get("key") != shard_key:
+        return False
+    if not storage.part_intact(path, meta):  # torn or altered: recomputed, not trusted
+        log.warning("[critique] shard %d (%s) does not match its sidecar; it is recomputed", shard, path)
         return False
     if "rollouts_sha" in meta:
         return meta["rollouts_sha"] == _ids_sha(ids)

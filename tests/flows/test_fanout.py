@@ -460,3 +460,30 @@ def test_transformers_critiques_do_not_depend_on_the_runner(ray_transformers, re
     dask_rows = pq.read_table(round_paths(resumed_cli[0], 1)["critiques"]).to_pylist()
     assert [(r["rollout_id"], r["critique_idx"], r["raw_text"], r["parse_status"]) for r in ray_rows] == \
         [(r["rollout_id"], r["critique_idx"], r["raw_text"], r["parse_status"]) for r in dask_rows]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "same-size-edit", "sidecar-garbage"])
+def test_a_torn_or_altered_shard_is_recomputed_not_trusted(toy, damage):
+    """Issue 15, item 2: the commit check opens the part (row count, sha256 from its sidecar); a
+    damaged shard is critiqued again and the stage succeeds, --force not needed."""
+    from pipeline.stages.critique import critique_shards, critique_stage
+
+    assert critique_shards(toy, 1, [1])["computed"] == [1]
+    part = round_paths(toy, 1)["critiques"].with_suffix(".parts") / "part-00001.parquet"
+    data = part.read_bytes()
+    if damage == "truncate":
+        part.write_bytes(data[: len(data) // 2])
+    elif damage == "same-size-edit":
+        mid = len(data) // 2
+        part.write_bytes(data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:])
+    else:
+        part.with_suffix(".json").write_bytes(b"\xff[]")
+    asked = []
+
+    def run_shards(todo):
+        asked.append(todo)
+        return [critique_shards(toy, 1, todo)]
+
+    res = critique_stage(toy, 1, run_shards=run_shards)
+    assert asked == [[0, 1, 2, 3]] and not res.skipped  # shard 1 is among those computed again
+    assert len({(r["rollout_id"], r["critique_idx"]) for r in _table(toy)}) == 14

@@ -131,7 +131,10 @@ def test_read_parts_keeps_committed_shards_of_this_key_only(tmp_path):
     storage.write_part(_outcomes(3, run_id="c"), parts, 2, "outcomes", {"key": "K"})
     storage.write_part(_outcomes(4, run_id="d"), parts, 3, "outcomes", {"key": "K"})
     (parts / "part-00003.json").unlink()  # killed before the sidecar: uncommitted
-    assert json.loads((parts / "part-00000.json").read_text()) == {"key": "K", "rows": 2}
+    side = json.loads((parts / "part-00000.json").read_text())
+    assert side == {"key": "K", "rows": 2, "sha256": storage.file_sha256(parts / "part-00000.parquet")}
+    assert storage.part_intact(parts / "part-00000.parquet", side)
+    assert not storage.part_intact(parts / "part-00002.parquet", side)  # 3 rows, another hash
     got = storage.read_parts(parts, "outcomes", "K")
     assert [t.column("run_id")[0].as_py() for t in got] == ["a", "c"]
     assert [t.num_rows for t in got] == [2, 3]
@@ -259,3 +262,33 @@ def test_directory_output_commit_and_currency(tmp_path):
     assert storage.is_current(ck, KEY).current
     (ck / "config.json").write_text("{ }")
     assert not storage.is_current(ck, KEY).current
+
+
+@pytest.mark.parametrize("content", [b"[]", b"null", b'"text"', b"\xff\xfe not utf-8", b'{"key_hash": 5}', b"{"])
+def test_a_manifest_that_is_not_a_manifest_reads_as_stale(tmp_path, content):
+    out = tmp_path / "outcomes.parquet"
+    storage.write_table(_outcomes(), out, "outcomes", stage="verify", key={"k": 1})
+    storage.manifest_path(out).write_bytes(content)
+    assert storage.read_manifest(out) is None
+    cur = storage.is_current(out, {"k": 1})
+    assert not cur.current and "no manifest" in cur.reason
+
+
+def test_one_corrupt_table_is_left_out_of_the_catalog_and_named(tmp_path):
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    _populate_runs(runs, data)
+    bad = runs / "r3" / "round_001" / "rollouts.parquet"
+    bad.parent.mkdir(parents=True)
+    good = (runs / "r2" / "round_001" / "rollouts.parquet").read_bytes()
+    bad.write_bytes(good[: len(good) // 2])  # torn: the footer is gone
+    weird = tmp_path / "it's runs"  # a quote in the path must not break the SQL
+    (runs).rename(weird)
+    cat = storage.refresh_catalog(weird, data)
+    con = duckdb.connect(str(cat), read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM rollouts").fetchall() == [(3 + 2 + 4,)]  # the other runs still answer
+        skipped = con.execute("SELECT view_name, path, reason FROM skipped_tables").fetchall()
+        assert [(v, p) for v, p, _ in skipped] == [("rollouts", str(weird.resolve() / "r3" / "round_001" / "rollouts.parquet"))]
+        assert skipped[0][2]  # the reason pyarrow gave
+    finally:
+        con.close()
