@@ -226,14 +226,18 @@ def sql(
     runs_dir: str = typer.Option("runs", help="directory holding catalog.duckdb"),
     max_rows: int = typer.Option(50, help="rows to print"),
 ) -> None:
-    """Run SQL on the DuckDB catalog, opened read-only (safe while a round is running)."""
+    """Run SQL on the DuckDB catalog, opened read-only (safe while a round is running); files outside
+    the runs and prompt folders can be neither read nor written."""
     import duckdb
 
     path = Path(runs_dir) / "catalog.duckdb"
     if not path.exists():
         raise typer.BadParameter(f"no catalog at {path}; run a round first (or `capo catalog`)")
+    # read-only, and no file access beyond the catalog's own tables: COPY ... TO, read_csv('/etc/...')
+    # and the like are refused (the views' Parquet paths are allowed)
     con = duckdb.connect(str(path), read_only=True)
     try:
+        _lock_down(con, path)
         con.sql(query).show(max_rows=max_rows, max_width=200)
     finally:
         con.close()
@@ -275,6 +279,24 @@ def browse(
             pass
         finally:
             server.server_close()
+
+
+def _lock_down(con, catalog_path: Path) -> None:
+    """Let ``con`` touch files only in the folders the catalog's views read (the runs folder, the
+    prompt tables' folder): DuckDB ``allowed_directories`` with ``enable_external_access`` off and
+    the configuration locked. Reading any other file, ``COPY ... TO`` outside those folders,
+    extensions and settings are refused."""
+    from pipeline.storage import sql_literal
+
+    dirs = {str(catalog_path.resolve().parent)}
+    for (sql,) in con.execute("SELECT sql FROM duckdb_views() WHERE NOT internal").fetchall():
+        for part in (sql or "").split("'"):
+            if part.startswith("/") and ("/round_" in part or part.endswith((".parquet", ".json"))):
+                dirs.add(part.split("*")[0] if "*" in part else str(Path(part).parent))  # a glob's fixed folder
+    allowed = ", ".join(sql_literal(d.rstrip("/") + "/") for d in sorted(dirs))
+    con.execute(f"SET allowed_directories = [{allowed}]")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
 
 
 @app.command()

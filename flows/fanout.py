@@ -94,7 +94,7 @@ def make_task_runner(fan: CritiqueFanoutConfig):
         if fan.address:
             return cls(address=fan.address)
         return cls(cluster_kwargs={"n_workers": fan.workers, "threads_per_worker": 1, "processes": True,
-                                   "dashboard_address": ":0", "silence_logs": logging.WARNING})
+                                   "dashboard_address": "127.0.0.1:0", "silence_logs": logging.WARNING})  # dashboard: loopback only
     if fan.address == "auto":  # an existing cluster found by Ray (RAY_ADDRESS, `ray start`): fail if none
         return cls(init_kwargs={"address": "auto"})
     if fan.address:

@@ -292,3 +292,30 @@ def test_one_corrupt_table_is_left_out_of_the_catalog_and_named(tmp_path):
         assert skipped[0][2]  # the reason pyarrow gave
     finally:
         con.close()
+
+
+def test_capo_sql_reads_the_catalog_and_nothing_else(tmp_path, repo):
+    """Issue 15, item 7: `capo sql` is read-only and cannot write or read files outside the runs."""
+    import subprocess
+    import sys
+
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    _populate_runs(runs, data)
+    storage.refresh_catalog(runs, data)
+    secret = tmp_path / "secret.csv"
+    secret.write_text("a\n1\n")
+
+    def sql(q):
+        return subprocess.run([sys.executable, "-m", "flows.cli", "sql", q, "--runs-dir", str(runs)], cwd=repo,
+                              capture_output=True, text=True, timeout=120)
+
+    ok = sql("SELECT count(*) AS n FROM rollouts")
+    assert ok.returncode == 0 and "9" in ok.stdout
+    assert sql("SELECT count(*) FROM prompts").returncode == 0
+    for q in (f"COPY (SELECT 1) TO '{tmp_path / 'out.csv'}'", f"SELECT * FROM read_csv('{secret}')",
+              "SELECT * FROM read_csv('/etc/passwd')", "INSTALL httpfs",
+              "SET enable_external_access = true", "CREATE TABLE t AS SELECT 1"):
+        bad = sql(q)
+        assert bad.returncode != 0 and ("Permission" in bad.stderr or "locked" in bad.stderr
+                                        or "read-only" in bad.stderr), (q, bad.stderr[-500:])
+    assert not (tmp_path / "out.csv").exists()
