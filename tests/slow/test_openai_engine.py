@@ -85,5 +85,7 @@ def test_openai_engine_critiques_through_a_real_server(server):
 
 def test_openai_engine_fails_clearly_on_a_4xx(server):
     eng = make_engine("no-such-model", OpenAIEngineConfig(base_url=server, max_retries=1, timeout_s=60))
-    with pytest.raises(httpx.HTTPStatusError, match="404"):
+    from pipeline.engines.openai_engine import EngineReplyError
+
+    with pytest.raises(EngineReplyError, match=r"request 0 \(.*/v1/chat/completions, model 'no-such-model'\): HTTP 404 .*does not exist"):
         eng.generate([[{"role": "user", "content": "hi"}]], n=1, sampling=SamplingConfig(max_tokens=4))
