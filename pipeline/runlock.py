@@ -22,6 +22,7 @@ import json
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -36,12 +37,31 @@ class RunLockedError(RuntimeError):
     """Another process is writing this run."""
 
 
-def _holder(info_path: Path) -> str:
+def _holder(info_path: Path, wait_s: float = 3.0) -> str:
+    """Who holds the lock, from its record. The holder writes the record just after it takes the
+    lock, so a writer refused in between waits up to ``wait_s`` for it (and for a record of a live
+    process on this host: one left by a killed holder is replaced by the next)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = json.loads(info_path.read_text())
+            alive = info["host"] != socket.gethostname() or _alive(int(info["pid"]))
+            if alive or time.monotonic() > deadline:
+                return f"pid {info['pid']} on {info['host']}, started {info['started']}: {info['command']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            if time.monotonic() > deadline:
+                return "a process that left no holder record"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
     try:
-        info = json.loads(info_path.read_text())
-        return (f"pid {info['pid']} on {info['host']}, started {info['started']}: {info['command']}")
-    except (OSError, ValueError, KeyError):
-        return "a process that left no holder record"
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def _inherited(run_dir: str) -> bool:

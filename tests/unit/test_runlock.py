@@ -84,3 +84,27 @@ def test_capo_round_refuses_a_locked_run_before_writing_anything(tmp_path, repo)
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
+
+
+def test_a_writer_refused_before_the_holder_wrote_its_record_still_names_it(tmp_path):
+    """The race CI hit: the second writer is refused between the holder's lock and its record."""
+    import json
+    import socket
+    import threading
+
+    from filelock import FileLock
+
+    run = tmp_path / "r4"
+    run.mkdir()
+    lock = FileLock(str(run / LOCK_NAME), timeout=0)
+    lock.acquire()  # a holder that has not written its record yet
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "started": "now", "command": "capo round (late)"}
+    late = threading.Timer(0.5, lambda: (run / f"{LOCK_NAME}.json").write_text(json.dumps(info)))
+    late.start()
+    try:
+        with pytest.raises(RunLockedError, match=rf"pid {os.getpid()} on .*capo round \(late\)"):
+            with run_lock(run):
+                pass
+    finally:
+        late.join()
+        lock.release()
