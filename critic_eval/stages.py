@@ -196,12 +196,14 @@ def paths(cfg: CriticEvalConfig) -> dict[str, Path]:
 
 # ---------------------------------------------------------------------------------------- benchmark
 def _read_records(path: Path) -> list[dict]:
+    from pipeline.assets.prompts import read_text_utf8
+
     if path.suffix == ".parquet":
         return pq.read_table(path).to_pylist()
     if path.suffix == ".jsonl":
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in read_text_utf8(path, "benchmark file").split("\n") if line.strip()]
     if path.suffix == ".json":
-        data = json.loads(path.read_text())
+        data = json.loads(read_text_utf8(path, "benchmark file"))
         if isinstance(data, list):
             return data
     raise ValueError(f"benchmark file {path} must be .jsonl, .parquet or a .json array of items")

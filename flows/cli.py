@@ -9,6 +9,7 @@
     capo report                      plots and the paper-style table of a run (runs/<run>/report/)
     capo sql "SELECT ..."            query the DuckDB catalog read-only
     capo browse RUN --round 1        the critique browser of a round (HTML; --serve on 127.0.0.1)
+    capo check RUN                   verify a run's tables, shards and checkpoints against their manifests
     capo critic-eval run|bench|critique   measure a critic (ProcessBench F1 per voting rule and N)
 """
 
@@ -118,6 +119,7 @@ def _run_round(cfg, round_idx: int, force: list[str]) -> None:
     import time
 
     from flows.runner import round_plan, run_stage, write_round_summary
+    from pipeline.faults import kill_point
     from pipeline.precision import describe, precision_record
     from pipeline.report import write_report
     from pipeline.storage import refresh_catalog
@@ -130,6 +132,8 @@ def _run_round(cfg, round_idx: int, force: list[str]) -> None:
     typer.echo(f"catalog: {refresh_catalog(Path(cfg.runs_dir), Path(cfg.data_dir))}")
     report = write_report(Path(cfg.runs_dir), cfg.run_id)
     typer.echo(f"report: {report.get('report_html', '')}")
+    kill_point("report.written", report.get("report_html", ""))
+    kill_point("round.finished", f"round_{round_idx:03d}")
 
 
 @app.command()
@@ -241,6 +245,32 @@ def sql(
         con.sql(query).show(max_rows=max_rows, max_width=200)
     finally:
         con.close()
+
+
+@app.command()
+def check(
+    run: str = typer.Argument(..., help="run id (a folder of runs_dir)"),
+    config: str = typer.Option(DEFAULT_CONFIG, help="the run's config (its variant's keys are checked)"),
+    preset: Optional[str] = typer.Option(None),
+    all_rows: bool = typer.Option(False, "--all", help="list the intact outputs too"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per output"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value overrides (e.g. runs_dir=...)"),
+) -> None:
+    """Verify every table, critique shard, checkpoint and training state of a run against its
+    manifests (every byte), and the config's variant against today's keys; print what is stale,
+    missing, modified, uncommitted or torn with the command that recomputes it. Exit status 1 when
+    anything is not intact and current. Reads only: safe while a round runs."""
+    _setup_logging()
+    from pipeline.check import check_run, findings_json, format_findings
+
+    cfg = _cfg(config, [*(overrides or []), f"run_id={run}"], preset)
+    try:
+        findings = check_run(cfg, config)
+    except FileNotFoundError as e:
+        raise typer.BadParameter(str(e)) from None
+    typer.echo(findings_json(findings) if as_json else format_findings(findings, all_rows))
+    if any(f.status not in ("ok", "leftover") for f in findings):
+        raise typer.Exit(1)
 
 
 @app.command()

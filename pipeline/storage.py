@@ -26,6 +26,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.faults import kill_point
 from pipeline.schemas import check_schema
 
 log = logging.getLogger("capo.storage")
@@ -153,8 +154,32 @@ def fsync_dir(path: Path | str) -> None:
         os.close(fd)
 
 
+def fsync_tree(path: Path | str) -> None:
+    """fsync every file and folder under folder ``path`` (deepest first) and ``path`` itself: a
+    checkpoint or training state saved into a temporary folder is on disk before it is renamed."""
+    path = Path(path)
+    for p in sorted(path.rglob("*"), key=lambda q: len(q.parts), reverse=True):
+        if p.is_file():
+            fsync_file(p)
+        elif p.is_dir():
+            fsync_dir(p)
+    fsync_dir(path)
+
+
+def remove_temporaries(path: Path) -> list[Path]:
+    """Delete the temporary files an interrupted write of ``path`` left beside it
+    (``.<name>.<random>.tmp``); returns them. Safe because one process writes a run at a time
+    (:mod:`pipeline.runlock`), and a fan-out worker writes only its own shards' parts."""
+    gone = [t for t in path.parent.glob(f".{path.name}.*.tmp") if t.is_file()]
+    for t in gone:
+        t.unlink(missing_ok=True)
+        log.info("removed %s, left by an interrupted write", t.name)
+    return gone
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_temporaries(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
@@ -173,7 +198,15 @@ class Currency:
 
 
 def is_current(path: Path, key: dict) -> Currency:
-    """Is stage output ``path`` present, committed, unmodified, and produced under ``key``?"""
+    """Is stage output ``path`` present, committed, unmodified, and produced under ``key``?
+
+    Content decides, not size and mtime: a table's sha256 is compared with the one its manifest
+    recorded at write (tables are small: a default round's are < 1 MB, hashed at ~0.5 GB/s); a
+    folder (checkpoint, training state) must hold exactly the files, of the sizes, its manifest
+    lists, and its sampled :func:`dir_fingerprint` (about 1 MiB read per file) must match.
+    :func:`verify_output` (``capo check``) reads every byte of a folder against the per-file sha256
+    recorded at write.
+    """
     if not path.exists():
         return Currency(False, f"{path.name} does not exist")
     man = read_manifest(path)
@@ -184,12 +217,65 @@ def is_current(path: Path, key: dict) -> Currency:
                          if json.dumps(key.get(k), sort_keys=True, default=str)
                          != json.dumps(man.get("key", {}).get(k), sort_keys=True, default=str))
         return Currency(False, f"{path.name} was produced under another key (changed: {changed})")
-    st = path.stat()
-    if not path.is_dir() and (st.st_size, st.st_mtime_ns) == (man.get("size"), man.get("mtime_ns")):
-        return Currency(True, f"{path.name} is current (key {man['key_hash']}, {man.get('rows')} rows)")
-    if fingerprint(path) != man.get("fingerprint"):
-        return Currency(False, f"{path.name} was modified after its manifest was written")
+    why = _modified(path, man, full=False)
+    if why:
+        return Currency(False, f"{path.name} was modified after its manifest was written ({why})")
     return Currency(True, f"{path.name} is current (key {man['key_hash']}, {man.get('rows')} rows)")
+
+
+def dir_files(path: Path, hashes: bool = True) -> dict[str, dict]:
+    """``{relative path: {"size": bytes, "sha256": hex}}`` of every file under folder ``path``
+    (without ``sha256`` when ``hashes`` is False)."""
+    out = {}
+    for p in sorted(q for q in path.rglob("*") if q.is_file()):
+        out[str(p.relative_to(path))] = {"size": p.stat().st_size, **({"sha256": file_sha256(p)} if hashes else {})}
+    return out
+
+
+def _modified(path: Path, man: dict, full: bool) -> str | None:
+    """How output ``path`` differs from what manifest ``man`` committed (None: it does not).
+    ``full``: a folder's every byte is hashed against the per-file sha256 recorded at write."""
+    if not path.is_dir():
+        if man.get("size") is not None and path.stat().st_size != man["size"]:
+            return f"size {path.stat().st_size} bytes, committed {man['size']}"
+        return None if file_sha256(path) == man.get("fingerprint") else "content hash differs"
+    files = man.get("files")
+    if isinstance(files, dict):
+        now = dir_files(path, hashes=full)
+        if set(now) != set(files):
+            extra, gone = sorted(set(now) - set(files)), sorted(set(files) - set(now))
+            return f"files added {extra[:3]}, missing {gone[:3]}"
+        for rel, meta in files.items():
+            if not isinstance(meta, dict) or now[rel]["size"] != meta.get("size"):
+                return f"{rel}: size {now[rel]['size']} bytes, committed {meta.get('size') if isinstance(meta, dict) else '?'}"
+            if full and now[rel]["sha256"] != meta.get("sha256"):
+                return f"{rel}: content hash differs"
+        if full:
+            return None
+    return None if dir_fingerprint(path) == man.get("fingerprint") else "sampled content fingerprint differs"
+
+
+def verify_output(path: Path) -> str | None:
+    """Full verification of a committed output against its manifest (every byte, :func:`capo check`):
+    None when it is intact, else what is wrong (no manifest, missing, modified, unreadable rows)."""
+    man = read_manifest(path)
+    if man is None:
+        return "no manifest (not committed)"
+    if man.get("pruned"):
+        return None if not path.exists() else "marked pruned but present"
+    if not path.exists():
+        return "missing (its manifest is there)"
+    why = _modified(path, man, full=True)
+    if why:
+        return f"modified: {why}"
+    if path.suffix == ".parquet" and man.get("rows") is not None:
+        try:
+            rows = pq.read_metadata(path).num_rows
+        except Exception as e:
+            return f"unreadable: {type(e).__name__}: {str(e)[:120]}"
+        if rows != man["rows"]:
+            return f"{rows} rows, committed {man['rows']}"
+    return None
 
 
 def uncommit(path: Path) -> None:
@@ -240,6 +326,7 @@ def commit_manifest(path: Path, *, stage: str, key: dict, rows: int | None, extr
         "fingerprint": fingerprint(path),
         "size": None if path.is_dir() else st.st_size,
         "mtime_ns": None if path.is_dir() else st.st_mtime_ns,
+        **({"files": dir_files(path)} if path.is_dir() else {}),  # every file's sha256, once, at write
         "code_version": code_version(),
         "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
         **(extra or {}),
@@ -272,16 +359,19 @@ def write_parquet(table: pa.Table, path: Path, *, stage: str, key: dict, extra: 
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() or manifest_path(path).exists():
         supersede(path)
+    remove_temporaries(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         pq.write_table(table, tmp, compression="zstd")
         fsync_file(tmp)
+        kill_point("table.written", path)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    kill_point("table.renamed", path)
     return commit_manifest(path, stage=stage, key=key, rows=table.num_rows, extra=extra)
 
 
@@ -307,12 +397,14 @@ def write_part(table: pa.Table, parts_dir: Path, part_idx: int, name: str, meta:
     parts_dir.mkdir(parents=True, exist_ok=True)
     path = parts_dir / f"part-{part_idx:05d}.parquet"
     table = check_schema(table, name, cast=True)
+    remove_temporaries(path)
     fd, tmp = tempfile.mkstemp(dir=parts_dir, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     pq.write_table(table, tmp, compression="zstd")
     fsync_file(tmp)
     os.replace(tmp, path)
     fsync_dir(parts_dir)
+    kill_point("part.written", path)
     _atomic_write_text(path.with_suffix(".json"),
                        json.dumps({**meta, "rows": table.num_rows, "sha256": file_sha256(path)}))
     return path
@@ -444,6 +536,17 @@ def _unreadable_parquet(path: Path) -> str | None:
     return None
 
 
+def _remove_dead_temporaries(runs_dir: Path) -> None:
+    """Delete catalog temporaries (``.catalog.duckdb.<pid>.tmp[.wal]``) whose process is gone (killed
+    mid-refresh); a live process's (another run refreshing now) is left alone."""
+    import psutil
+
+    for f in runs_dir.glob(f".{CATALOG_NAME}.*.tmp*"):
+        pid = f.name[len(CATALOG_NAME) + 2:].split(".")[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            f.unlink(missing_ok=True)
+
+
 def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
     """(Re)build ``<runs_dir>/catalog.duckdb``: one view per table over every run and round.
 
@@ -460,6 +563,7 @@ def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
     dest = runs_dir / CATALOG_NAME
     tmp = runs_dir / f".{CATALOG_NAME}.{os.getpid()}.tmp"
     tmp.unlink(missing_ok=True)
+    _remove_dead_temporaries(runs_dir)
     con = duckdb.connect()
     try:
         con.execute(f"ATTACH {sql_literal(str(tmp))} AS cat (STORAGE_VERSION '{CATALOG_STORAGE_VERSION}')")
@@ -508,6 +612,7 @@ def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
         con.execute("DETACH cat")
     finally:
         con.close()
+    kill_point("catalog.written", dest)
     os.replace(tmp, dest)
     wal = runs_dir / f".{CATALOG_NAME}.{os.getpid()}.tmp.wal"
     wal.unlink(missing_ok=True)

@@ -12,6 +12,7 @@ import torch
 
 from pipeline import storage
 from pipeline.config import CAPOConfig
+from pipeline.faults import kill_point
 from pipeline.stages.base import round_paths
 
 log = logging.getLogger("capo.train")
@@ -53,8 +54,9 @@ def save_checkpoint(model, tok, ckpt: Path, dtype: str, state_dict: dict | None 
     ``dtype``: the pattern of Accelerate's docs, ``unwrap_model(model).save_pretrained(...,
     state_dict=accelerator.get_state_dict(model))``. Without it a LoRA model is merged first.
     """
-    tmp = ckpt.with_name(f".{ckpt.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = ckpt.with_name(f".{ckpt.name}.tmp")  # one name: a killed save's leftovers are cleared here
+    for stale in ckpt.parent.glob(f".{ckpt.name}.tmp*"):  # (and those of older versions' per-pid names)
+        shutil.rmtree(stale, ignore_errors=True)
     if state_dict is not None:
         torch_dtype = getattr(torch, dtype)
         # a gathered state dict holds tied weights (lm_head <- embed_tokens) as separate tensors, which
@@ -69,6 +71,10 @@ def save_checkpoint(model, tok, ckpt: Path, dtype: str, state_dict: dict | None 
             model = model.merge_and_unload()
         model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
+    storage.fsync_tree(tmp)
+    kill_point("checkpoint.saved", ckpt)
     if ckpt.exists():
         storage.supersede(ckpt)
     os.replace(tmp, ckpt)
+    storage.fsync_dir(ckpt.parent)
+    kill_point("checkpoint.renamed", ckpt)

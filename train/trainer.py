@@ -33,6 +33,7 @@ import torch
 
 from pipeline import storage
 from pipeline.config import CAPOConfig, TrainConfig, load_config
+from pipeline.faults import kill_point
 from pipeline.schemas import TRAIN_METRICS_SCHEMA
 from pipeline.stages import stage_key
 from pipeline.stages.base import StageResult, policy_for_round, provenance, round_paths
@@ -380,6 +381,9 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     accelerator.wait_for_everyone()
     accelerator.save_state(str(state_tmp), safe_serialization=True)  # collective under FSDP / DeepSpeed
     accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        storage.fsync_tree(state_tmp)  # on disk before it is renamed into place
+        kill_point("state.saved", state_dir)
     state_dict = accelerator.get_state_dict(model) if sharded else None  # collective: every process gathers
     if accelerator.is_main_process:
         # replace in an order a crash cannot confuse: the old checkpoint (with its manifest) goes to
@@ -392,6 +396,7 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
             log.warning("[train] replacing round %d's earlier training state %s", round_idx, state_dir)
             shutil.rmtree(state_dir)
         os.replace(state_tmp, state_dir)
+        storage.fsync_dir(state_dir.parent)
         # the engines' checkpoint: the master weights cast to save_dtype (after the state is saved:
         # save_checkpoint casts the model in place)
         save_checkpoint(accelerator.unwrap_model(model), tok, ckpt, save_dtype, state_dict)

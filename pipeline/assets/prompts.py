@@ -120,24 +120,38 @@ def to_record(row: dict, *, where: str, source_tag: str, split: str, index: int,
 
 
 # ------------------------------------------------------------------------------------ readers
+def read_text_utf8(path: Path, what: str = "prompt file") -> str:
+    """The text of ``path``, which must be UTF-8.
+
+    Raises:
+        ValueError: the bytes are not UTF-8 (names the file, the line and byte offset, and the fix).
+    """
+    raw = Path(path).read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{what} {path} is not UTF-8 text: {e.reason} at byte {e.start} (line {line}, bytes "
+                         f"{raw[e.start:e.start + 4]!r}); save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}: line {number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: not valid JSON ({error})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            yield where, row
+    for number, line in enumerate(read_text_utf8(path).split("\n"), start=1):  # (not splitlines: U+2028 is JSON text)
+        if not line.strip():
+            continue
+        where = f"{path}: line {number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: not valid JSON ({error})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        yield where, row
 
 
 def _read_json(path: Path) -> Iterator[tuple[str, dict]]:
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
+        rows = json.loads(read_text_utf8(path))
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(rows, list):
@@ -149,7 +163,11 @@ def _read_json(path: Path) -> Iterator[tuple[str, dict]]:
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[str, dict]]:
-    for number, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+    try:
+        table = pq.read_table(path)
+    except Exception as error:  # not Parquet, truncated
+        raise ValueError(f"{path}: not a readable Parquet file ({type(error).__name__}: {str(error)[:200]})") from None
+    for number, row in enumerate(table.to_pylist(), start=1):
         yield f"{path}: row {number}", row
 
 

@@ -1,7 +1,10 @@
 """Two on-policy rounds with the tiny model and the deterministic transformers engine (CPU).
 
-An uninterrupted ``capo run --rounds 2`` is compared with one killed in the middle of round 1's
-critique stage and again between rounds, then started again: the tables must be the same.
+An uninterrupted ``capo run --rounds 2`` is compared with one SIGKILLed (its whole process group) at
+eleven seeded kill points spread over every stage of both rounds (:mod:`pipeline.faults`: table and
+shard commits, the training state and checkpoint writes, eval, the catalog and report, between
+rounds) and started again after each: every table, both checkpoints and the training states must
+be the same, and ``capo check`` must find every output intact and current.
 Round 2 must sample from round 1's checkpoint, eval must have a row per benchmark per round, and
 the report must be written.
 """
@@ -13,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -31,32 +33,54 @@ def _cmd(repo: Path, runs: Path, data_dir: Path) -> list[str]:
             "critique.engine.type=transformers", "critique.batch_rollouts=1", "eval.benchmarks=[gsm8k]"]
 
 
-def _wait_for(cond, proc, what: str, timeout: float = 600) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        assert proc.poll() is None, f"the run ended before {what}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
+V1, V2 = "round_001/variants/capo-intersection", "round_002/variants/capo-intersection"
+KILL_GROUPS = (
+    # (what, candidate kill points in run order; pipeline/faults.py): one point is drawn per group, so
+    # every seed kills in every stage, at the training-state write, the checkpoint write, the catalog
+    # refresh and between the rounds
+    ("rollout", ["table.written:round_001/rollouts.parquet", "table.renamed:round_001/rollouts.parquet"]),
+    ("verify+segment", ["table.renamed:round_001/outcomes.parquet", "table.written:round_001/steps.parquet",
+                        "table.renamed:round_001/steps.parquet"]),
+    ("critique", ["part.written:round_001/critiques.parts/part-00001.parquet",
+                  "table.written:round_001/critiques.parquet", "table.renamed:round_001/critiques.parquet"]),
+    ("vote+reward", [f"table.renamed:{V1}/step_verdicts.parquet", f"table.written:{V1}/token_rewards.parquet",
+                     f"table.renamed:{V1}/token_rewards.parquet"]),
+    ("training state", [f"state.saved:{V1}/train_state"]),
+    ("eval", ["table.written:round_000/eval.parquet", "table.renamed:round_000/eval.parquet",
+              f"table.renamed:{V1}/eval.parquet"]),
+    ("catalog", ["catalog.written:catalog.duckdb@1"]),
+    ("between rounds", ["report.written:*@1", "round.finished:round_001"]),
+    ("round 2: rollout..critique", ["table.renamed:round_002/rollouts.parquet",
+                                    "part.written:round_002/critiques.parts/part-00002.parquet"]),
+    ("round 2: checkpoint", [f"checkpoint.saved:{V2}/checkpoint", f"checkpoint.renamed:{V2}/checkpoint"]),
+    ("round 2: eval, catalog", [f"table.written:{V2}/eval.parquet", "catalog.written:catalog.duckdb@2"]),
+)
+
+
+def kill_points(seed: int) -> list[str]:
+    """One point per group of :data:`KILL_GROUPS`, drawn with ``seed`` (CAPO_KILL_SEED), in run order."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.choice(points) for _, points in KILL_GROUPS]
 
 
 @pytest.fixture(scope="module")
 def two_runs(repo, data_dir, module_tmp):
+    """Run ``a`` uninterrupted; run ``b`` SIGKILLed (whole process group) at each of 10 seeded kill
+    points spread over every stage of both rounds, started again after each kill, then to the end."""
     base = module_tmp("multi")
     a, b = base / "a", base / "b"
     out = subprocess.run(_cmd(repo, a, data_dir), cwd=repo, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
-    rd1 = b / "tiny" / "round_001"
-    parts = rd1 / "critiques.parts"
-    ckpt_man = rd1 / "variants" / "capo-intersection" / "checkpoint.manifest.json"
     kills = []
-    for cond, what in ((lambda: any(parts.glob("part-*.json")), "a committed critique shard of round 1"),
-                       (lambda: ckpt_man.exists(), "round 1's checkpoint")):
-        proc = subprocess.Popen(_cmd(repo, b, data_dir), cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
-        _wait_for(cond, proc, what)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        kills.append(what)
+    for point in kill_points(int(os.environ.get("CAPO_KILL_SEED", "0"))):
+        proc = subprocess.run(_cmd(repo, b, data_dir), cwd=repo, capture_output=True, text=True, timeout=1800,
+                              start_new_session=True, env={**os.environ, "CAPO_KILL_AT": point})
+        # the whole group died at the point (not before: an earlier failure would exit non-zero; not
+        # never: a point the run did not reach would exit 0)
+        assert proc.returncode == -signal.SIGKILL, f"{point}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+        kills.append(point)
     out = subprocess.run(_cmd(repo, b, data_dir), cwd=repo, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     return a / "tiny", b / "tiny", kills, out.stderr
@@ -71,7 +95,7 @@ def _table(run: Path, k: int, name: str):
 @pytest.mark.parametrize("name", TABLES)
 def test_killed_and_resumed_run_equals_uninterrupted_run(two_runs, name):
     a, b, kills, _ = two_runs
-    assert len(kills) == 2
+    assert len(kills) == len(KILL_GROUPS) >= 8
     for k in (1, 2):
         ta, tb = _table(a, k, name), _table(b, k, name)
         assert ta.num_rows > 0 and ta.equals(tb), f"round {k} {name} differs after kill + resume"
@@ -80,6 +104,29 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(two_runs, name):
 def test_resumed_run_continued_where_it_stopped(two_runs):
     _, _, _, log = two_runs
     assert "rollouts.parquet is current" in log  # round 1 was not sampled again
+
+
+def test_round_0_eval_and_checkpoints_equal_the_uninterrupted_run(two_runs):
+    a, b, _, _ = two_runs
+    ta, tb = (pq.read_table(r / "round_000" / "eval.parquet") for r in (a, b))
+    drop = [c for c in ("policy",) if c in ta.column_names]
+    assert ta.num_rows > 0 and ta.drop_columns(drop).equals(tb.drop_columns(drop))
+    for k in (1, 2):
+        ca, cb = (_variant(r, k) / "checkpoint" / "model.safetensors" for r in (a, b))
+        assert ca.read_bytes() == cb.read_bytes(), f"round {k}'s checkpoint differs after the kills"
+
+
+def test_capo_check_finds_the_killed_run_intact_and_current(two_runs, repo, data_dir):
+    """After eleven kills and the resume, every output verifies against its manifest (every byte),
+    nothing is uncommitted, torn or left over, and every stage is current under the run's config."""
+    b = two_runs[1]
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "check", "tiny", "--json", "--config",
+                          str(repo / "configs" / "tiny.yaml"), *_cmd(repo, b.parent, data_dir)[8:]],
+                         cwd=repo, capture_output=True, text=True, timeout=300)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    bad = [r for r in rows if r["status"] != "ok"]
+    assert out.returncode == 0 and not bad, (bad, out.stderr[-2000:])
+    assert sum(r["output"].endswith("checkpoint") for r in rows) == 2 and len(rows) >= 20
 
 
 def _weights(path: Path) -> dict:

@@ -172,6 +172,17 @@ def test_bad_files(tmp_path):
         ingest_prompts(tmp_path / "obj.json", "train", tmp_path / "o.parquet")
     with pytest.raises(FileNotFoundError, match=r"prompt file .*missing\.jsonl does not exist"):
         ingest_prompts(tmp_path / "missing.jsonl", "train", tmp_path / "o.parquet")
+    # Latin-1 bytes on line 2 (issue 15: this was a bare UnicodeDecodeError without the file's name)
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"question": "q", "answer": "#### 1"}\n{"question": "caf\xe9", "answer": "#### 2"}\n')
+    with pytest.raises(ValueError, match=r"prompt file .*latin1\.jsonl is not UTF-8 text: invalid continuation byte "
+                                         r"at byte 55 \(line 2, bytes b'.*'\); save it as UTF-8"):
+        ingest_prompts(tmp_path / "latin1.jsonl", "train", tmp_path / "o.parquet")
+    (tmp_path / "latin1.json").write_bytes(b'[{"question": "\xe9", "answer": "1"}]')
+    with pytest.raises(ValueError, match=r"latin1\.json is not UTF-8 text"):
+        ingest_prompts(tmp_path / "latin1.json", "train", tmp_path / "o.parquet")
+    (tmp_path / "fake.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ValueError, match=r"fake\.parquet: not a readable Parquet file"):
+        ingest_prompts(tmp_path / "fake.parquet", "train", tmp_path / "o.parquet")
     _write_jsonl(tmp_path / "ok.jsonl", [{"question": "q", "answer": "1"}])
     with pytest.raises(ValueError, match="limit must be >= 1 or None, got 0"):
         ingest_prompts(tmp_path / "ok.jsonl", "train", tmp_path / "o.parquet", limit=0)

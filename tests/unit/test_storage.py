@@ -76,6 +76,22 @@ def test_file_modified_after_commit_with_same_size_is_not_current(tmp_path):
     assert not cur.current and "modified" in cur.reason
 
 
+def test_table_corrupted_with_its_size_and_mtime_kept_is_not_current(tmp_path):
+    """Content decides (issue 15): the old size + mtime shortcut took this table as current."""
+    out = tmp_path / "outcomes.parquet"
+    storage.write_table(_outcomes(answer="5"), out, "outcomes", stage="verify", key=KEY)
+    st = out.stat()
+    other = tmp_path / "other.parquet"
+    pq.write_table(_outcomes(answer="7"), other, compression="zstd")
+    assert other.stat().st_size == st.st_size, "test needs a same-size rewrite"
+    out.write_bytes(other.read_bytes())
+    os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))  # size and mtime as committed
+    assert (out.stat().st_size, out.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    cur = storage.is_current(out, KEY)
+    assert not cur.current and "content hash differs" in cur.reason
+    assert storage.verify_output(out) == "modified: content hash differs"
+
+
 def test_touched_but_unchanged_file_stays_current(tmp_path):
     out = tmp_path / "outcomes.parquet"
     storage.write_table(_outcomes(), out, "outcomes", stage="verify", key=KEY)
@@ -319,3 +335,33 @@ def test_capo_sql_reads_the_catalog_and_nothing_else(tmp_path, repo):
         assert bad.returncode != 0 and ("Permission" in bad.stderr or "locked" in bad.stderr
                                         or "read-only" in bad.stderr), (q, bad.stderr[-500:])
     assert not (tmp_path / "out.csv").exists()
+
+
+def test_folder_manifest_lists_every_file_and_full_check_reads_every_byte(tmp_path):
+    """A folder output's manifest records each file's size and sha256 at write; the cheap check
+    sees an added, removed or resized file and sampled bytes; verify_output (capo check) sees a
+    byte flipped between the sampled blocks too."""
+    import hashlib
+
+    ck = tmp_path / "checkpoint"
+    ck.mkdir()
+    blob = bytes(range(256)) * (3 * 2**20 // 256)  # 3 MiB: sampled in 16 blocks of 64 KiB
+    (ck / "model.safetensors").write_bytes(blob)
+    (ck / "config.json").write_text("{}")
+    man = storage.commit_manifest(ck, stage="train", key=KEY, rows=None)
+    assert man["files"] == {"config.json": {"size": 2, "sha256": hashlib.sha256(b"{}").hexdigest()},
+                            "model.safetensors": {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}}
+    assert storage.is_current(ck, KEY).current and storage.verify_output(ck) is None
+    # one byte between two sampled blocks (block k starts at (size - 64 KiB) * k / 15)
+    b = bytearray(blob)
+    b[(len(blob) - 2**16) // 15 + 2**16 + 100] ^= 0xFF
+    (ck / "model.safetensors").write_bytes(bytes(b))
+    assert storage.is_current(ck, KEY).current  # the cheap check reads ~1 MiB per file
+    assert storage.verify_output(ck) == "modified: model.safetensors: content hash differs"
+    (ck / "model.safetensors").write_bytes(blob)
+    (ck / "extra.bin").write_bytes(b"x")
+    cur = storage.is_current(ck, KEY)
+    assert not cur.current and "files added ['extra.bin']" in cur.reason
+    (ck / "extra.bin").unlink()
+    (ck / "config.json").unlink()
+    assert "missing ['config.json']" in storage.is_current(ck, KEY).reason

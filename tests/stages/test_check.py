@@ -1,0 +1,85 @@
+"""``capo check RUN`` on the hand-built round (tests/toy_round.py): every output verified against its
+manifest, today's keys for the config's variant, torn shards and leftovers of killed writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+
+from pipeline import storage
+from pipeline.check import check_run
+from pipeline.schemas import SCHEMAS
+from pipeline.stages.base import round_paths
+from pipeline.stages.reward import reward_stage
+from pipeline.stages.vote import vote_stage
+from tests.toy_round import critique_row, toy_config, write_round
+
+
+def _by_output(findings):
+    return {f.output: f for f in findings}
+
+
+def test_check_finds_each_kind_of_damage_and_names_the_fix(tmp_path, data_dir):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "models").symlink_to(data_dir / "models")  # today's keys name the embedded models (prepared there)
+    cfg = toy_config(tmp_path)
+    write_round(cfg)  # rollouts ... critiques under hand-made keys: stale under today's config
+    vote_stage(cfg, 1)
+    reward_stage(cfg, 1)
+    p = round_paths(cfg, 1)
+    found = _by_output(check_run(cfg, "my.yaml"))
+    v = "round_001/variants/capo-intersection"
+    assert found[f"{v}/step_verdicts.parquet"].status == "ok"
+    assert found[f"{v}/token_rewards.parquet"].status == "ok"
+    stale = found["round_001/rollouts.parquet"]
+    assert stale.status == "stale" and "another key" in stale.detail
+    assert stale.fix == f"capo round --round 1 --config my.yaml run_id=toy runs_dir={cfg.runs_dir}"
+    assert found[f"{v}/checkpoint"].status == "missing" and "stage train" in found[f"{v}/checkpoint"].detail
+
+    # damage: a table's bytes (size kept), a manifest lost, a torn shard, a killed write's leftover
+    tr = p["token_rewards"]
+    raw = bytearray(tr.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    tr.write_bytes(bytes(raw))
+    storage.manifest_path(p["step_verdicts"]).unlink()
+    parts = p["critiques"].with_suffix(".parts")
+    part = storage.write_part(pa.Table.from_pylist([{"run_id": "toy", "round": 1, **critique_row("A", 0, [1], 3)}],
+                                                    schema=SCHEMAS["critiques"]), parts, 0, "critiques", {"key": "k"})
+    part.write_bytes(part.read_bytes()[:-9])  # torn: its tail lost
+    (p["round_dir"] / ".outcomes.parquet.x1.tmp").write_bytes(b"half a table")
+    found = _by_output(check_run(cfg, "my.yaml"))
+    assert found[f"{v}/token_rewards.parquet"].status == "modified"
+    assert "content hash differs" in found[f"{v}/token_rewards.parquet"].detail
+    assert found[f"{v}/step_verdicts.parquet"].status == "uncommitted"
+    assert found["round_001/critiques.parts/part-00000.parquet"].status == "torn"
+    assert found["round_001/.outcomes.parquet.x1.tmp"].status == "leftover"
+
+    # the command: exit status 1, one line per finding with its fix
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "check", "toy", f"runs_dir={cfg.runs_dir}",
+                          f"data_dir={cfg.data_dir}", f"data.train_prompts={cfg.data.train_prompts}",
+                          "critique.enabled=true", "reward.correct_weight=2", "reward.process_weight=1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "MODIFIED" in out.stdout and "TORN" in out.stdout and "fix: capo round --round 1" in out.stdout
+    assert "1 modified" in out.stdout and "1 torn" in out.stdout and "1 leftover" in out.stdout
+    js = subprocess.run([sys.executable, "-m", "flows.cli", "check", "toy", "--json", f"runs_dir={cfg.runs_dir}",
+                         f"data_dir={cfg.data_dir}", f"data.train_prompts={cfg.data.train_prompts}"],
+                        capture_output=True, text=True, timeout=120)
+    rows = [json.loads(line) for line in js.stdout.splitlines()]
+    assert {r["status"] for r in rows} >= {"modified", "torn", "leftover", "uncommitted", "missing"}
+
+
+def test_check_of_an_unknown_run_names_the_runs_there(tmp_path):
+    cfg = toy_config(tmp_path)
+    write_round(cfg)
+    other = toy_config(tmp_path, "run_id=nope")
+    try:
+        check_run(other)
+    except FileNotFoundError as e:
+        assert "no run 'nope'" in str(e) and "toy" in str(e)
+    else:
+        raise AssertionError("an unknown run must raise")

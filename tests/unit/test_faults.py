@@ -1,0 +1,53 @@
+"""Kill points (pipeline/faults.py): the spec's grammar, and a matching point SIGKILLs the whole
+process group at the n-th hit (real processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from pipeline.faults import kill_point, parse_spec
+
+
+def test_spec_grammar():
+    assert parse_spec("table.renamed:round_001/rollouts.parquet") == ("table.renamed", "round_001/rollouts.parquet", 1)
+    assert parse_spec("catalog.written:catalog.duckdb@2") == ("catalog.written", "catalog.duckdb", 2)
+    assert parse_spec("report.written:*@1") == ("report.written", "*", 1)
+    for bad, why in (("nocolon", "expected '<event>:<path suffix>"), (":x", "expected"),
+                     ("a:b@0", "positive integer, got '0'"), ("a:b@x", "positive integer, got 'x'")):
+        with pytest.raises(ValueError, match=why):
+            parse_spec(bad)
+
+
+def test_without_the_variable_a_point_returns(monkeypatch):
+    monkeypatch.delenv("CAPO_KILL_AT", raising=False)
+    kill_point("table.renamed", "/x/round_001/rollouts.parquet")  # returns: this test goes on
+    monkeypatch.setenv("CAPO_KILL_AT", "table.renamed:round_002/rollouts.parquet")
+    kill_point("table.renamed", "/x/round_001/rollouts.parquet")  # another path: returns
+    kill_point("table.written", "/x/round_002/rollouts.parquet")  # another event: returns
+
+
+def test_the_nth_hit_kills_the_whole_process_group():
+    code = ("import subprocess, sys, time\n"
+            "from pipeline.faults import kill_point\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print(child.pid, flush=True)\n"
+            "kill_point('table.renamed', '/r/round_001/steps.parquet')\n"
+            "print('after hit 1', flush=True)\n"
+            "kill_point('table.renamed', '/r/round_001/steps.parquet')\n"
+            "print('after hit 2', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          start_new_session=True, env={**os.environ, "CAPO_KILL_AT": "table.renamed:steps.parquet@2"})
+    assert proc.returncode == -signal.SIGKILL
+    lines = proc.stdout.split()
+    assert lines[1:] == ["after", "hit", "1"]
+    child = int(lines[0])
+    try:
+        assert psutil.Process(child).wait(timeout=10) == -signal.SIGKILL or not psutil.pid_exists(child)
+    except psutil.NoSuchProcess:
+        pass  # already reaped: it died with the group
