@@ -206,6 +206,33 @@ def test_killed_mid_critique_resumes_without_lost_or_doubled_rows(tiny_round, re
     assert round_paths(cfg, 1)["checkpoint"].is_dir()
 
 
+def test_killed_while_the_vllm_eval_commits_resumes_to_the_uninterrupted_table(tiny_round, repo, tmp_path):
+    """The kill point with the real vLLM engines (issue 15; the others are in tests/slow/test_multi_round.py):
+    a copy of the finished round (hard links) without round 1's eval; `capo round` SIGKILLed (its
+    process group, vLLM's engine included) when the eval table is written but not yet in place;
+    started again: the eval table equals the uninterrupted run's, and the killed write left nothing."""
+    src_cfg = tiny_round[0]
+    runs = tmp_path / "runs"
+    shutil.copytree(src_cfg.run_dir(), runs / src_cfg.run_id, copy_function=os.link)
+    cfg = tiny_cfg(repo, Path(src_cfg.data_dir), runs)
+    ev = round_paths(cfg, 1)["eval"]
+    ev.unlink()
+    ev.with_name(ev.name + ".manifest.json").unlink()
+    cmd = [sys.executable, "-m", "flows.cli", "round", "--config", str(repo / "configs" / "tiny.yaml"),
+           "--round", "1", f"runs_dir={runs}", f"data_dir={cfg.data_dir}"]
+    point = "table.written:round_001/variants/capo-intersection/eval.parquet"
+    killed = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600, start_new_session=True,
+                            env={**os.environ, "CAPO_KILL_AT": point})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert list(ev.parent.glob(".eval.parquet.*.tmp")) and not ev.exists()  # killed between write and rename
+    out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[train] skipped: checkpoint is current" in out.stderr and not list(ev.parent.glob(".eval.parquet.*.tmp"))
+    a, b = pq.read_table(round_paths(src_cfg, 1)["eval"]), pq.read_table(ev)
+    drop = [c for c in ("policy",) if c in a.column_names]  # the checkpoint's path names the runs folder
+    assert a.num_rows > 0 and a.drop_columns(drop).equals(b.drop_columns(drop))
+
+
 def test_retraining_a_cached_round_under_another_preset_calls_no_critic(tiny_round, harness, repo):
     import json
 
