@@ -263,9 +263,12 @@ def check(
     _setup_logging()
     from pipeline.check import check_run, findings_json, format_findings
 
+    import shlex
+
     cfg = _cfg(config, [*(overrides or []), f"run_id={run}"], preset)
+    args = " ".join(shlex.quote(o) for o in overrides or [] if not o.startswith(("run_id=", "runs_dir=")))
     try:
-        findings = check_run(cfg, config)
+        findings = check_run(cfg, config, (f"--preset {preset} " if preset else "") + args)
     except FileNotFoundError as e:
         raise typer.BadParameter(str(e)) from None
     typer.echo(findings_json(findings) if as_json else format_findings(findings, all_rows))

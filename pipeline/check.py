@@ -46,6 +46,14 @@ def _round_cmd(cfg: CAPOConfig, k: int, config: str, variant: str | None) -> str
     return f"capo round --round {max(k, 1)} --config {config}{preset} run_id={cfg.run_id} runs_dir={cfg.runs_dir}"
 
 
+def _with_args(findings: list[Finding], args: str) -> list[Finding]:
+    """The fix commands with the user's other arguments (overrides, preset) appended."""
+    if not args:
+        return findings
+    return [f if not f.fix.startswith("capo ") else
+            Finding(f.round, f.variant, f.output, f.status, f.detail, f"{f.fix} {args}") for f in findings]
+
+
 def _read_json(path: Path) -> dict | None:
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
@@ -54,8 +62,9 @@ def _read_json(path: Path) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
-def check_run(cfg: CAPOConfig, config: str = "configs/default.yaml") -> list[Finding]:
-    """Verify run ``cfg.run_id`` under ``cfg.runs_dir``; ``config`` is named in the fix commands.
+def check_run(cfg: CAPOConfig, config: str = "configs/default.yaml", args: str = "") -> list[Finding]:
+    """Verify run ``cfg.run_id`` under ``cfg.runs_dir``; ``config`` and ``args`` (the other
+    overrides the user gave, as shell words) are repeated in the fix commands.
 
     Returns:
         One :class:`Finding` per output, shard and leftover found, in round order.
@@ -115,7 +124,7 @@ def check_run(cfg: CAPOConfig, config: str = "configs/default.yaml") -> list[Fin
                 variant = p.parent.name if p.parent.parent.name == "variants" else None
                 out.append(Finding(k, variant, rel, "uncommitted", "no manifest (its write was interrupted before "
                                    "the commit)", _round_cmd(cfg, k, config, variant)))
-    return out
+    return _with_args(out, args)
 
 
 def _rel(path: Path, run_dir: Path) -> str:
