@@ -12,6 +12,7 @@ config gives today (:func:`pipeline.storage.is_current`), so a config or upstrea
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def check_run(cfg: CAPOConfig, config: str = "configs/default.yaml", args: str =
             rel = _rel(p, run_dir)
             if p.name.startswith(".") and ".tmp" in p.name:
                 out.append(Finding(k, None, rel, "leftover", "temporary file of an interrupted write",
-                                   f"rm -r '{p}'  (or let the next write of that output remove it)"))
+                                   f"rm -r {shlex.quote(str(p))}  (or let the next write of that output remove it)"))
             elif p.parent.name.endswith(".parts") and p.suffix == ".parquet":
                 side = p.with_suffix(".json")
                 meta = _read_json(side)
