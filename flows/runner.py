@@ -72,7 +72,8 @@ def run_stage(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger
     (:func:`flows.fanout.run_critique_fanout`); every other heavy stage runs in a child process.
 
     Raises:
-        RuntimeError: a child process failed (its exit code and last output lines are in the message).
+        flows.children.StageChildFailed: a child process failed, was killed by a signal or was
+            stopped for silence (a RuntimeError; the message names the signal, memory and last lines).
         flows.fanout.MissingExtraError: the fan-out runner's package is not installed.
     """
     logger = logger or logging.getLogger("capo.flows")
@@ -162,7 +163,8 @@ def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logge
         from pipeline.engines.base import batch_invariant_env
 
         extra.update(batch_invariant_env())
-    payload = stream_child(cmd, name, logger, f"stage {name!r} of round {round_idx}", extra)
+    payload = stream_child(cmd, name, logger, f"stage {name!r} of round {round_idx}", extra,
+                           silence_s=cfg.scale.child_silence_s)
     result = StageResult(**payload) if payload is not None else \
         StageResult(name, "", False, "child process finished (no result line)")
     logger.info(result.line())
