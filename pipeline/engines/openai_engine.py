@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 from pipeline.config import OpenAIEngineConfig
 from pipeline.engines.base import (
@@ -67,19 +68,99 @@ class OpenAIEngine(Engine):
             time.sleep(wait)
         raise AssertionError("unreachable")
 
+    reply_cache: Path | None = None
+    """A JSON-lines file of finished replies (set per critique shard by the critique stage): each
+    request's reply is appended as it finishes, and a request already in the file is not sent again,
+    so a request that fails after its retries does not cost the shard's other finished requests."""
+
+    def request_key(self, conv, n: int, sampling, index: int) -> str:
+        """sha256 of what decides a reply: endpoint, model, messages, n, sampling, seed and the
+        request's position in its batch (two equal conversations of a shard stay two requests)."""
+        import hashlib
+        import json
+
+        body = {"url": self.cfg.base_url, "model": self.model, "messages": list(conv), "n": n, "seed": self.seed,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens, "index": index}
+        return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
     def generate(self, conversations, n, sampling):
+        """Every conversation's ``n`` samples, requests sent concurrently; with :attr:`reply_cache`,
+        replies found there are reused and new ones appended as they finish.
+
+        Raises:
+            EngineReplyError: a request failed after its retries (the message counts the failed and
+                the kept requests and names the first failure); every other request still ran.
+        """
+        import threading
         from concurrent.futures import ThreadPoolExecutor
 
         import httpx
 
+        keys = [self.request_key(c, n, sampling, i) for i, c in enumerate(conversations)]
+        cached = _read_replies(self.reply_cache) if self.reply_cache is not None else {}
+        gens: list[Generation | None] = [cached.get(k) for k in keys]
+        reused = sum(g is not None for g in gens)
+        errors: list[EngineReplyError] = []
+        lock = threading.Lock()
+
+        def run(i: int, client) -> None:
+            try:
+                g = self._one(client, conversations[i], n, sampling, i)
+            except EngineReplyError as e:
+                with lock:
+                    errors.append(e)
+                return
+            gens[i] = g
+            if self.reply_cache is not None:
+                with lock:
+                    _append_reply(self.reply_cache, keys[i], g)
+
         key = os.environ.get(self.cfg.api_key_env, "EMPTY")
         t0 = time.perf_counter()
+        todo = [i for i, g in enumerate(gens) if g is None]
+        if reused:
+            log.info("%d of %d requests answered from %s (an earlier, interrupted run)", reused, len(gens), self.reply_cache)
         with httpx.Client(base_url=self.cfg.base_url, timeout=self.cfg.timeout_s,
                           headers={"Authorization": f"Bearer {key}"}) as client:
             with ThreadPoolExecutor(self.cfg.max_concurrency) as pool:
-                gens = list(pool.map(lambda ic: self._one(client, ic[1], n, sampling, ic[0]), enumerate(conversations)))
-        self._account(gens, time.perf_counter() - t0)
+                list(pool.map(lambda i: run(i, client), todo))
+        if errors:
+            kept = sum(g is not None for g in gens)
+            where = (f"the {kept} finished replies are kept in {self.reply_cache}; running the stage again sends only "
+                     "the failed requests") if self.reply_cache is not None else f"{kept} requests had finished"
+            raise EngineReplyError(f"{len(errors)} of {len(gens)} requests failed after their retries ({where}); "
+                                   f"first failure: {errors[0]}")
+        self._account([gens[i] for i in todo], time.perf_counter() - t0)
         return gens
+
+
+def _append_reply(path: Path, key: str, gen: Generation) -> None:
+    import dataclasses
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"key": key, "generation": dataclasses.asdict(gen)}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_replies(path: Path) -> dict[str, Generation]:
+    """The replies in a reply cache; a line that does not parse (a torn last line) is skipped."""
+    import json
+
+    out: dict[str, Generation] = {}
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8", errors="replace").split("\n"):
+        try:
+            row = json.loads(line)
+            g = row["generation"]
+            out[row["key"]] = Generation(g["prompt_token_ids"], [Sample(**s) for s in g["samples"]],
+                                         g.get("cached_prompt_tokens"))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 class EngineReplyError(RuntimeError):

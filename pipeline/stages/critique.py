@@ -97,6 +97,11 @@ def _part_path(parts_dir: Path, shard: int) -> Path:
     return parts_dir / f"part-{shard:05d}.parquet"  # the name storage.write_part gives part ``shard``
 
 
+def _replies_path(parts_dir: Path, shard: int) -> Path:
+    """The OpenAI engine's reply cache of shard ``shard`` (removed when the shard commits)."""
+    return parts_dir / f".part-{shard:05d}.replies.jsonl"
+
+
 def _ids_sha(ids: list[str]) -> str:
     return hashlib.sha256("\n".join(ids).encode()).hexdigest()[:16]
 
@@ -157,6 +162,8 @@ def critique_done_shards(cfg: CAPOConfig, round_idx: int, plan: list[list[str]] 
     done = [i for i, ids in enumerate(plan) if _shard_committed(parts_dir, i, shard_key, ids)]
     if prune:
         keep = {_part_path(parts_dir, i).name for i in done} | {_part_path(parts_dir, i).with_suffix(".json").name for i in done}
+        # an OpenAI critic's finished replies of a shard not committed yet: a re-run sends only the rest
+        keep |= {_replies_path(parts_dir, i).name for i in range(len(plan)) if i not in done}
         stale = [f for f in parts_dir.iterdir() if f.name not in keep]
         for f in stale:
             f.unlink()
@@ -241,6 +248,8 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
         if live:
             if engine is None:
                 engine = make_engine(inp.critic, cfg.critique.engine, seed=seed)
+            if hasattr(engine, "reply_cache"):  # the OpenAI engine keeps finished replies across a failed request
+                engine.reply_cache = _replies_path(inp.parts_dir, shard)
             convs = []
             for r in live:
                 pr = inp.prompts[r["prompt_id"]]
@@ -280,6 +289,7 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
         storage.write_part(pa.Table.from_pylist(rows, schema=CRITIQUES_SCHEMA), inp.parts_dir, shard, "critiques",
                            {"key": inp.shard_key, "shard": shard, "rollouts_sha": _ids_sha(inp.plan[shard]),
                             "pid": os.getpid(), "ppid": os.getppid(), "host": socket.gethostname(), "seed": seed})
+        _replies_path(inp.parts_dir, shard).unlink(missing_ok=True)  # the part holds them now
         elapsed = time.perf_counter() - t0
         finished += len(batch)
         eta = elapsed / finished * (n_todo - finished)

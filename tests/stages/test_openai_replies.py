@@ -94,3 +94,66 @@ def test_parse_reply_keeps_index_order_and_reads_null_text_as_empty():
                         {"index": 0, "message": {"content": "a"}, "finish_reason": "stop"}]}
     gen = parse_reply(json.dumps(body).encode(), 2)
     assert [(s.text, s.finish_reason) for s in gen.samples] == [("a", "stop"), ("", "length")]
+
+
+def test_a_failed_request_keeps_the_shards_finished_replies(server, monkeypatch, tmp_path):
+    """Issue 15 item 4: with a reply cache (the critique stage gives one per shard), a request
+    that fails after its retries costs only itself: the others' replies are kept and a second run
+    sends just the failed request."""
+    url, script, seen = server
+    monkeypatch.setattr("pipeline.engines.openai_engine.time.sleep", lambda s: None)
+    convs = [[{"role": "user", "content": f"judge solution {k}"}] for k in range(3)]
+    ok = [(200, json.dumps(_reply(2, f"verdict {k}")).encode(), {}) for k in range(3)]
+    script += [ok[0], (400, b'{"error": "context too long"}', {}), ok[2]]
+    eng = _engine(url)
+    eng.reply_cache = tmp_path / ".part-00000.replies.jsonl"
+    with pytest.raises(EngineReplyError, match=r"1 of 3 requests failed after their retries \(the 2 finished replies are "
+                                               r"kept in .*part-00000\.replies\.jsonl; running the stage again sends only "
+                                               r"the failed requests\); first failure: request 1 .*context too long"):
+        eng.generate(convs, 2, SAMPLING)
+    assert len(seen) == 3
+    script += [ok[1]]
+    again = _engine(url)
+    again.reply_cache = eng.reply_cache
+    gens = again.generate(convs, 2, SAMPLING)
+    assert len(seen) == 4 and seen[3]["messages"] == convs[1]  # only the failed request was sent again
+    assert [g.samples[0].text for g in gens] == [f"verdict {k} #0" for k in range(3)]
+    assert gens[0].samples[0].logprobs == [-0.5, -0.25] and len(gens[2].prompt_token_ids) == 7
+    # another sampling setting is another request: the cache answers nothing
+    script += ok
+    other = _engine(url)
+    other.reply_cache = eng.reply_cache
+    other.generate(convs[:1], 2, SamplingConfig(temperature=0.5, top_p=0.95, max_tokens=32))
+    assert len(seen) == 5
+
+
+def test_the_critique_stage_resumes_a_shard_from_its_kept_replies(server, monkeypatch, tmp_path):
+    """The critique stage through the OpenAI engine on the hand-built round: one shard of two
+    rollouts, the second request fails; the stage fails, the first reply is kept beside the shard;
+    run again, it sends one request, commits the critiques and removes the kept replies."""
+    from pipeline.stages.critique import critique_parts_dir, critique_stage
+    from tests.toy_round import toy_config, write_round
+
+    url, script, seen = server
+    monkeypatch.setattr("pipeline.engines.openai_engine.time.sleep", lambda s: None)
+    cfg = toy_config(tmp_path, "critique.engine.type=openai", f"critique.engine.base_url={url}",
+                     "critique.engine.max_retries=0", "critique.engine.max_concurrency=1", "critique.critic=served-critic",
+                     "critique.num_critiques=2", "critique.batch_rollouts=2")
+    write_round(cfg)
+    critiques = tmp_path / "runs" / "toy" / "round_001" / "critiques.parquet"
+    critiques.unlink()  # the hand-written table: the stage computes its own
+    script += [(200, json.dumps(_reply(2, "Step 0: correct\nStep 1: wrong - no\nStep 2: correct\nWrong step list: [1]")).encode(), {}),
+               (503, b"overloaded", {})]
+    with pytest.raises(Exception, match=r"1 of 2 requests failed after their retries \(the 1 finished replies are kept"):
+        critique_stage(cfg, 1)
+    kept = critique_parts_dir(cfg, 1) / ".part-00000.replies.jsonl"
+    assert kept.is_file() and len(seen) == 2
+    script += [(200, json.dumps(_reply(2, "Step 0: correct\nStep 1: correct\nStep 2: correct\nWrong step list: []")).encode(), {})]
+    res = critique_stage(cfg, 1)
+    assert not res.skipped and len(seen) == 3 and not kept.exists()
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(critiques).to_pylist()
+    assert len(rows) == 4 and sorted({r["rollout_id"] for r in rows}) == ["A", "B"]
+    # rollout A's two critiques are the kept first reply, B's the one sent again
+    assert {r["rollout_id"]: "Wrong step list: [1]" in r["raw_text"] for r in rows} == {"A": True, "B": False}
