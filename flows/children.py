@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -27,10 +28,13 @@ def write_resolved_config(cfg: CAPOConfig, round_idx: int) -> Path:
     return write_config(cfg, round_paths(cfg, round_idx)["round_dir"])
 
 
-def output_lines(fd: int):
-    """Yield (text, is_progress_redraw) for each \\n- or \\r-terminated piece of a child's output."""
+def output_lines(fd: int, on_read=None):
+    """Yield (text, is_progress_redraw) for each \\n- or \\r-terminated piece of a child's output;
+    ``on_read()``, when given, is called at every chunk read (output without a line end counts)."""
     buf = b""
     while chunk := os.read(fd, 65536):
+        if on_read is not None:
+            on_read()
         buf += chunk
         while True:
             cut = min((i for i in (buf.find(b"\n"), buf.find(b"\r")) if i >= 0), default=-1)
@@ -46,42 +50,64 @@ def output_lines(fd: int):
 
 class StageChildFailed(RuntimeError):
     """A child process of a flow ended badly: a non-zero exit, a signal (the OS's OOM killer sends
-    SIGKILL), or silence past the configured time (then it was stopped).
+    SIGKILL), or silence past the configured time (then it was stopped with its descendants).
+
+    A :class:`RuntimeError`, so callers that catch those still do; it pickles with its attributes
+    (a Dask or Ray worker sends it back to the flow).
 
     Attributes:
         what: what the child was doing (``stage 'critique' of round 1``).
         returncode: its exit status (negative: killed by that signal).
         signal_name: ``SIGKILL`` etc. when killed by a signal, else None.
         tail: its last output lines (up to 20).
-        peak_rss_mb: the peak resident memory of the child and its own children (MiB), sampled
-            every 0.5 s (None when it could not be sampled).
+        peak_rss_mb: the peak resident memory of the child and its descendants (MiB), sampled
+            every 0.5 s (None when no sample was taken).
+        last_rss_mb: the last such sample (MiB), the memory it had shortly before it ended.
         silent_s: seconds without output before it was stopped (None when it was not).
+        total_mb: the machine's memory (MiB), given for a SIGKILL.
+        kernel_log: the kernel's "Killed process <pid>" line of the child or a descendant when
+            ``dmesg`` could be read and has one, else None.
     """
 
     def __init__(self, what: str, returncode: int, tail: list[str], peak_rss_mb: float | None,
-                 silent_s: float | None = None) -> None:
-        import signal as _signal
-
+                 silent_s: float | None = None, last_rss_mb: float | None = None,
+                 total_mb: float | None = None, kernel_log: str | None = None) -> None:
         self.what, self.returncode, self.tail = what, returncode, list(tail)
-        self.peak_rss_mb, self.silent_s = peak_rss_mb, silent_s
+        self.peak_rss_mb, self.last_rss_mb, self.silent_s = peak_rss_mb, last_rss_mb, silent_s
+        self.total_mb, self.kernel_log = total_mb, kernel_log
         self.signal_name = None
         if returncode < 0:
             try:
-                self.signal_name = _signal.Signals(-returncode).name
+                self.signal_name = signal.Signals(-returncode).name
             except ValueError:
                 self.signal_name = f"signal {-returncode}"
-        mem = f"; peak memory {peak_rss_mb:.0f} MiB" if peak_rss_mb is not None else ""
+        mem = ""
+        if peak_rss_mb is not None:
+            mem = f"; peak memory {peak_rss_mb:.0f} MiB, last sampled {last_rss_mb or 0:.0f} MiB"
+            if total_mb is not None:
+                mem += f", of {total_mb:.0f} MiB on this machine"
         if silent_s is not None:
             head = f"{what} was stopped: no output for {silent_s:.0f} s (scale.child_silence_s){mem}"
         elif self.signal_name:
             head = f"{what} was killed by {self.signal_name}{mem}"
             if self.signal_name == "SIGKILL":
-                head += (f" of {_total_mib():.0f} MiB on this machine; a SIGKILL nobody sent is usually the "
-                         "kernel's out-of-memory killer (see `dmesg` / `journalctl -k`): lower the batch sizes, "
-                         "kv_cache_gib or max_model_len")
+                head += ("; a SIGKILL nobody sent is usually the kernel's out-of-memory killer (see `dmesg` / "
+                         "`journalctl -k`): lower the batch sizes, kv_cache_gib or max_model_len")
         else:
             head = f"{what} failed (exit code {returncode}){mem}"
+        if kernel_log:
+            head += f"; the kernel log says: {kernel_log}"
         super().__init__(head + "; last output:\n" + "\n".join(self.tail))
+
+    def __reduce__(self):
+        return (type(self), (self.what, self.returncode, self.tail, self.peak_rss_mb, self.silent_s,
+                             self.last_rss_mb, self.total_mb, self.kernel_log))
+
+
+STOP_GRACE_S = 5.0
+"""Seconds between the SIGTERM and the SIGKILL of a child stopped for silence."""
+SAMPLE_S = 0.5
+"""Seconds between two memory samples (and silence checks) of a running child."""
 
 
 def _total_mib() -> float:
@@ -90,44 +116,112 @@ def _total_mib() -> float:
     return psutil.virtual_memory().total / 2**20
 
 
-def _tree_rss_mib(pid: int) -> float | None:
+class _Tree:
+    """A child process and every descendant seen so far (kept after the child exits, so that an
+    orphaned grandchild still holding the output pipe can be stopped too)."""
+
+    def __init__(self, pid: int, popen: subprocess.Popen | None = None) -> None:
+        import psutil
+
+        self.pid, self.popen = pid, popen
+        self.seen: dict[int, psutil.Process] = {}
+        try:
+            self.seen[pid] = psutil.Process(pid)
+        except psutil.Error:
+            pass
+
+    def current(self) -> list:
+        """The child and its descendants now (recorded in :attr:`seen`)."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            procs = []
+        for q in procs:
+            self.seen.setdefault(q.pid, q)
+        return procs
+
+    def rss_mib(self) -> float | None:
+        """Resident memory of the child and its descendants (MiB); None when the child is gone or a
+        zombie (it has ended)."""
+        import psutil
+
+        procs = self.current()
+        if not procs:
+            return None
+        total, read = 0, False
+        for q in procs:
+            try:
+                if q.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                total += q.memory_info().rss
+                read = True
+            except psutil.Error:
+                pass
+        return total / 2**20 if read else None
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM the child and every descendant still running (the ones seen earlier included),
+        SIGKILL those left after ``grace_s`` seconds."""
+        import psutil
+
+        self.current()
+        procs = [q for q in self.seen.values() if q.is_running()]  # is_running: not a reused pid
+        for q in procs:
+            try:
+                q.terminate()
+            except psutil.Error:
+                pass
+        # The direct child is waited for through its Popen: psutil would reap it, and the Popen
+        # would then read exit code 0 instead of the signal that ended it.
+        own = [q for q in procs if self.popen is not None and q.pid == self.pid]
+        others = [q for q in procs if q not in own]
+        deadline = time.monotonic() + grace_s
+        _, alive = psutil.wait_procs(others, timeout=grace_s)
+        if own:
+            try:
+                self.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                alive.append(own[0])
+        for q in alive:
+            try:
+                q.kill()
+            except psutil.Error:
+                pass
+        if own and own[0] in alive:
+            try:
+                self.popen.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        psutil.wait_procs([q for q in alive if q not in own], timeout=grace_s)
+
+
+def _kernel_kill_line(procs: dict) -> str | None:
+    """The kernel log's last "Killed process <pid>" (the OOM killer's) line for one of ``procs``
+    (pid -> psutil.Process), written after the first of them started (an older line is another
+    process that had the pid); None when there is none or ``dmesg`` cannot be read (it often may
+    not: never an error)."""
+    import re
+
     import psutil
 
     try:
-        proc = psutil.Process(pid)
-        procs = [proc, *proc.children(recursive=True)]
-    except psutil.Error:
-        return None
-    total = 0
-    for q in procs:
-        try:
-            total += q.memory_info().rss
-        except psutil.Error:
-            pass
-    return total / 2**20
-
-
-def _stop_tree(pid: int, grace_s: float = 5.0) -> None:
-    """SIGTERM the process ``pid`` and its descendants, SIGKILL what is left after ``grace_s``."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return
-    for q in procs:
-        try:
-            q.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for q in alive:
-        try:
-            q.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=grace_s)
+        out = subprocess.run(["dmesg"], check=False, capture_output=True, text=True, errors="replace",
+                             timeout=3).stdout
+        since = min(q.create_time() for q in procs.values()) - psutil.boot_time() - 2.0
+    except (OSError, subprocess.SubprocessError, psutil.Error, ValueError):
+        return None  # not installed, not permitted, too slow, no process seen: the message goes without it
+    found = None
+    for line in out.splitlines():
+        m = re.search(r"Kill(?:ed)? process (\d+)", line)
+        if not m or int(m.group(1)) not in procs:
+            continue
+        at = re.match(r"\s*\[\s*(\d+(?:\.\d+)?)\]", line)  # seconds since boot
+        if at is None or float(at.group(1)) >= since:
+            found = line.strip()
+    return found
 
 
 def stream_child(cmd: list[str], tag: str, logger: logging.Logger, what: str,
@@ -136,44 +230,56 @@ def stream_child(cmd: list[str], tag: str, logger: logging.Logger, what: str,
     """Run ``cmd`` (a child of a flow) from the repo root, log its output lines as ``[tag] ...``
     (progress redraws at most every 10 s, and the final one) and return the JSON payload of its
     line starting with ``result_tag``, or None when it printed none. ``env_extra`` is added to its
-    environment. The child's memory (with its own children) is sampled every 0.5 s; a child that
-    prints nothing (progress redraws count) for ``silence_s`` seconds is stopped with its
-    descendants (SIGTERM, then SIGKILL after 5 s); None or 0: never.
+    environment.
+
+    The memory of the child and its descendants is sampled every 0.5 s. When the child prints
+    nothing (progress redraws count) for ``silence_s`` seconds, it and every descendant seen (an
+    orphan holding its output included) get SIGTERM, then SIGKILL after 5 s; ``silence_s`` None or
+    0: never. If reading its output fails (or is interrupted), the child is stopped the same way.
 
     Raises:
         StageChildFailed: the child exited non-zero, was killed by a signal, or was stopped for
-            silence (the message names ``what``, the exit code or signal, the peak memory, for a
-            SIGKILL the machine's memory and the OOM killer, and the last 20 output lines).
+            silence. The message names ``what``, the exit code or the signal's name, the peak and
+            last sampled memory (MiB), for a SIGKILL the machine's memory and the OOM killer, the
+            kernel's kill line when ``dmesg`` shows one, and the last 20 output lines.
+        json.JSONDecodeError: the result line is not JSON (the child is stopped).
     """
     import threading
 
     logger.info("[%s] starting child process: %s", tag, " ".join(cmd))
     env = {**os.environ, **(env_extra or {}), "PYTHONUNBUFFERED": "1", "CAPO_CHILD": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    tree = _Tree(proc.pid, proc)
     tail: list[str] = []
     result = None
     last_progress = 0.0
-    state = {"last_output": time.monotonic(), "peak": None, "silent": None}
+    state: dict = {"last_output": time.monotonic(), "peak": None, "last": None, "silent": None}
     done = threading.Event()
 
     def watch() -> None:  # memory samples and the silence limit
-        while not done.wait(0.5):
-            rss = _tree_rss_mib(proc.pid)
+        while True:
+            rss = tree.rss_mib()
             if rss is not None:
-                state["peak"] = max(state["peak"] or 0.0, rss)
+                state["peak"], state["last"] = max(state["peak"] or 0.0, rss), rss
             quiet = time.monotonic() - state["last_output"]
-            if silence_s and quiet > silence_s and state["silent"] is None:
+            if silence_s and quiet > silence_s:
                 state["silent"] = quiet
-                logger.error("[%s] no output for %.0f s (scale.child_silence_s=%s): stopping the child", tag, quiet, silence_s)
-                _stop_tree(proc.pid)
+                logger.error("[%s] no output for %.0f s (scale.child_silence_s=%s): stopping the child and its "
+                             "descendants", tag, quiet, silence_s)
+                tree.stop()
                 return
+            if done.wait(SAMPLE_S):
+                return
+
+    def heard() -> None:  # any bytes read: the child is not silent
+        state["last_output"] = time.monotonic()
 
     watcher = threading.Thread(target=watch, name=f"capo-watch-{tag}", daemon=True)
     watcher.start()
     assert proc.stdout is not None
+    ok = False
     try:
-        for line, is_progress in output_lines(proc.stdout.fileno()):
-            state["last_output"] = time.monotonic()
+        for line, is_progress in output_lines(proc.stdout.fileno(), heard):
             if line.startswith(result_tag):
                 result = json.loads(line[len(result_tag):])
                 continue
@@ -184,10 +290,19 @@ def stream_child(cmd: list[str], tag: str, logger: logging.Logger, what: str,
             logger.info("[%s] %s", tag, line)
             tail = (tail + [line])[-20:]
         code = proc.wait()
+        ok = True
     finally:
         done.set()
         watcher.join()
+        if not ok:  # reading failed or was interrupted: leave nothing running
+            tree.stop()
+            proc.wait()
+        proc.stdout.close()
     if code != 0 or state["silent"] is not None:
         peak = None if state["peak"] is None else round(state["peak"], 1)
-        raise StageChildFailed(what, code, tail, peak, state["silent"])
+        last = None if state["last"] is None else round(state["last"], 1)
+        killed = code == -signal.SIGKILL and state["silent"] is None
+        kernel = None if state["silent"] is not None else _kernel_kill_line(tree.seen)
+        raise StageChildFailed(what, code, tail, peak, state["silent"], last,
+                               round(_total_mib()) if killed else None, kernel)
     return result

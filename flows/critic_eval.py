@@ -47,10 +47,16 @@ def _overrides(benchmark: Optional[str], name: Optional[str], overrides: Optiona
 def run_critique_child(cfg: ces.CriticEvalConfig, setup: str, logger: logging.Logger, force: bool = False) -> StageResult:
     """Run one setup's critique stage in a child process unless it is current; stream its log.
 
+    The child is stopped when it prints nothing for ``scale.child_silence_s``'s default (1800 s;
+    the critic-eval config has no ``scale`` section).
+
     Raises:
-        RuntimeError: the child failed (exit code and last output lines in the message).
+        flows.children.StageChildFailed: the child failed, was killed by a signal or was stopped
+            for silence (a RuntimeError; the message names the exit code or signal, the memory and
+            the last output lines).
     """
     from pipeline import storage
+    from pipeline.config import ScaleConfig
 
     cur = storage.is_current(ces.critique_path(cfg, setup), ces.critique_key(cfg, setup))
     if cur.current and not force:
@@ -59,7 +65,8 @@ def run_critique_child(cfg: ces.CriticEvalConfig, setup: str, logger: logging.Lo
         return res
     cmd = [sys.executable, "-m", "flows.critic_eval", "critique", "--config", str(ces.write_resolved_config(cfg)),
            "--setup", setup] + (["--force"] if force else [])
-    payload = stream_child(cmd, setup, logger, f"critique of setup {setup!r}", result_tag=RESULT_TAG)
+    payload = stream_child(cmd, setup, logger, f"critique of setup {setup!r}", result_tag=RESULT_TAG,
+                           silence_s=ScaleConfig.model_fields["child_silence_s"].default)
     result = StageResult(**payload) if payload is not None else None
     result = result or StageResult("critique", "", False, "child process finished (no result line)")
     logger.info("[%s] %s", setup, result.line())

@@ -85,11 +85,14 @@ class OpenAIEngine(Engine):
 
     def generate(self, conversations, n, sampling):
         """Every conversation's ``n`` samples, requests sent concurrently; with :attr:`reply_cache`,
-        replies found there are reused and new ones appended as they finish.
+        replies found there are reused (not sent again) and new ones appended as they finish.
 
         Raises:
-            EngineReplyError: a request failed after its retries (the message counts the failed and
-                the kept requests and names the first failure); every other request still ran.
+            EngineReplyError: a request failed after its retries; every other request still ran.
+                The message names the failed requests (their index in ``conversations``), counts
+                the finished ones (kept in :attr:`reply_cache` when there is one, so that running
+                again sends only the failed requests) and gives the first failure; the error's
+                ``failed`` (those indices) and ``kept`` (that count) say the same.
         """
         import threading
         from concurrent.futures import ThreadPoolExecutor
@@ -100,7 +103,7 @@ class OpenAIEngine(Engine):
         cached = _read_replies(self.reply_cache) if self.reply_cache is not None else {}
         gens: list[Generation | None] = [cached.get(k) for k in keys]
         reused = sum(g is not None for g in gens)
-        errors: list[EngineReplyError] = []
+        errors: list[tuple[int, EngineReplyError]] = []
         lock = threading.Lock()
 
         def run(i: int, client) -> None:
@@ -108,7 +111,7 @@ class OpenAIEngine(Engine):
                 g = self._one(client, conversations[i], n, sampling, i)
             except EngineReplyError as e:
                 with lock:
-                    errors.append(e)
+                    errors.append((i, e))
                 return
             gens[i] = g
             if self.reply_cache is not None:
@@ -125,22 +128,35 @@ class OpenAIEngine(Engine):
             with ThreadPoolExecutor(self.cfg.max_concurrency) as pool:
                 list(pool.map(lambda i: run(i, client), todo))
         if errors:
+            errors.sort(key=lambda ie: ie[0])
+            failed = [i for i, _ in errors]
             kept = sum(g is not None for g in gens)
+            names = ", ".join(map(str, failed[:20])) + (f" and {len(failed) - 20} more" if len(failed) > 20 else "")
             where = (f"the {kept} finished replies are kept in {self.reply_cache}; running the stage again sends only "
                      "the failed requests") if self.reply_cache is not None else f"{kept} requests had finished"
-            raise EngineReplyError(f"{len(errors)} of {len(gens)} requests failed after their retries ({where}); "
-                                   f"first failure: {errors[0]}")
+            err = EngineReplyError(f"{len(errors)} of {len(gens)} requests failed after their retries "
+                                   f"(request{'s' if len(failed) > 1 else ''} {names}; {where}); "
+                                   f"first failure: {errors[0][1]}")
+            err.failed, err.kept = failed, kept
+            raise err
         self._account([gens[i] for i in todo], time.perf_counter() - t0)
         return gens
 
 
 def _append_reply(path: Path, key: str, gen: Generation) -> None:
+    """Append one finished reply to a reply cache and fsync it (after a newline, should the file
+    end in the torn line of a killed write: that line is then skipped, this one kept)."""
     import dataclasses
     import json
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"key": key, "generation": dataclasses.asdict(gen)}) + "\n")
+    with open(path, "a+b") as f:
+        torn = False
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+        line = json.dumps({"key": key, "generation": dataclasses.asdict(gen)}) + "\n"
+        f.write((("\n" if torn else "") + line).encode("utf-8"))
         f.flush()
         os.fsync(f.fileno())
 
@@ -169,6 +185,10 @@ class EngineReplyError(RuntimeError):
     def __init__(self, message: str, retry: bool = False) -> None:
         super().__init__(message)
         self.retry = retry
+        self.failed: list[int] = []
+        """For a batch (:meth:`OpenAIEngine.generate`): the indices of the requests that failed."""
+        self.kept = 0
+        """For a batch: how many requests had finished (and were kept in the reply cache, if any)."""
 
 
 def _retry_after(response, default: float) -> float:

@@ -219,6 +219,10 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
     Raises:
         ValueError: a shard id outside the round's plan.
         FileNotFoundError: the round's rollouts or steps table is missing.
+        pipeline.engines.openai_engine.EngineReplyError: an OpenAI critic's request failed after
+            its retries; the message names the shard and its rollouts. The shard's finished replies
+            are kept beside its part (``.part-<k>.replies.jsonl``), so running again sends only
+            the failed requests; shards committed before it stay committed.
     """
     from pipeline.core.critique import (
         build_critique_messages,
@@ -226,6 +230,7 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
         parse_critique,
         parse_outcome_verdict,
     )
+    from pipeline.engines.openai_engine import EngineReplyError
 
     t_start = time.perf_counter()
     inp = _inputs or _critique_inputs(cfg, round_idx)
@@ -259,7 +264,18 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
                 else:
                     convs.append(build_critique_messages(pr["question"], inp.steps[r["rollout_id"]], gold,
                                                          cfg.critique.template))
-            for r, g in zip(live, engine.generate(convs, n, cfg.critique.sampling)):
+            try:
+                replies = engine.generate(convs, n, cfg.critique.sampling)
+            except EngineReplyError as e:
+                if not e.failed:
+                    raise
+                rids = [str(live[i]["rollout_id"]) for i in e.failed]
+                named = ", ".join(rids[:20]) + (f" and {len(rids) - 20} more" if len(rids) > 20 else "")
+                err = EngineReplyError(f"critique shard {shard} of round {round_idx}: the critic failed on "
+                                       f"rollout{'s' if len(rids) > 1 else ''} {named}: {e}")
+                err.failed, err.kept = e.failed, e.kept
+                raise err from e
+            for r, g in zip(live, replies):
                 gens[r["rollout_id"]] = g
             critic_calls += len(live)
         rows = []

@@ -98,62 +98,141 @@ def test_parse_reply_keeps_index_order_and_reads_null_text_as_empty():
 
 def test_a_failed_request_keeps_the_shards_finished_replies(server, monkeypatch, tmp_path):
     """Issue 15 item 4: with a reply cache (the critique stage gives one per shard), a request
-    that fails after its retries costs only itself: the others' replies are kept and a second run
-    sends just the failed request."""
+    that still fails after its retries costs only itself: the others' replies are kept and a
+    second run sends just the failed request; the result equals a clean run's."""
     url, script, seen = server
     monkeypatch.setattr("pipeline.engines.openai_engine.time.sleep", lambda s: None)
     convs = [[{"role": "user", "content": f"judge solution {k}"}] for k in range(3)]
     ok = [(200, json.dumps(_reply(2, f"verdict {k}")).encode(), {}) for k in range(3)]
-    script += [ok[0], (400, b'{"error": "context too long"}', {}), ok[2]]
+    script += [ok[0], *[(503, b"overloaded", {})] * 4, ok[2]]  # request 1: the first try and 3 retries fail
     eng = _engine(url)
     eng.reply_cache = tmp_path / ".part-00000.replies.jsonl"
-    with pytest.raises(EngineReplyError, match=r"1 of 3 requests failed after their retries \(the 2 finished replies are "
-                                               r"kept in .*part-00000\.replies\.jsonl; running the stage again sends only "
-                                               r"the failed requests\); first failure: request 1 .*context too long"):
+    with pytest.raises(EngineReplyError, match=r"1 of 3 requests failed after their retries \(request 1; the 2 finished "
+                                               r"replies are kept in .*part-00000\.replies\.jsonl; running the stage again "
+                                               r"sends only the failed requests\); first failure: request 1 .*HTTP 503") as e:
         eng.generate(convs, 2, SAMPLING)
-    assert len(seen) == 3
+    assert (e.value.failed, e.value.kept) == ([1], 2) and len(seen) == 6 and script == []
     script += [ok[1]]
     again = _engine(url)
     again.reply_cache = eng.reply_cache
     gens = again.generate(convs, 2, SAMPLING)
-    assert len(seen) == 4 and seen[3]["messages"] == convs[1]  # only the failed request was sent again
+    assert len(seen) == 7 and seen[6]["messages"] == convs[1]  # only the failed request was sent again
+    assert again.stats.requests == 1  # the stats count what was sent
+    script += ok
+    clean = _engine(url).generate(convs, 2, SAMPLING)  # no cache: all three sent
+    assert len(seen) == 10 and gens == clean
     assert [g.samples[0].text for g in gens] == [f"verdict {k} #0" for k in range(3)]
-    assert gens[0].samples[0].logprobs == [-0.5, -0.25] and len(gens[2].prompt_token_ids) == 7
     # another sampling setting is another request: the cache answers nothing
     script += ok
     other = _engine(url)
     other.reply_cache = eng.reply_cache
     other.generate(convs[:1], 2, SamplingConfig(temperature=0.5, top_p=0.95, max_tokens=32))
-    assert len(seen) == 5
+    assert len(seen) == 11
+
+
+@pytest.fixture
+def judge_server():
+    """A server that answers by the request's text, so that concurrent requests may come in any
+    order: ``failing`` holds the texts answered 503; ``hits`` counts the requests per text."""
+    failing: set[str] = set()
+    hits: dict[str, int] = {}
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            text = req["messages"][-1]["content"]
+            with lock:
+                hits[text] = hits.get(text, 0) + 1
+            status, body = (503, b"overloaded") if text in failing else (200, json.dumps(_reply(2, f"verdict on {text}")).encode())
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", failing, hits
+    httpd.shutdown()
+
+
+def test_concurrent_requests_keep_every_finished_reply_and_name_every_failure(judge_server, monkeypatch, tmp_path):
+    """Six requests, four at a time; two fail on every try. Both are named, the four others kept
+    (the cache file has four lines); the re-run sends the two and equals a clean run. A torn last
+    line (a kill while appending) is skipped and the next reply still lands."""
+    url, failing, hits = judge_server
+    monkeypatch.setattr("pipeline.engines.openai_engine.time.sleep", lambda s: None)
+    texts = [f"solution {k}" for k in range(6)]
+    convs = [[{"role": "system", "content": "be a judge"}, {"role": "user", "content": t}] for t in texts]
+    cache = tmp_path / "parts" / ".part-00003.replies.jsonl"
+
+    def engine() -> OpenAIEngine:
+        eng = OpenAIEngine("critic", OpenAIEngineConfig(base_url=url, max_retries=2, max_concurrency=4, timeout_s=10))
+        eng.reply_cache = cache
+        return eng
+
+    failing |= {texts[2], texts[5]}
+    with pytest.raises(EngineReplyError, match=r"2 of 6 requests failed after their retries \(requests 2, 5; the 4 "
+                                               r"finished replies are kept in .*; first failure: request 2 "):
+        engine().generate(convs, 2, SAMPLING)
+    assert hits == {t: 3 if t in failing else 1 for t in texts}  # each failure tried 3 times, the others once
+    assert len(cache.read_text().splitlines()) == 4
+    with open(cache, "a") as f:
+        f.write('{"key": "torn-by-a-kill", "generation": {"prompt_')
+    failing.clear()
+    gens = engine().generate(convs, 2, SAMPLING)
+    assert hits == {t: 4 if t in (texts[2], texts[5]) else 1 for t in texts}  # only the two failed ones again
+    assert len([ln for ln in cache.read_text().splitlines() if ln.startswith('{"key": "')]) == 7  # 4 + torn + 2
+    clean = OpenAIEngine("critic", OpenAIEngineConfig(base_url=url, max_concurrency=4, timeout_s=10)).generate(convs, 2, SAMPLING)
+    assert gens == clean and [g.samples[1].text for g in gens] == [f"verdict on {t} #1" for t in texts]
+    assert engine().generate(convs, 2, SAMPLING) == clean and sum(hits.values()) == 12 + 6  # all six from the cache
 
 
 def test_the_critique_stage_resumes_a_shard_from_its_kept_replies(server, monkeypatch, tmp_path):
     """The critique stage through the OpenAI engine on the hand-built round: one shard of two
-    rollouts, the second request fails; the stage fails, the first reply is kept beside the shard;
-    run again, it sends one request, commits the critiques and removes the kept replies."""
+    rollouts, the second request fails; the stage fails naming the shard and rollout, the first
+    reply is kept beside the shard; run again, it sends one request, commits the critiques and
+    removes the kept replies; the table equals that of a run that never failed."""
+    import pyarrow.parquet as pq
+
     from pipeline.stages.critique import critique_parts_dir, critique_stage
     from tests.toy_round import toy_config, write_round
 
     url, script, seen = server
     monkeypatch.setattr("pipeline.engines.openai_engine.time.sleep", lambda s: None)
-    cfg = toy_config(tmp_path, "critique.engine.type=openai", f"critique.engine.base_url={url}",
-                     "critique.engine.max_retries=0", "critique.engine.max_concurrency=1", "critique.critic=served-critic",
-                     "critique.num_critiques=2", "critique.batch_rollouts=2")
-    write_round(cfg)
-    critiques = tmp_path / "runs" / "toy" / "round_001" / "critiques.parquet"
-    critiques.unlink()  # the hand-written table: the stage computes its own
-    script += [(200, json.dumps(_reply(2, "Step 0: correct\nStep 1: wrong - no\nStep 2: correct\nWrong step list: [1]")).encode(), {}),
-               (503, b"overloaded", {})]
-    with pytest.raises(Exception, match=r"1 of 2 requests failed after their retries \(the 1 finished replies are kept"):
+
+    def round_at(root):
+        root.mkdir()
+        cfg = toy_config(root, "critique.engine.type=openai", f"critique.engine.base_url={url}",
+                         "critique.engine.max_retries=0", "critique.engine.max_concurrency=1",
+                         "critique.critic=served-critic", "critique.num_critiques=2", "critique.batch_rollouts=2")
+        write_round(cfg)
+        table = root / "runs" / "toy" / "round_001" / "critiques.parquet"
+        table.unlink()  # the hand-written table: the stage computes its own
+        return cfg, table
+
+    reply_a = (200, json.dumps(_reply(2, "Step 0: correct\nStep 1: wrong - no\nStep 2: correct\nWrong step list: [1]")).encode(), {})
+    reply_b = (200, json.dumps(_reply(2, "Step 0: correct\nStep 1: correct\nStep 2: correct\nWrong step list: []")).encode(), {})
+    cfg, critiques = round_at(tmp_path / "failed")
+    script += [reply_a, (503, b"overloaded", {})]
+    with pytest.raises(EngineReplyError, match=r"critique shard 0 of round 1: the critic failed on rollout B: 1 of 2 "
+                                               r"requests failed after their retries \(request 1; the 1 finished replies "
+                                               r"are kept .*running the stage again sends only the failed requests"):
         critique_stage(cfg, 1)
     kept = critique_parts_dir(cfg, 1) / ".part-00000.replies.jsonl"
-    assert kept.is_file() and len(seen) == 2
-    script += [(200, json.dumps(_reply(2, "Step 0: correct\nStep 1: correct\nStep 2: correct\nWrong step list: []")).encode(), {})]
+    assert kept.is_file() and len(seen) == 2 and not critiques.exists()
+    script += [reply_b]
     res = critique_stage(cfg, 1)
     assert not res.skipped and len(seen) == 3 and not kept.exists()
-    import pyarrow.parquet as pq
-
     rows = pq.read_table(critiques).to_pylist()
     assert len(rows) == 4 and sorted({r["rollout_id"] for r in rows}) == ["A", "B"]
     # rollout A's two critiques are the kept first reply, B's the one sent again
     assert {r["rollout_id"]: "Wrong step list: [1]" in r["raw_text"] for r in rows} == {"A": True, "B": False}
+    # the same round with a server that never fails: the same table
+    clean_cfg, clean_table = round_at(tmp_path / "clean")
+    script += [reply_a, reply_b]
+    critique_stage(clean_cfg, 1)
+    assert len(seen) == 5 and pq.read_table(clean_table).to_pylist() == rows

@@ -31,6 +31,11 @@ BAD_OVERRIDES = [
     (["vote.rule=unanimous"], ["rule", "'intersection'", "'union'"]),
     (["rollout.group_size"], ["must look like section.key=value"]),
     (["vote.rule=[unclosed"], ["not valid YAML"]),
+    (["scale.child_silence_s=0"], ["child_silence_s", "greater than 0"]),
+    (["scale.child_silence_s=-30"], ["child_silence_s", "greater than 0"]),
+    (["scale.child_silence_s=.inf"], ["child_silence_s", "finite"]),
+    (["scale.child_silence_s=true"], ["child_silence_s=True", "a number is expected"]),
+    (["scale.child_silence_s=soon"], ["child_silence_s", "valid number"]),
 ]
 
 
@@ -78,4 +83,7 @@ def test_valid_references_still_load(tmp_path):
     cfg = load_config(None, [f"rollout.policy={ckpt}", "critique.critic=Qwen/Qwen2.5-72B-Instruct",
                              "critique.engine.type=openai", "critique.engine.base_url=http://127.0.0.1:8000/v1"])
     assert cfg.rollout.policy == str(ckpt) and cfg.critique.engine.type == "openai"
+    assert load_config(None, []).scale.child_silence_s == 1800.0
+    assert load_config(None, ["scale.child_silence_s=null"]).scale.child_silence_s is None  # never stopped
+    assert load_config(None, ["scale.child_silence_s=90"]).scale.child_silence_s == 90.0
     assert load_config(None, ["train.learning_rate=1e-5"]).train.learning_rate == 1e-5  # YAML 1.1 reads 1e-5 as text
