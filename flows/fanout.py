@@ -129,14 +129,20 @@ def split_chunks(shard_ids: list[int], workers: int) -> list[list[int]]:
 
 
 @task(cache_policy=NO_CACHE, task_run_name="critique-round-{round_idx}-chunk-{chunk_idx}")
-def critique_chunk(config_path: str, round_idx: int, chunk_idx: int, shard_ids: list[int], runner: str) -> dict:
+def critique_chunk(config_path: str, round_idx: int, chunk_idx: int, shard_ids: list[int], runner: str,
+                   silence_s: float | None = None) -> dict:
     """Compute and commit critique shards ``shard_ids`` in a child process (``capo stage critique
     --shards``) started from the Dask / Ray worker this task runs on; its log lines are streamed
     to the task's log. Returns the child's :func:`pipeline.stages.critique.critique_shards` result
     plus where it ran (``worker_pid``, ``worker_host``: the Dask / Ray worker that started it).
 
+    The child is stopped when it prints nothing for ``silence_s`` seconds (``scale.child_silence_s``;
+    None: never).
+
     Raises:
-        RuntimeError: the child process failed (exit code and last output lines in the message).
+        flows.children.StageChildFailed: the child failed, was killed or was stopped for silence
+            (a RuntimeError; exit code or signal, memory and last output lines in the message).
+        RuntimeError: the child printed no result line.
     """
     from flows.children import stream_child
     from pipeline.engines.base import engine_process_env
@@ -145,7 +151,7 @@ def critique_chunk(config_path: str, round_idx: int, chunk_idx: int, shard_ids: 
            "--round", str(round_idx), "--shards", ",".join(str(s) for s in shard_ids)]
     out = stream_child(cmd, f"critique chunk {chunk_idx}", get_run_logger(),
                        f"critique chunk {chunk_idx} (shards {shard_ids}) of round {round_idx}",
-                       engine_process_env())
+                       engine_process_env(), silence_s=silence_s)
     if out is None:
         raise RuntimeError(f"critique chunk {chunk_idx} of round {round_idx}: the child printed no result line")
     return {"runner": runner, "chunk": chunk_idx, **out, "worker_pid": os.getpid(), "worker_host": socket.gethostname()}
@@ -191,7 +197,8 @@ def critique_fanout(config_path: str, round_idx: int, force: bool = False) -> di
         logger.info("[critique] fanning out %d shards in %d chunks on %s%s: %s", len(todo), len(chunks), fan.runner,
                     f" ({fan.address})" if fan.address else " (local cluster)", chunks)
         with _remote_options(cfg, fan.runner):
-            futures = [critique_chunk.submit(config_path, round_idx, i, c, fan.runner) for i, c in enumerate(chunks)]
+            futures = [critique_chunk.submit(config_path, round_idx, i, c, fan.runner,
+                                              cfg.scale.child_silence_s) for i, c in enumerate(chunks)]
         wait(futures)
         results, errors = [], []
         for i, f in enumerate(futures):

@@ -383,7 +383,7 @@ class ScaleConfig(_Strict):
     loads each round's new checkpoint in place (``collective_rpc("reload_weights")``) instead of
     restarting. It stays resident while the trainer runs, so it needs memory for both."""
     child_silence_s: float | None = Field(1800.0, gt=0)
-    """Seconds a stage's child process (rollout, critique on the local runner, train, eval) may
+    """Seconds a stage's child process (rollout, critique on any runner, train, eval) may
     print nothing (progress redraws count) before it and its descendants are stopped (SIGTERM,
     SIGKILL 5 s later) and its stage fails, naming the silence; null: never (0 is refused). vLLM
     loads and compiles silently for minutes on a CPU, hence the generous default."""
