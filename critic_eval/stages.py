@@ -40,11 +40,12 @@ from pipeline.config import (
     EngineConfig,
     SamplingConfig,
     VLLMEngineConfig,
+    check_structured_engine,
     deep_merge,
     parse_overrides,
     read_config_file,
 )
-from pipeline.core.critique import DATA_ESCAPE_VERSION, PARSER_VERSION, TEMPLATE_VERSION
+from pipeline.core.critique import DATA_ESCAPE_VERSION, PARSER_VERSION, STRUCTURED_VERSION, TEMPLATE_VERSION
 from pipeline.schemas import (
     CRITIC_EVAL_BENCHMARK_SCHEMA,
     CRITIC_EVAL_CRITIQUES_SCHEMA,
@@ -82,6 +83,13 @@ class CriticSpec(_Strict):
     """As ``critique.sampling`` in training."""
     template: Literal["capo-genprm-v1", "capo-genprm-v2"] = TEMPLATE_VERSION
     """Critic prompt template, as ``critique.template`` in training (:mod:`pipeline.core.critique`)."""
+    structured_output: bool = False
+    """Constrain every critique to the verdict format, as ``critique.structured_output`` in training."""
+
+    @model_validator(mode="after")
+    def _structured_engine(self) -> "CriticSpec":
+        check_structured_engine(self.structured_output, self.engine.type, f"critics[{self.name}]")
+        return self
 
 
 class BenchmarkConfig(_Strict):
@@ -261,10 +269,14 @@ def critique_path(cfg: CriticEvalConfig, setup: str) -> Path:
 
 def critique_key(cfg: CriticEvalConfig, setup: str) -> dict:
     critic, gold = cfg.setups()[setup]
-    return {"benchmark": _benchmark_fingerprint(cfg), "critic": critic.model_dump(mode="json"),
-            "include_gold_answer": gold, "n_max": cfg.n_max, "template_version": critic.template,
-            "parser": PARSER_VERSION, "data_escape": DATA_ESCAPE_VERSION, "seed": cfg.seed,
-            "model": model_fingerprint(resolve_model(critic.model, cfg))}
+    spec = critic.model_dump(mode="json")
+    key = {"benchmark": _benchmark_fingerprint(cfg), "critic": spec,
+           "include_gold_answer": gold, "n_max": cfg.n_max, "template_version": critic.template,
+           "parser": PARSER_VERSION, "data_escape": DATA_ESCAPE_VERSION, "seed": cfg.seed,
+           "model": model_fingerprint(resolve_model(critic.model, cfg))}
+    if spec.pop("structured_output"):  # free-text setups keep the keys they had before the option
+        key["structured"] = STRUCTURED_VERSION
+    return key
 
 
 def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> StageResult:
@@ -273,7 +285,7 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
     Raises:
         KeyError: unknown setup (lists the valid ones).
     """
-    from pipeline.core.critique import build_critique_messages, parse_critique
+    from pipeline.core.critique import build_critique_messages, critique_regex, parse_critique
     from pipeline.engines import make_engine
 
     if setup not in cfg.setups():
@@ -289,7 +301,8 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
     engine = make_engine(model, critic.engine, seed=seed)
     convs = [build_critique_messages(it["problem"], it["steps"], it["gold_answer"] if gold else None, critic.template)
              for it in items]
-    gens = engine.generate(convs, cfg.n_max, critic.sampling)
+    constraints = [critique_regex(len(it["steps"])) for it in items] if critic.structured_output else None
+    gens = engine.generate(convs, cfg.n_max, critic.sampling, constraints)
     stats = engine.stats.as_dict()
     engine.close()
     rows = []
@@ -455,7 +468,8 @@ def report_stage(cfg: CriticEvalConfig) -> StageResult:
         man = storage.read_manifest(critique_path(cfg, setup)) or {}
         eng = man.get("engine") or {}
         s = critic.sampling
-        setups.append({"setup": label, "model": critic.model, "include_gold_answer": gold, "template": critic.template,
+        setups.append({"setup": label, "model": critic.model, "include_gold_answer": gold,
+                       "template": critic.template + (" + structured" if critic.structured_output else ""),
                        "partial": partial, "engine": critic.engine.type,
                        "sampling": f"T={s.temperature} top_p={s.top_p} max={s.max_tokens}",
                        "critic_seconds": eng.get("seconds"), "tokens_per_s": eng.get("generated_tokens_per_s")})

@@ -194,6 +194,12 @@ class CritiqueConfig(_Strict):
     """The critic prompt (:mod:`pipeline.core.critique`): v1 shows a worked example ending in
     ``Wrong step list: [1]``; v2 shows only placeholders, one line per step of the solution.
     In the critique stage's key and in every critique row (``template_version``)."""
+    structured_output: bool = False
+    """Constrain every step critique to the verdict format (vLLM structured outputs with
+    :func:`pipeline.core.critique.critique_regex`: one ``Step i: correct`` / ``Step i: wrong -
+    <reason>`` line per step, then a sorted ``Wrong step list``), so none fails to parse. Needs the
+    vllm engine, or an openai engine whose server takes vLLM's ``structured_outputs`` field; the
+    transformers engine is refused. Outcome (GenORM) critiques stay free text."""
     sampling: SamplingConfig = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=320)
     """How the critic samples its N critiques of each response."""
     engine: EngineConfig = VLLMEngineConfig(max_model_len=4096, kv_cache_gib=3.0)
@@ -205,7 +211,21 @@ class CritiqueConfig(_Strict):
     def _critic_loadable(self) -> "CritiqueConfig":
         if self.engine.type != "openai":  # a served model's name is the server's business
             check_model(self.critic, "critique.critic")
+        check_structured_engine(self.structured_output, self.engine.type, "critique")
         return self
+
+
+def check_structured_engine(structured: bool, engine_type: str, where: str) -> None:
+    """Refuse structured output on an engine that cannot constrain its output.
+
+    Raises:
+        ValueError: ``structured`` with the transformers engine (names ``<where>.structured_output``
+            and the engines that can).
+    """
+    if structured and engine_type == "transformers":
+        raise ValueError(f"{where}.structured_output=true needs an engine that constrains its output: vllm, or "
+                         f"openai against a server with vLLM's structured outputs; {where}.engine.type is "
+                         "'transformers' (set structured_output=false or another engine)")
 
 
 class VoteConfig(_Strict):

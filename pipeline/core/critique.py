@@ -364,6 +364,41 @@ def parse_critique(text: str, n_steps: int) -> ParsedCritique:
     return ParsedCritique(tuple(sorted(indices)), status, judged, by_lines)
 
 
+STRUCTURED_VERSION = "lines-then-sorted-list-v1"
+"""Version of :func:`critique_regex` (in the critique stage's key when ``critique.structured_output``
+is on)."""
+
+REASON_CHARS = 160
+"""Longest reason a structured critique may give for a wrong step (characters)."""
+
+
+def critique_regex(n_steps: int, reason_chars: int = REASON_CHARS) -> str:
+    """The regular expression a structured critique of an ``n_steps``-step solution must match
+    in full (``critique.structured_output``; vLLM structured outputs, issue 12 item 3).
+
+    Exactly one line per step, in order, ``Step i: correct`` or ``Step i: wrong - <reason>``
+    (reason: 1 to ``reason_chars`` characters, no line break), then ``Wrong step list: [...]``
+    whose indices are strictly increasing and in ``[0, n_steps)`` (so never ``duplicate`` or
+    ``out_of_range``). The list is not tied to the lines (that would take 2^S grammar states): a
+    critique whose list contradicts its own lines is still possible and is parsed as
+    ``inconsistent``. Any text matching it parses (:func:`parse_critique`) as ``complete`` or
+    ``inconsistent``.
+
+    Size: O(S^2) characters (the increasing list: ``[`` then a first index i and, for each later
+    index j > i, an optional ``, j``).
+
+    Raises:
+        ValueError: ``n_steps`` < 1 or ``reason_chars`` < 1.
+    """
+    if n_steps < 1:
+        raise ValueError(f"n_steps must be >= 1 (a response has at least one step), got {n_steps}")
+    if reason_chars < 1:
+        raise ValueError(f"reason_chars must be >= 1, got {reason_chars}")
+    lines = "".join(rf"Step {i}: (?:correct|wrong - [^\n]{{1,{reason_chars}}})\n" for i in range(n_steps))
+    firsts = "|".join(f"{i}" + "".join(f"(?:, {j})?" for j in range(i + 1, n_steps)) for i in range(n_steps))
+    return rf"{lines}Wrong step list: \[(?:{firsts})?\]"
+
+
 ECHO_SHARE = 0.3
 """A verdict list holding more than this share of a round's non-empty verdicts is suspicious: a
 critic repeating one answer (or the prompt's example) instead of judging (issue 12)."""

@@ -87,9 +87,21 @@ class Engine(ABC):
     def __init__(self) -> None:
         self.stats = EngineStats()
 
+    supports_constraints: bool = False
+    """Whether :meth:`generate` can constrain a sample to a regular expression (structured outputs)."""
+
     @abstractmethod
-    def generate(self, conversations: Sequence[Conversation], n: int, sampling: SamplingConfig) -> list[Generation]:
-        """Sample ``n`` continuations of each conversation (chat template applied by the engine)."""
+    def generate(self, conversations: Sequence[Conversation], n: int, sampling: SamplingConfig,
+                 constraints: Sequence[str | None] | None = None) -> list[Generation]:
+        """Sample ``n`` continuations of each conversation (chat template applied by the engine).
+
+        ``constraints``: one regular expression (or None: free text) per conversation that each of
+        its samples must match in full (vLLM structured outputs; see :func:`check_constraints`).
+
+        Raises:
+            ValueError: ``constraints`` given to an engine that cannot apply them, or of another
+                length than ``conversations``.
+        """
 
     def close(self) -> None:  # pragma: no cover - trivial
         """Release the model."""
@@ -108,6 +120,28 @@ class Engine(ABC):
                                                sum(len(g.prompt_token_ids) * max(1, len(g.samples)) for g in gens))
         self.stats.cached_prompt_tokens += (cached if cached is not None else
                                             sum(g.cached_prompt_tokens or 0 for g in gens))
+
+
+def check_constraints(engine: Engine, conversations: Sequence, constraints: Sequence[str | None] | None) -> bool:
+    """Whether ``constraints`` (one regex or None per conversation) constrain anything.
+
+    Raises:
+        ValueError: their count is not the number of conversations, or a regex is given to an
+            engine whose :attr:`Engine.supports_constraints` is False (the message names it and
+            the engines that can: vllm, openai against a server with vLLM's structured outputs).
+    """
+    if constraints is None:
+        return False
+    if len(constraints) != len(conversations):
+        raise ValueError(f"{len(constraints)} constraints for {len(conversations)} conversations; give one "
+                         "regular expression (or None) per conversation")
+    if not any(c is not None for c in constraints):
+        return False
+    if not engine.supports_constraints:
+        raise ValueError(f"the {engine.name} engine cannot constrain its output to a regular expression "
+                         "(critique.structured_output); valid engines: vllm, or openai against a server "
+                         "that takes vLLM's structured_outputs parameter")
+    return True
 
 
 def apply_chat_template(tokenizer, conversation: Conversation) -> list[int]:

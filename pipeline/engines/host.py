@@ -87,9 +87,13 @@ class RemoteEngine(Engine):
             raise RuntimeError(f"policy engine host failed on {msg['op']!r}: {reply['error']}")
         return reply
 
-    def generate(self, conversations, n: int, sampling: SamplingConfig) -> list[Generation]:
+    supports_constraints = True
+
+    def generate(self, conversations, n: int, sampling: SamplingConfig, constraints=None) -> list[Generation]:
+        """See :meth:`pipeline.engines.base.Engine.generate` (served by the host's vLLM engine)."""
         reply = self._call({"op": "generate", "conversations": [list(c) for c in conversations], "n": n,
-                            "sampling": sampling.model_dump(mode="json")})
+                            "sampling": sampling.model_dump(mode="json"),
+                            "constraints": None if constraints is None else list(constraints)})
         gens = reply["generations"]
         self._account(gens, reply["seconds"], scheduled=reply.get("scheduled"), cached=reply.get("cached"))
         return gens
@@ -163,12 +167,12 @@ class _Host:
         return {"action": action, "seconds": secs, "pid": os.getpid(), "engine_starts": self.engine_starts,
                 "reloads": self.reloads}
 
-    def generate(self, conversations: list, n: int, sampling: dict) -> dict:
+    def generate(self, conversations: list, n: int, sampling: dict, constraints: list | None = None) -> dict:
         if self.engine is None:
             raise RuntimeError("generate before load")
         before = self.engine.stats.scheduled_prompt_tokens, self.engine.stats.cached_prompt_tokens
         t0 = time.perf_counter()
-        gens = self.engine.generate(conversations, n, SamplingConfig.model_validate(sampling))
+        gens = self.engine.generate(conversations, n, SamplingConfig.model_validate(sampling), constraints)
         secs = time.perf_counter() - t0
         return {"generations": gens, "seconds": secs,
                 "scheduled": self.engine.stats.scheduled_prompt_tokens - before[0],
@@ -202,7 +206,7 @@ def serve(address: str, authkey: bytes) -> None:
                         if op == "load":
                             reply = host.load(msg["model"], msg["cfg"], msg["seed"])
                         elif op == "generate":
-                            reply = host.generate(msg["conversations"], msg["n"], msg["sampling"])
+                            reply = host.generate(msg["conversations"], msg["n"], msg["sampling"], msg.get("constraints"))
                         else:
                             reply = {"error": f"unknown op {op!r}; valid: load, generate, shutdown"}
                     except Exception as e:  # report to the stage, keep serving

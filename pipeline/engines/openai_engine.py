@@ -12,6 +12,7 @@ from pipeline.engines.base import (
     Engine,
     Generation,
     Sample,
+    check_constraints,
     finish_reason,
 )
 
@@ -35,7 +36,11 @@ class OpenAIEngine(Engine):
         self.model, self.cfg, self.seed = model, cfg, seed
         self.tokenizer = None
 
-    def _one(self, client, conv, n, sampling, request: int = 0) -> Generation:
+    supports_constraints = True
+    """Sent as vLLM's ``structured_outputs: {"regex": ...}`` request field; a server without it
+    answers 400, and the error then says so."""
+
+    def _one(self, client, conv, n, sampling, request: int = 0, regex: str | None = None) -> Generation:
         """One conversation's ``n`` samples: one request, retried with exponential backoff (1, 2, 4 ...
         s, or the server's ``Retry-After`` up to 60 s) on a transport error, 429, a 5xx status or a
         malformed reply.
@@ -47,6 +52,8 @@ class OpenAIEngine(Engine):
 
         body = {"model": self.model, "messages": list(conv), "n": n, "temperature": sampling.temperature,
                 "top_p": sampling.top_p, "max_tokens": sampling.max_tokens, "seed": self.seed, "logprobs": True}
+        if regex is not None:
+            body["structured_outputs"] = {"regex": regex}
         where = f"request {request} ({self.cfg.base_url}/chat/completions, model {self.model!r})"
         for attempt in range(self.cfg.max_retries + 1):
             wait = 2.0 ** attempt
@@ -56,7 +63,13 @@ class OpenAIEngine(Engine):
                     wait = _retry_after(r, wait)
                     raise EngineReplyError(f"{where}: HTTP {r.status_code} {r.text[:200]!r}", retry=True)
                 if r.status_code >= 400:
-                    raise EngineReplyError(f"{where}: HTTP {r.status_code} {r.text[:300]!r}", retry=False)
+                    hint = ""
+                    if regex is not None and r.status_code in (400, 422):
+                        hint = ("; this request asked for structured output (vLLM's `structured_outputs: {regex}` "
+                                "field, critique.structured_output=true): a server without vLLM's structured "
+                                "outputs refuses it; serve the critic with vLLM >= 0.12 or set "
+                                "critique.structured_output=false")
+                    raise EngineReplyError(f"{where}: HTTP {r.status_code} {r.text[:300]!r}{hint}", retry=False)
                 return parse_reply(r.content, n, where)
             except httpx.TransportError as e:
                 err = EngineReplyError(f"{where}: {type(e).__name__}: {e}", retry=True)
@@ -73,21 +86,26 @@ class OpenAIEngine(Engine):
     request's reply is appended as it finishes, and a request already in the file is not sent again,
     so a request that fails after its retries does not cost the shard's other finished requests."""
 
-    def request_key(self, conv, n: int, sampling, index: int) -> str:
-        """sha256 of what decides a reply: endpoint, model, messages, n, sampling, seed and the
-        request's position in its batch (two equal conversations of a shard stay two requests)."""
+    def request_key(self, conv, n: int, sampling, index: int, regex: str | None = None) -> str:
+        """sha256 of what decides a reply: endpoint, model, messages, n, sampling, seed, the output
+        constraint and the request's position in its batch (two equal conversations of a shard stay
+        two requests)."""
         import hashlib
         import json
 
         body = {"url": self.cfg.base_url, "model": self.model, "messages": list(conv), "n": n, "seed": self.seed,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens, "index": index}
+        if regex is not None:  # free-text keys stay as they were
+            body["regex"] = regex
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
-    def generate(self, conversations, n, sampling):
+    def generate(self, conversations, n, sampling, constraints=None):
         """Every conversation's ``n`` samples, requests sent concurrently; with :attr:`reply_cache`,
-        replies found there are reused (not sent again) and new ones appended as they finish.
+        replies found there are reused (not sent again) and new ones appended as they finish. A
+        conversation's constraint (a regex) is sent as vLLM's ``structured_outputs`` field.
 
         Raises:
+            ValueError: ``constraints`` not one per conversation.
             EngineReplyError: a request failed after its retries; every other request still ran.
                 The message names the failed requests (their index in ``conversations``), counts
                 the finished ones (kept in :attr:`reply_cache` when there is one, so that running
@@ -99,7 +117,8 @@ class OpenAIEngine(Engine):
 
         import httpx
 
-        keys = [self.request_key(c, n, sampling, i) for i, c in enumerate(conversations)]
+        regexes = list(constraints) if check_constraints(self, conversations, constraints) else [None] * len(conversations)
+        keys = [self.request_key(c, n, sampling, i, regexes[i]) for i, c in enumerate(conversations)]
         cached = _read_replies(self.reply_cache) if self.reply_cache is not None else {}
         gens: list[Generation | None] = [cached.get(k) for k in keys]
         reused = sum(g is not None for g in gens)
@@ -108,7 +127,7 @@ class OpenAIEngine(Engine):
 
         def run(i: int, client) -> None:
             try:
-                g = self._one(client, conversations[i], n, sampling, i)
+                g = self._one(client, conversations[i], n, sampling, i, regexes[i])
             except EngineReplyError as e:
                 with lock:
                     errors.append((i, e))

@@ -11,6 +11,7 @@ from pipeline.engines.base import (
     Generation,
     Sample,
     apply_chat_template,
+    check_constraints,
     load_tokenizer,
 )
 
@@ -45,10 +46,12 @@ class TransformersEngine(Engine):
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
 
-    def generate(self, conversations, n, sampling):
+    def generate(self, conversations, n, sampling, constraints=None):
+        """See :meth:`Engine.generate`; ``constraints`` are not supported (ValueError)."""
         import torch
         from tqdm.auto import tqdm
 
+        check_constraints(self, conversations, constraints)
         prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
         gens: list[Generation] = []
         t0 = time.perf_counter()

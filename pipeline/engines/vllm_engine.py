@@ -12,6 +12,7 @@ from pipeline.engines.base import (
     Generation,
     Sample,
     apply_chat_template,
+    check_constraints,
     finish_reason,
 )
 
@@ -59,17 +60,24 @@ class VLLMEngine(Engine):
         self.tokenizer = self.llm.get_tokenizer()
         self.stats.extra["load_seconds"] = time.perf_counter() - t0
 
-    def generate(self, conversations, n, sampling):
+    supports_constraints = True
+
+    def generate(self, conversations, n, sampling, constraints=None):
+        """See :meth:`Engine.generate`; a constraint becomes ``SamplingParams(structured_outputs=
+        StructuredOutputsParams(regex=...))`` for its conversation (vLLM's guided decoding)."""
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=sampling.max_tokens,
-            logprobs=0,
-            skip_special_tokens=True,
-        )
+        def make_params(regex: str | None = None) -> SamplingParams:
+            extra = {}
+            if regex is not None:
+                from vllm.sampling_params import StructuredOutputsParams
+
+                extra["structured_outputs"] = StructuredOutputsParams(regex=regex)
+            return SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                  max_tokens=sampling.max_tokens, logprobs=0, skip_special_tokens=True, **extra)
+
+        constrained = check_constraints(self, conversations, constraints)
+        params = [make_params(c) for c in constraints] if constrained else make_params()
         prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
         before = self.prompt_counters()
         t0 = time.perf_counter()

@@ -47,15 +47,19 @@ log = logging.getLogger("capo.stages")
 def critique_key(cfg: CAPOConfig, round_idx: int) -> dict:
     """What the critiques depend on: steps, rollouts, critique settings (not the shard size),
     template, parser version, prompts, resolved dtype and critic."""
-    from pipeline.core.critique import DATA_ESCAPE_VERSION, PARSER_VERSION
+    from pipeline.core.critique import DATA_ESCAPE_VERSION, PARSER_VERSION, STRUCTURED_VERSION
     from pipeline.precision import precision_record
 
     p = round_paths(cfg, round_idx)
-    crit = {k: v for k, v in cfg.model_dump(mode="json")["critique"].items() if k not in ("batch_rollouts", "template")}
-    return {"steps": input_fp(p["steps"]), "rollouts": input_fp(p["rollouts"]), "critique": crit,
-            "template_version": cfg.critique.template, "parser": PARSER_VERSION, "data_escape": DATA_ESCAPE_VERSION,
-            "prompts": storage.file_sha256(prompts_path(cfg)), "dtype": precision_record(cfg)["critique_dtype"],
-            "critic": model_fingerprint(resolve_model(cfg.critique.critic, cfg))}
+    crit = {k: v for k, v in cfg.model_dump(mode="json")["critique"].items()
+            if k not in ("batch_rollouts", "template", "structured_output")}
+    key = {"steps": input_fp(p["steps"]), "rollouts": input_fp(p["rollouts"]), "critique": crit,
+           "template_version": cfg.critique.template, "parser": PARSER_VERSION, "data_escape": DATA_ESCAPE_VERSION,
+           "prompts": storage.file_sha256(prompts_path(cfg)), "dtype": precision_record(cfg)["critique_dtype"],
+           "critic": model_fingerprint(resolve_model(cfg.critique.critic, cfg))}
+    if cfg.critique.structured_output and cfg.critique.mode == "process":  # free text keeps its earlier keys
+        key["structured"] = STRUCTURED_VERSION
+    return key
 
 
 # ----------------------------------------------------------------------------------------- critique
@@ -226,6 +230,7 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
     """
     from pipeline.core.critique import (
         build_critique_messages,
+        critique_regex,
         build_outcome_messages,
         parse_critique,
         parse_outcome_verdict,
@@ -255,7 +260,9 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
                 engine = make_engine(inp.critic, cfg.critique.engine, seed=seed)
             if hasattr(engine, "reply_cache"):  # the OpenAI engine keeps finished replies across a failed request
                 engine.reply_cache = _replies_path(inp.parts_dir, shard)
-            convs = []
+            convs, constraints = [], None
+            if cfg.critique.structured_output and not outcome_mode:
+                constraints = [critique_regex(len(inp.steps[r["rollout_id"]])) for r in live]
             for r in live:
                 pr = inp.prompts[r["prompt_id"]]
                 gold = pr["gold_answer"] if cfg.critique.include_gold_answer else None
@@ -265,7 +272,7 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
                     convs.append(build_critique_messages(pr["question"], inp.steps[r["rollout_id"]], gold,
                                                          cfg.critique.template))
             try:
-                replies = engine.generate(convs, n, cfg.critique.sampling)
+                replies = engine.generate(convs, n, cfg.critique.sampling, constraints)
             except EngineReplyError as e:
                 if not e.failed:
                     raise

@@ -47,9 +47,51 @@ def test_transformers_engine_samples_and_logprobs_match_trainer(tiny_model):
         np.testing.assert_allclose(lp, samp.logprobs, atol=2e-3)
 
 
-@pytest.mark.slow
-def test_vllm_engine_matches_the_reference(tiny_model):
+def test_the_transformers_engine_refuses_an_output_constraint(tiny_model):
+    eng = TransformersEngine(tiny_model, TransformersEngineConfig(dtype="float32"), seed=0)
+    with pytest.raises(ValueError, match="the transformers engine cannot constrain its output.*valid engines: vllm"):
+        eng.generate([CONV], 1, SamplingConfig(max_tokens=4), constraints=["Step 0: correct"])
+    assert eng.stats.requests == 0
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_model):
     eng = make_engine(tiny_model, VLLMEngineConfig(dtype="float32", max_model_len=1024, kv_cache_gib=1), seed=0)
+    yield eng
+    eng.close()
+
+
+@pytest.mark.slow
+def test_structured_critiques_from_vllm_all_parse_with_every_step_judged(vllm_engine):
+    """critique.structured_output on the real engine: every sample of a real (small, weak) critic
+    matches the verdict format in full and parses with every step judged, while the same critic
+    unconstrained rarely writes the format at all."""
+    import re
+
+    from pipeline.core.critique import STATUS_COMPLETE, STATUS_INCONSISTENT, build_critique_messages, critique_regex, parse_critique
+
+    steps = [["Tom has 3 apples.", "He buys 4 more: 3 + 4 = 8.", "The answer is \\boxed{8}."],
+             ["12 * 3 = 36.", "So the answer is \\boxed{36}."]]
+    convs = [build_critique_messages("Tom has 3 apples and buys 4 more. How many?", steps[0], "7"),
+             build_critique_messages("What is 12 * 3?", steps[1], "36")]
+    sampling = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=200)
+    regexes = [critique_regex(len(s)) for s in steps]
+    gens = vllm_engine.generate(convs, 4, sampling, constraints=regexes)
+    for g, s, rx in zip(gens, steps, regexes):
+        assert len(g.samples) == 4
+        for smp in g.samples:
+            assert re.fullmatch(rx, smp.text), smp.text
+            parsed = parse_critique(smp.text, len(s))
+            assert parsed.status in (STATUS_COMPLETE, STATUS_INCONSISTENT) and parsed.judged == tuple(range(len(s)))
+    free = vllm_engine.generate(convs, 4, sampling)
+    judged_all = sum(parse_critique(smp.text, len(s)).judged == tuple(range(len(s)))
+                     for g, s in zip(free, steps) for smp in g.samples)
+    assert judged_all < 8, "the unconstrained 135M critic wrote the full format every time: this test shows nothing"
+
+
+@pytest.mark.slow
+def test_vllm_engine_matches_the_reference(tiny_model, vllm_engine):
+    eng = vllm_engine
     gens = eng.generate([CONV], n=3, sampling=SamplingConfig(temperature=1.0, max_tokens=16))
     samples = gens[0].samples
     assert len(samples) == 3 and all(len(s.logprobs) == len(s.token_ids) > 0 for s in samples)
@@ -68,7 +110,6 @@ def test_vllm_engine_matches_the_reference(tiny_model):
         np.testing.assert_allclose(lp, samp.logprobs, atol=5e-2)
     worst_untempered = max(float(np.abs(lp1 - np.asarray(s.logprobs)).max()) for s, lp1 in zip(hot.samples, plain))
     assert worst_untempered > 0.1, worst_untempered
-    eng.close()
 
 
 @pytest.mark.parametrize("fuse_head", [True, False], ids=["head-chunked", "logits-chunked"])

@@ -236,3 +236,28 @@ def test_the_critique_stage_resumes_a_shard_from_its_kept_replies(server, monkey
     script += [reply_a, reply_b]
     critique_stage(clean_cfg, 1)
     assert len(seen) == 5 and pq.read_table(clean_table).to_pylist() == rows
+
+
+def test_a_constraint_is_sent_as_vllms_structured_outputs_and_a_refusal_says_so(server, monkeypatch):
+    from pipeline.core.critique import critique_regex
+
+    url, script, seen = server
+    monkeypatch.setattr("pipeline.engines.openai_engine.time.sleep", lambda s: pytest.fail("no retry on 400"))
+    conv = [{"role": "user", "content": "judge"}]
+    script += [(200, json.dumps(_reply(2)).encode(), {}), (200, json.dumps(_reply(2)).encode(), {})]
+    _engine(url).generate([conv, conv], 2, SAMPLING, constraints=[critique_regex(1), None])
+    assert seen[0]["structured_outputs"] == {"regex": critique_regex(1)} and "structured_outputs" not in seen[1]
+    # a server without vLLM's structured outputs (OpenAI itself, say) refuses the unknown field
+    script += [(400, b'{"error": "Unrecognized request argument supplied: structured_outputs"}', {})]
+    with pytest.raises(EngineReplyError, match=r"HTTP 400 .*structured_outputs.*critique.structured_output=false"):
+        _engine(url).generate([conv], 2, SAMPLING, constraints=[critique_regex(1)])
+    with pytest.raises(ValueError, match="2 constraints for 1 conversations"):
+        _engine(url).generate([conv], 2, SAMPLING, constraints=[None, None])
+
+
+def test_a_constrained_request_is_another_request_in_the_reply_cache():
+    eng = OpenAIEngine("critic", OpenAIEngineConfig(base_url="http://127.0.0.1:1/v1"))
+    conv = [{"role": "user", "content": "judge"}]
+    free = eng.request_key(conv, 2, SAMPLING, 0)
+    assert eng.request_key(conv, 2, SAMPLING, 0, None) == free  # free-text keys as before the option
+    assert eng.request_key(conv, 2, SAMPLING, 0, "Step 0: correct\\nWrong step list: \\[\\]") != free

@@ -36,6 +36,8 @@ BAD_OVERRIDES = [
     (["scale.child_silence_s=.inf"], ["child_silence_s", "finite"]),
     (["scale.child_silence_s=true"], ["child_silence_s=True", "a number is expected"]),
     (["scale.child_silence_s=soon"], ["child_silence_s", "valid number"]),
+    (["critique.structured_output=true", "critique.engine.type=transformers"],
+     ["critique.structured_output=true needs an engine", "vllm, or openai", "'transformers'"]),
 ]
 
 

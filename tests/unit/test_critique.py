@@ -373,3 +373,53 @@ def test_adversarial_critiques_and_steps_take_linear_time(text):
     parse_outcome_verdict(text)
     _as_data(text, 0)
     assert time.perf_counter() - t0 < 1.0 and parsed.status in PARSE_STATUSES
+
+
+# --- structured output (critique.structured_output) ---------------------------------------------
+
+from pipeline.core.critique import critique_regex  # noqa: E402
+
+
+def test_the_structured_regex_of_a_two_step_solution_written_out():
+    # worked by hand: two lines in order, then a strictly increasing list of indices in {0, 1}
+    assert critique_regex(2, reason_chars=5) == (
+        r"Step 0: (?:correct|wrong - [^\n]{1,5})\nStep 1: (?:correct|wrong - [^\n]{1,5})\n"
+        r"Wrong step list: \[(?:0(?:, 1)?|1)?\]")
+
+
+@pytest.mark.parametrize("text,ok", [
+    ("Step 0: correct\nStep 1: wrong - 3 + 4 is 7\nStep 2: correct\nWrong step list: [1]", True),
+    ("Step 0: correct\nStep 1: correct\nStep 2: correct\nWrong step list: []", True),
+    ("Step 0: wrong - x\nStep 1: wrong - y\nStep 2: wrong - z\nWrong step list: [0, 1, 2]", True),
+    ("Step 0: correct\nStep 1: correct\nStep 2: correct\nWrong step list: [0, 2]", True),  # list may contradict
+    ("Step 0: correct\nStep 2: correct\nWrong step list: []", False),  # a step skipped
+    ("Step 0: correct\nStep 1: correct\nStep 2: correct\nStep 3: correct\nWrong step list: []", False),
+    ("Step 0: correct\nStep 1: correct\nStep 2: correct\nWrong step list: [1, 1]", False),  # duplicate
+    ("Step 0: correct\nStep 1: correct\nStep 2: correct\nWrong step list: [2, 1]", False),  # unsorted
+    ("Step 0: correct\nStep 1: correct\nStep 2: correct\nWrong step list: [3]", False),  # out of range
+    ("Step 0: correct\nStep 1: wrong - \nStep 2: correct\nWrong step list: [1]", False),  # no reason
+    ("Step 0: correct\nStep 1: wrong - " + "x" * 161 + "\nStep 2: correct\nWrong step list: [1]", False),
+    ("Step 0: correct\nStep 1: correct\nStep 2: correct\nWrong step list: [<the numbers>]", False),
+])
+def test_the_structured_regex_admits_exactly_the_verdict_format(text, ok):
+    import re
+
+    assert bool(re.fullmatch(critique_regex(3), text)) is ok
+
+
+@given(st.data(), st.integers(min_value=1, max_value=6))
+def test_every_critique_the_regex_admits_parses_with_every_step_judged(data, n_steps):
+    text = data.draw(st.from_regex(critique_regex(n_steps, reason_chars=12), fullmatch=True))
+    parsed = parse_critique(text, n_steps)
+    assert parsed.status in (STATUS_COMPLETE, STATUS_INCONSISTENT), (text, parsed)
+    assert parsed.judged == tuple(range(n_steps))
+    assert parsed.wrong_steps is not None and list(parsed.wrong_steps) == sorted(set(parsed.wrong_steps))
+
+
+def test_the_structured_regex_refuses_no_steps_and_grows_quadratically():
+    with pytest.raises(ValueError, match="n_steps must be >= 1"):
+        critique_regex(0)
+    with pytest.raises(ValueError, match="reason_chars"):
+        critique_regex(2, reason_chars=0)
+    # quadratic, not exponential: 4x the steps gives at most 16x the characters
+    assert len(critique_regex(40)) <= 16 * len(critique_regex(10))
