@@ -302,7 +302,7 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
     convs = [build_critique_messages(it["problem"], it["steps"], it["gold_answer"] if gold else None, critic.template)
              for it in items]
     constraints = [critique_regex(len(it["steps"])) for it in items] if critic.structured_output else None
-    gens = engine.generate(convs, cfg.n_max, critic.sampling, constraints)
+    gens = engine.generate(convs, cfg.n_max, critic.sampling, constraints=constraints)
     stats = engine.stats.as_dict()
     engine.close()
     rows = []

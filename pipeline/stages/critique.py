@@ -272,7 +272,7 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
                     convs.append(build_critique_messages(pr["question"], inp.steps[r["rollout_id"]], gold,
                                                          cfg.critique.template))
             try:
-                replies = engine.generate(convs, n, cfg.critique.sampling, constraints)
+                replies = engine.generate(convs, n, cfg.critique.sampling, constraints=constraints)
             except EngineReplyError as e:
                 if not e.failed:
                     raise

@@ -83,7 +83,8 @@ class FakeCritic(Engine):
         self.model, self.seed, self.tokenizer = model, seed, None
         FakeCritic.seeds.append(seed)
 
-    def generate(self, conversations, n, sampling):
+    def generate(self, conversations, n, sampling, constraints=None):
+        assert constraints is None, "structured outputs are off in these tests"
         FakeCritic.calls.append(len(conversations))
         gens = [Generation([1, 2, 3], [Sample(f"seed {self.seed} sample {k}\nWrong step list: [0]", [5, 6], [-0.1, -0.2], "stop")
                                        for k in range(n)]) for _ in conversations]
