@@ -81,7 +81,7 @@ class CriticSpec(_Strict):
     """How to run it (vllm, transformers, or an OpenAI-compatible endpoint); as ``critique.engine``."""
     sampling: SamplingConfig = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=320)
     """As ``critique.sampling`` in training."""
-    template: Literal["capo-genprm-v1", "capo-genprm-v2"] = TEMPLATE_VERSION
+    template: Literal["capo-genprm-v1", "capo-genprm-v2", "capo-genprm-v3"] = TEMPLATE_VERSION
     """Critic prompt template, as ``critique.template`` in training (:mod:`pipeline.core.critique`)."""
     structured_output: bool = False
     """Constrain every critique to the verdict format, as ``critique.structured_output`` in training."""

@@ -190,9 +190,10 @@ class CritiqueConfig(_Strict):
     """N critiques sampled per response, one request with n=N (paper: N in {2, 4, 8})."""
     include_gold_answer: bool = True
     """Show the gold answer to the critic (paper default; off is its ablation)."""
-    template: Literal["capo-genprm-v1", "capo-genprm-v2"] = "capo-genprm-v1"
+    template: Literal["capo-genprm-v1", "capo-genprm-v2", "capo-genprm-v3"] = "capo-genprm-v1"
     """The critic prompt (:mod:`pipeline.core.critique`): v1 shows a worked example ending in
-    ``Wrong step list: [1]``; v2 shows only placeholders, one line per step of the solution.
+    ``Wrong step list: [1]``; v2 shows only placeholders, one line per step of the solution; v3 a
+    worked example whose numbers and wrong step (0, 1, 2 or none) change with the judged solution.
     In the critique stage's key and in every critique row (``template_version``)."""
     structured_output: bool = False
     """Constrain every step critique to the verdict format (vLLM structured outputs with

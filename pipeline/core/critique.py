@@ -20,15 +20,21 @@ Templates (``critique.template``; the version is in the critique stage's key and
   with one placeholder line per step of *this* solution (``Step i: <correct, or wrong - the
   reason>``) and a placeholder list; a copied placeholder is not a judgment (the parser skips it
   and the list fails as ``not_a_list``).
+* ``capo-genprm-v3``: v1's instructions with a worked example that changes with the solution being
+  judged: a 3-step arithmetic example whose numbers and whose wrong step (step 0, 1, 2, or none)
+  are drawn from a hash of the problem and the steps (:func:`worked_example`), so a critic that
+  copies the example copies a different verdict each time instead of one list for every response.
 """
 
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 
 TEMPLATE_V1 = "capo-genprm-v1"
 TEMPLATE_V2 = "capo-genprm-v2"
+TEMPLATE_V3 = "capo-genprm-v3"
 TEMPLATE_VERSION = TEMPLATE_V1
 """The default template (``critique.template``)."""
 
@@ -87,11 +93,23 @@ the placeholders.
 Wrong step list: <the numbers of the steps you judged wrong, comma-separated inside square \
 brackets; empty brackets if every step is correct>"""
 
+_STEP_FORMAT_V3 = """\
+Judge every step on its own: is the arithmetic and logic of that step correct, taking the \
+problem and the previous steps as given? Redo every calculation yourself; do not trust what the \
+solution says about itself. Write one short line per step, from Step 0 to Step {last}: \
+"Step i: correct" or "Step i: wrong - <reason>". Then end with exactly one final line \
+"Wrong step list: [i, j, ...]" with the numbers of the wrong steps, or "Wrong step list: []" \
+if every step is correct.
+
+An example of the format, for another, unrelated 3-step solution (its numbers and its verdict \
+have nothing to do with the solution you are judging):
+{example}"""
+
 PARSER_VERSION = "steps-and-list-v2"
 """Version of :func:`parse_critique`'s output (in the critique stage's key): v2 reads the per-step
 lines as well as the final list (statuses complete / incomplete / inconsistent)."""
 
-TEMPLATES = (TEMPLATE_V1, TEMPLATE_V2)
+TEMPLATES = (TEMPLATE_V1, TEMPLATE_V2, TEMPLATE_V3)
 """Templates :func:`build_critique_messages` implements (``critique.template``)."""
 
 
@@ -101,6 +119,8 @@ def _step_format(template: str, n_steps: int) -> str:
     if template == TEMPLATE_V2:
         lines = "\n".join(f"Step {i}: <correct, or wrong - the reason>" for i in range(n_steps))
         return _STEP_FORMAT_V2.format(n=n_steps, last=n_steps - 1, lines=lines)
+    if template == TEMPLATE_V3:
+        raise ValueError("capo-genprm-v3 needs the judged text for its example; use build_critique_messages")
     raise ValueError(f"unknown critique template {template!r}; valid: {list(TEMPLATES)}")
 
 _OUTCOME_FORMAT = """\
@@ -154,6 +174,42 @@ def _problem_block(question: str, gold_answer: str | None) -> str:
     return block
 
 
+def worked_example(question: str, steps: list[str]) -> tuple[str, tuple[int, ...]]:
+    """The ``capo-genprm-v3`` worked example for one judged solution, and its verdict.
+
+    A 3-step solution ``a * b = p``, ``p + c = q``, ``q - d = r`` with the numbers and the wrong
+    step drawn from the CRC-32 of ``question`` and ``steps`` (deterministic: the same solution
+    always gets the same example, so the critique key stays valid): the wrong step is 0, 1, 2 or
+    none with equal odds; a wrong step's result is off by 1 to 5 and later steps carry it.
+
+    Returns:
+        ``(text, wrong)``: the example (its solution, then the output it should get) and the
+        example's own wrong steps (``()`` or one index).
+    """
+    seed = zlib.crc32("\x1f".join([question, *steps]).encode("utf-8", "surrogatepass"))
+    vals, seed = [], seed or 1
+    for _ in range(6):  # xorshift32: a few small draws from the seed
+        seed ^= (seed << 13) & 0xFFFFFFFF
+        seed ^= seed >> 17
+        seed ^= (seed << 5) & 0xFFFFFFFF
+        vals.append(seed)
+    a, b, c = 3 + vals[0] % 17, 2 + vals[1] % 8, 5 + vals[2] % 40
+    d = 1 + vals[3] % (a * b + c - 1)
+    wrong = vals[4] % 4  # 3 = no wrong step
+    off = (1 + vals[5] % 5) * (1 if vals[5] % 2 else -1)
+    p = a * b + (off if wrong == 0 else 0)
+    q = p + c + (off if wrong == 1 else 0)
+    r = q - d + (off if wrong == 2 else 0)
+    shown = [f"{a} * {b} = {p}", f"{p} + {c} = {q}", f"{q} - {d} = {r}"]
+    truth = [a * b, p + c, q - d]
+    lines = [f"Step {i}: correct" if i != wrong else
+             f"Step {i}: wrong - {shown[i].split(' = ')[0]} is {truth[i]}, not {(p, q, r)[i]}" for i in range(3)]
+    verdict = () if wrong == 3 else (wrong,)
+    text = ("Solution:\n" + "\n".join(f"Step {i}: {t}" for i, t in enumerate(shown)) + "\nOutput:\n"
+            + "\n".join(lines) + f"\nWrong step list: [{', '.join(map(str, verdict))}]")
+    return text, verdict
+
+
 def build_critique_messages(
     question: str, steps: list[str], gold_answer: str | None, template: str = TEMPLATE_VERSION
 ) -> list[dict[str, str]]:
@@ -180,9 +236,13 @@ def build_critique_messages(
     if len(steps) == 0:
         raise ValueError("steps is empty; segment_response gives every response >= 1 step")
     numbered = "\n".join(f"Step {i}: {_as_data(step.strip(), i)}" for i, step in enumerate(steps))
+    if template == TEMPLATE_V3:
+        fmt = _STEP_FORMAT_V3.format(last=len(steps) - 1, example=worked_example(question, steps)[0])
+    else:
+        fmt = _step_format(template, len(steps))
     user = (
         f"{_problem_block(question, gold_answer)}\n{_DATA_NOTE}\n\n"
-        f"<solution>\n{numbered}\n</solution>\n\n{_step_format(template, len(steps))}"
+        f"<solution>\n{numbered}\n</solution>\n\n{fmt}"
     )
     return [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": user}]
 

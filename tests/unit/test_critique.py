@@ -18,6 +18,7 @@ from pipeline.core.critique import (
     STATUS_OK,
     STATUS_OUT_OF_RANGE,
     TEMPLATE_V2,
+    TEMPLATE_V3,
     TEMPLATE_VERSION,
     VERDICT_STATUSES,
     ParsedCritique,
@@ -27,6 +28,7 @@ from pipeline.core.critique import (
     parse_critique,
     parse_outcome_verdict,
     parse_step_lines,
+    worked_example,
 )
 
 QUESTION = "Tom has 3 apples and buys 4 more. How many apples does he have?"
@@ -70,6 +72,55 @@ def test_v2_template_shows_no_verdict_a_critic_could_copy():
     copied = "\n".join(f"Step {i}: <correct, or wrong - the reason>" for i in range(3)) + \
         "\nWrong step list: <the numbers of the steps you judged wrong>"
     assert parse_critique(copied, 3) == ParsedCritique(None, STATUS_NOT_A_LIST)
+
+
+def _check_example(text: str, verdict: tuple[int, ...]) -> None:
+    """Redo the example's arithmetic: exactly the steps in ``verdict`` are wrong, each wrong line
+    gives the true result, and the example's own output parses to ``verdict``."""
+    import re
+
+    sol, out = text.split("\nOutput:\n")
+    shown = re.findall(r"Step (\d): (\d+) ([*+-]) (\d+) = (-?\d+)", sol)
+    assert [int(s[0]) for s in shown] == [0, 1, 2]
+    ops = {"*": lambda x, y: x * y, "+": lambda x, y: x + y, "-": lambda x, y: x - y}
+    wrong = tuple(int(i) for i, x, op, y, r in shown if ops[op](int(x), int(y)) != int(r))
+    assert wrong == verdict
+    for i, x, op, y, r in shown:
+        if int(i) in verdict:
+            assert f"Step {i}: wrong - {x} {op} {y} is {ops[op](int(x), int(y))}, not {r}" in out
+    # a step uses the previous step's shown result (a wrong result is carried, as in a real error)
+    assert shown[1][1] == shown[0][4] and shown[2][1] == shown[1][4]
+    parsed = parse_critique(out, 3)
+    assert (parsed.wrong_steps, parsed.status) == (verdict, STATUS_COMPLETE)
+
+
+def test_v3_example_is_right_by_hand_for_a_known_solution():
+    # this solution's draws: a=4, b=8, c=40, d=27 and the wrong-step draw 3 (none wrong):
+    # 4 * 8 = 32, 32 + 40 = 72, 72 - 27 = 45, all right
+    text, verdict = worked_example("Tom has 3 apples.", ["x = 1", "y = 2"])
+    assert text.startswith("Solution:\nStep 0: 4 * 8 = 32\nStep 1: 32 + 40 = 72\nStep 2: 72 - 27 = 45\n")
+    assert verdict == ()
+    _check_example(text, verdict)
+
+
+def test_v3_example_varies_with_the_solution_and_its_verdict_is_not_one_list():
+    """Over 400 solutions the example's verdict is spread over [], [0], [1], [2] (none above 30 %),
+    the arithmetic matches each verdict, and the same solution always gets the same example."""
+    from collections import Counter
+
+    verdicts = Counter()
+    for k in range(400):
+        steps = [f"{k} + 1 = {k + 1}", "The answer is 3."]
+        text, verdict = worked_example(QUESTION, steps)
+        _check_example(text, verdict)
+        assert worked_example(QUESTION, steps) == (text, verdict)
+        verdicts[verdict] += 1
+    assert set(verdicts) == {(), (0,), (1,), (2,)}
+    assert max(verdicts.values()) / 400 < 0.30
+    _, user = build_critique_messages(QUESTION, STEPS, "7", template=TEMPLATE_V3)
+    text = user["content"]
+    assert worked_example(QUESTION, STEPS)[0] in text and "12 * 3" not in text
+    assert "from Step 0 to Step 2" in text and text.index("</solution>") < text.index("Output:")
 
 
 def test_unknown_template_names_the_valid_ones():
