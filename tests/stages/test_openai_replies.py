@@ -21,16 +21,13 @@ def _reply(n: int, text: str = "Step 0: correct\nWrong step list: []") -> dict:
             "usage": {"prompt_tokens": 7}}
 
 
-@pytest.fixture
-def server():
-    """A server answering from a script: each POST pops the next (status, body, headers)."""
-    script: list[tuple[int, bytes, dict]] = []
-    seen: list[dict] = []
+def _serve(respond):
+    """A local HTTP server whose every POST is answered by ``respond(request_json)`` ->
+    ``(status, body, headers)``; yields its ``/v1`` base URL and shuts down after the test."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 (http.server's name)
-            seen.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
-            status, body, headers = script.pop(0) if script else (500, b"script exhausted", {})
+            status, body, headers = respond(json.loads(self.rfile.read(int(self.headers["content-length"]))))
             self.send_response(status)
             for k, v in headers.items():
                 self.send_header(k, v)
@@ -43,8 +40,24 @@ def server():
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", script, seen
-    httpd.shutdown()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    finally:
+        httpd.shutdown()
+
+
+@pytest.fixture
+def server():
+    """A server answering from a script: each POST pops the next (status, body, headers)."""
+    script: list[tuple[int, bytes, dict]] = []
+    seen: list[dict] = []
+
+    def respond(req: dict) -> tuple[int, bytes, dict]:
+        seen.append(req)
+        return script.pop(0) if script else (500, b"script exhausted", {})
+
+    for url in _serve(respond):
+        yield url, script, seen
 
 
 def _engine(url: str, retries: int = 3) -> OpenAIEngine:
@@ -138,25 +151,16 @@ def judge_server():
     hits: dict[str, int] = {}
     lock = threading.Lock()
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            req = json.loads(self.rfile.read(int(self.headers["content-length"])))
-            text = req["messages"][-1]["content"]
-            with lock:
-                hits[text] = hits.get(text, 0) + 1
-            status, body = (503, b"overloaded") if text in failing else (200, json.dumps(_reply(2, f"verdict on {text}")).encode())
-            self.send_response(status)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def respond(req: dict) -> tuple[int, bytes, dict]:
+        text = req["messages"][-1]["content"]
+        with lock:
+            hits[text] = hits.get(text, 0) + 1
+        if text in failing:
+            return 503, b"overloaded", {}
+        return 200, json.dumps(_reply(2, f"verdict on {text}")).encode(), {}
 
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", failing, hits
-    httpd.shutdown()
+    for url in _serve(respond):
+        yield url, failing, hits
 
 
 def test_concurrent_requests_keep_every_finished_reply_and_name_every_failure(judge_server, monkeypatch, tmp_path):
