@@ -177,7 +177,7 @@ def main() -> None:
     ap.add_argument("--data-dir", default=str(ROOT / "data"))
     ap.add_argument("--run", default="default")
     ap.add_argument("--round", type=int, default=1)
-    ap.add_argument("--variant", default="capo-intersection")
+    ap.add_argument("--variant", default="capo-majority")
     ap.add_argument("--config", default="configs/default.yaml", help="the config the round was run with")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--in-place", action="store_true", help="time the resume in the real runs dir (rewrites "

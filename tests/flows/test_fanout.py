@@ -48,7 +48,8 @@ def _cfg(tmp_path: Path, *overrides: str):
         prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return load_config(None, [f"runs_dir={tmp_path / 'runs'}", f"data_dir={tmp_path / 'data'}", "run_id=toy",
                               f"data.train_prompts={prompts}", "critique.critic=hand-critic",
-                              "critique.batch_rollouts=2", "critique.num_critiques=2", *overrides])
+                              "critique.batch_rollouts=2", "critique.num_critiques=2",
+                              "critique.structured_output=false", *overrides])
 
 
 def _write_round(cfg) -> None:

@@ -23,8 +23,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-TABLES = ("rollouts", "outcomes", "steps", "critiques", "variants/capo-intersection/step_verdicts",
-          "variants/capo-intersection/token_rewards", "variants/capo-intersection/eval")
+TABLES = ("rollouts", "outcomes", "steps", "critiques", "variants/capo-majority/step_verdicts",
+          "variants/capo-majority/token_rewards", "variants/capo-majority/eval")
 
 
 def _cmd(repo: Path, runs: Path, data_dir: Path) -> list[str]:
@@ -33,7 +33,7 @@ def _cmd(repo: Path, runs: Path, data_dir: Path) -> list[str]:
             "critique.engine.type=transformers", "critique.batch_rollouts=1", "eval.benchmarks=[gsm8k]"]
 
 
-V1, V2 = "round_001/variants/capo-intersection", "round_002/variants/capo-intersection"
+V1, V2 = "round_001/variants/capo-majority", "round_002/variants/capo-majority"
 KILL_GROUPS = (
     # (what, candidate kill points in run order; pipeline/faults.py): one point is drawn per group, so
     # every seed kills in every stage, at the training-state write, the checkpoint write, the catalog
@@ -136,7 +136,7 @@ def _weights(path: Path) -> dict:
 
 
 def _variant(run: Path, k: int) -> Path:
-    return run / f"round_{k:03d}" / "variants" / "capo-intersection"
+    return run / f"round_{k:03d}" / "variants" / "capo-majority"
 
 
 def _share_changed(a: dict, b: dict) -> float:
@@ -231,7 +231,7 @@ def test_killed_run_resumed_to_the_same_training_state(two_runs):
 def test_eval_has_every_round_and_the_report_exists(two_runs):
     a = two_runs[0]
     rounds = {0: a / "round_000" / "eval.parquet"}
-    rounds.update({k: a / f"round_{k:03d}" / "variants" / "capo-intersection" / "eval.parquet" for k in (1, 2)})
+    rounds.update({k: a / f"round_{k:03d}" / "variants" / "capo-majority" / "eval.parquet" for k in (1, 2)})
     for k, path in rounds.items():
         t = pq.read_table(path)
         assert set(t.column("benchmark").to_pylist()) == {"gsm8k"} and set(t.column("round").to_pylist()) == {k}

@@ -220,7 +220,7 @@ def test_killed_while_the_vllm_eval_commits_resumes_to_the_uninterrupted_table(t
     ev.with_name(ev.name + ".manifest.json").unlink()
     cmd = [sys.executable, "-m", "flows.cli", "round", "--config", str(repo / "configs" / "tiny.yaml"),
            "--round", "1", f"runs_dir={runs}", f"data_dir={cfg.data_dir}"]
-    point = "table.written:round_001/variants/capo-intersection/eval.parquet"
+    point = "table.written:round_001/variants/capo-majority/eval.parquet"
     killed = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600, start_new_session=True,
                             env={**os.environ, "CAPO_KILL_AT": point})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
@@ -252,8 +252,8 @@ def test_retraining_a_cached_round_under_another_preset_calls_no_critic(tiny_rou
     con = duckdb.connect(str(Path(cfg.runs_dir) / "catalog.duckdb"), read_only=True)
     rows = con.execute("SELECT variant, rule, share_tokens_penalized, clip_frac FROM variant_summary ORDER BY variant").fetchall()
     con.close()
-    assert [r[0] for r in rows] == ["capo-intersection", "capo-union"]
-    assert rows[0][2] <= rows[1][2]  # intersection penalizes no more tokens than union
+    assert [r[0] for r in rows] == ["capo-majority", "capo-union"]
+    assert rows[0][2] <= rows[1][2]  # majority penalizes no more tokens than union
 
 
 def test_noise_floor_of_a_real_round(tiny_round, repo):

@@ -32,7 +32,7 @@ def test_check_finds_each_kind_of_damage_and_names_the_fix(tmp_path, data_dir):
     reward_stage(cfg, 1)
     p = round_paths(cfg, 1)
     found = _by_output(check_run(cfg, "my.yaml"))
-    v = "round_001/variants/capo-intersection"
+    v = "round_001/variants/capo-majority"
     assert found[f"{v}/step_verdicts.parquet"].status == "ok"
     assert found[f"{v}/token_rewards.parquet"].status == "ok"
     stale = found["round_001/rollouts.parquet"]

@@ -24,7 +24,13 @@ def test_default_yaml_loads_and_matches_embedded_defaults():
     assert cfg.rollout.policy == "qwen2.5-coder-0.5b-instruct"
     assert (cfg.rollout.group_size, cfg.critique.num_critiques) == (4, 4)
     assert (cfg.reward.correct_weight, cfg.reward.process_weight) == (2.0, 1.0)
-    assert cfg.vote.rule == "intersection" and cfg.steps.mode == "blank_line"
+    assert cfg.vote.rule == "majority" and cfg.variant == "capo-majority" and cfg.steps.mode == "blank_line"
+    # structured critiques: on with the vllm critic, off (and not refused) with the others
+    assert cfg.critique.structured_output is True
+    for engine in ("{type: transformers}", "{type: openai, base_url: 'http://127.0.0.1:8000/v1'}"):
+        assert load_config(DEFAULT, [f"critique.engine={engine}"]).critique.structured_output is False
+    assert load_config(DEFAULT, ["critique.engine={type: openai, base_url: 'http://127.0.0.1:8000/v1'}",
+                                 "critique.structured_output=true"]).critique.structured_output is True
     assert cfg.critique.engine.type == "vllm" and cfg.critique.engine.max_model_len == 4096
     # one source of defaults: the YAML and the pydantic field defaults agree
     assert load_config(DEFAULT) == load_config(None) == CAPOConfig()
