@@ -68,6 +68,7 @@ def base_overrides(a: argparse.Namespace, seed: int) -> list[str]:
             f"train.learning_rate={a.lr}", f"train.num_mini_batches={a.mini_batches}",
             f"train.save_dtype={a.save_dtype}", "train.keep_states=1", "train.measure_kl_to_start=true",
             f"eval.benchmarks=[{a.dataset}]", f"eval.sample_size={a.eval_size}", f"eval.max_tokens={a.max_tokens}",
+            f"verify.answer={a.verify_answer}", f"verify.truncated={a.verify_truncated}",
             "scale.policy_engine=per-stage"]
 
 
@@ -117,7 +118,7 @@ def select_training_items(a: argparse.Namespace) -> Path:
 
     cfg = load_config(ROOT / "configs" / "default.yaml", base_overrides(a, 0))
     tag = (f"{a.dataset}-n{a.select_n}-k{a.select_k}-lo{a.pass_lo}-hi{a.pass_hi}-t{a.max_tokens}"
-           f"-e{a.eval_size}-{Path(a.policy).name}")
+           f"-e{a.eval_size}-{Path(a.policy).name}-{a.verify_answer}-{a.verify_truncated}")
     out = Path(a.data_dir).resolve() / "prompts" / f"learning-{tag}.jsonl"
     if out.exists():
         return out
@@ -127,7 +128,9 @@ def select_training_items(a: argparse.Namespace) -> Path:
     gens = engine.generate([policy_messages(r["question"], cfg.instruction()) for r in items], a.select_k,
                            cfg.rollout.sampling)
     engine.close()
-    graded = grade([(r["gold_answer"], s.text) for r, g in zip(items, gens) for s in g.samples])
+    graded = grade([(r["gold_answer"], s.text) for r, g in zip(items, gens) for s in g.samples],
+                   answer=cfg.verify.answer, finish_reasons=[s.finish_reason for g in gens for s in g.samples],
+                   truncated=cfg.verify.truncated)
     rates = np.asarray([c for _, c, _ in graded], dtype=float).reshape(len(items), a.select_k).mean(1)
     keep = [r for r, p in zip(items, rates) if a.pass_lo <= p <= a.pass_hi]
     hist = np.histogram(rates, bins=a.select_k + 1, range=(0, 1))[0].tolist()
@@ -394,6 +397,10 @@ def main() -> None:
     ap.add_argument("--pass-lo", type=float, default=0.25)
     ap.add_argument("--pass-hi", type=float, default=0.75)
     ap.add_argument("--eval-size", type=int, default=200)
+    ap.add_argument("--verify-answer", default="boxed", choices=("boxed", "any"),
+                    help="verify.answer of the selection, the outcome reward and the eval")
+    ap.add_argument("--verify-truncated", default="zero", choices=("zero", "grade"),
+                    help="verify.truncated: a response cut at --max-tokens is wrong (zero) or graded")
     ap.add_argument("--eval-mid", action="store_true", help="also evaluate round K//2")
     ap.add_argument("--until", type=int, default=None,
                     help="stop every arm after this round (the schedule stays K's; start again to go on)")

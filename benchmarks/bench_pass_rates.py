@@ -54,7 +54,9 @@ def main() -> None:
                                cfg.rollout.sampling)
         secs = time.perf_counter() - t0
         ntok = [len(s.token_ids) for g in gens for s in g.samples]
-        graded = grade([(r["gold_answer"], s.text) for r, g in zip(items, gens) for s in g.samples])
+        graded = grade([(r["gold_answer"], s.text) for r, g in zip(items, gens) for s in g.samples],
+                       answer=cfg.verify.answer, finish_reasons=[s.finish_reason for g in gens for s in g.samples],
+                       truncated=cfg.verify.truncated)
         rates = np.asarray([c for _, c, _ in graded], float).reshape(len(items), a.k).mean(1)
         print(json.dumps({"bench": "pass_rates", "policy": a.policy, "benchmark": name, "items": len(items), "k": a.k,
                           "mean_pass": float(rates.mean()),

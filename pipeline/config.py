@@ -157,6 +157,21 @@ DEFAULT_INSTRUCTIONS = {
 """Policy instruction per step-splitting mode (the ``step_tag`` mode asks for ``<step k>`` markers)."""
 
 
+class VerifyConfig(_Strict):
+    """What the rule verifier (math-verify) counts as a right answer: the outcome reward of every
+    rollout (stage ``verify``) and the held-out accuracy (stage ``eval``) use the same rule."""
+
+    answer: Literal["boxed", "any"] = "boxed"
+    """``boxed``: only a ``\\boxed{...}`` answer counts (the policy instruction asks for one; the
+    field's rule-based math rewards read the boxed answer); ``any``: math-verify's default
+    extraction, the last LaTeX or plain number anywhere in the text, which credits prose such as a
+    response cut mid-sentence whose last number equals the gold answer (the learning benchmark's
+    GRPO policy grew its answers to the token budget under it: docs/benchmarks.md)."""
+    truncated: Literal["zero", "grade"] = "zero"
+    """``zero``: a response cut at ``max_tokens`` (engine finish reason ``length``) is wrong, status
+    ``truncated``, its extracted answer kept; ``grade``: graded like a finished one."""
+
+
 class StepsConfig(_Strict):
     mode: Literal["blank_line", "line", "step_tag"] = "blank_line"
     """How a response is split into steps (docs/design.md §1.3; paper splits on blank lines)."""
@@ -444,6 +459,8 @@ class CAPOConfig(_Strict):
     """Training prompts."""
     rollout: RolloutConfig = RolloutConfig()
     """The policy and how it samples (stage ``rollout``)."""
+    verify: VerifyConfig = VerifyConfig()
+    """What counts as a right answer (stages ``verify`` and ``eval``)."""
     steps: StepsConfig = StepsConfig()
     """How responses are split into steps (stage ``segment``)."""
     critique: CritiqueConfig = CritiqueConfig()

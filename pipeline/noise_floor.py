@@ -188,7 +188,8 @@ def measure_noise_floor(cfg: CAPOConfig, round_idx: int, force: bool = False) ->
             log.info("[noise-floor] evaluating %s (%s) of round %d", arm, model, round_idx)
             table = evaluate_policy(model, ec.benchmarks, ec.sample_size, ec.seed, ec.engine or cfg.rollout.engine,
                                     ec.max_tokens, 1, cfg.instruction(), run_id=cfg.run_id, round_idx=round_idx,
-                                    variant=summary["variant"], eval_root=Path(cfg.data_dir).resolve() / "eval")
+                                    variant=summary["variant"], eval_root=Path(cfg.data_dir).resolve() / "eval",
+                                    answer=cfg.verify.answer, truncated=cfg.verify.truncated)
             storage.write_table(table, path, "eval", stage="noise_floor", key=arm_key,
                                 extra={"perturbation": info, "policy": model})
         if arm == "one_rounding":

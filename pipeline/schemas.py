@@ -53,7 +53,7 @@ OUTCOMES_SCHEMA = pa.schema(
         pa.field("gold_answer", pa.string()),
         pa.field("extracted_answer", pa.string()),  # what math-verify parsed from the response
         pa.field("outcome_correct", pa.bool_(), nullable=False),  # r_v
-        pa.field("verify_status", pa.string()),  # ok | no_answer | timeout | error:<type>
+        pa.field("verify_status", pa.string()),  # ok | no_answer | no_gold | truncated | error:<type>
     ]
 )
 
@@ -149,7 +149,7 @@ EVAL_SCHEMA = pa.schema(
         pa.field("finish_reason", pa.string()),  # stop | length
         pa.field("extracted_answer", pa.string()),  # what math-verify parsed from the response
         pa.field("correct", pa.bool_(), nullable=False),
-        pa.field("verify_status", pa.string()),  # ok | no_answer | no_gold | error:<type>
+        pa.field("verify_status", pa.string()),  # ok | no_answer | no_gold | truncated | error:<type>
     ]
 )
 

@@ -97,13 +97,15 @@ def load_problems(benchmarks: list[str], sample_size: int | None, seed: int, roo
 def evaluate_policy(model: str, benchmarks: list[str], sample_size: int | None, seed: int, engine_cfg,
                     max_tokens: int, pass_k: int = 1, instruction: str = "", *,
                     pass_k_benchmarks: list[str] | None = None, run_id: str = "", round_idx: int = 0,
-                    variant: str | None = None, eval_root: Path | None = None, workers: int = 2) -> pa.Table:
+                    variant: str | None = None, eval_root: Path | None = None, workers: int = 2,
+                    answer: str = "boxed", truncated: str = "zero") -> pa.Table:
     """Generate and grade ``model``'s answers on the benchmarks -> an :data:`EVAL_SCHEMA` table.
 
     Every problem gets one greedy answer (temperature 0, n=1); with ``pass_k > 1`` the problems of
     ``pass_k_benchmarks`` (default: all) also get ``pass_k`` samples at temperature 1.0, top_p 1.0.
     The engine is loaded once; each decoding mode is one ``generate`` call over all benchmarks.
-    ``eval_root`` is where benchmark tables live (default ``<data_dir>/eval``).
+    ``eval_root`` is where benchmark tables live (default ``<data_dir>/eval``). ``answer`` and
+    ``truncated`` are the verifier's rule (:class:`pipeline.config.VerifyConfig`, :func:`pipeline.grading.grade`).
     """
     from pipeline.engines.host import policy_engine
 
@@ -130,7 +132,8 @@ def evaluate_policy(model: str, benchmarks: list[str], sample_size: int | None, 
         log.info("[eval] engine: %s", engine.stats.as_dict())
     finally:
         engine.close()
-    graded = grade([(r["gold_answer"], r["response_text"] or "") for r in rows], workers)
+    graded = grade([(r["gold_answer"], r["response_text"] or "") for r in rows], workers, answer=answer,
+                   finish_reasons=[r["finish_reason"] for r in rows], truncated=truncated)
     for r, (ext, ok, status) in zip(rows, graded):
         r.update(extracted_answer=ext, correct=ok, verify_status=status)
     return pa.Table.from_pylist(rows, schema=EVAL_SCHEMA)
@@ -183,7 +186,8 @@ def eval_stage(cfg: CAPOConfig, round_idx: int, force: bool = False):
         table = evaluate_policy(policy, ec.benchmarks, ec.sample_size, ec.seed, ec.engine or cfg.rollout.engine,
                                 ec.max_tokens, ec.pass_k, cfg.instruction(), pass_k_benchmarks=ec.pass_k_benchmarks,
                                 run_id=cfg.run_id, round_idx=round_idx, variant=cfg.variant if round_idx else None,
-                                eval_root=Path(cfg.data_dir).resolve() / "eval")
+                                eval_root=Path(cfg.data_dir).resolve() / "eval", answer=cfg.verify.answer,
+                                truncated=cfg.verify.truncated)
         summary = summarize_eval(table).to_pylist()
         for s in summary:
             log.info("[eval] round %d %s: accuracy %.3f on %d problems, %.0f tokens on average", round_idx,
@@ -224,7 +228,7 @@ def eval_key(cfg: CAPOConfig, round_idx: int) -> dict:
             "eval": ec.model_dump(mode="json", exclude={"enabled", "engine"}), "engine": engine.model_dump(mode="json"),
             "instruction": cfg.instruction(),
             "benchmarks": {n: storage.file_sha256(ensure_benchmark(n, root)) for n in ec.benchmarks},
-            "verifier": f"math-verify=={version('math-verify')}"}
+            "verifier": f"math-verify=={version('math-verify')}", "verify": cfg.verify.model_dump(mode="json")}
 
 
 def no_eval(cfg: CAPOConfig) -> str | None:

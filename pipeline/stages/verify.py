@@ -26,23 +26,26 @@ from pipeline.stages.base import (
 
 
 def verify_key(cfg: CAPOConfig, round_idx: int) -> dict:
-    """What the outcomes depend on: rollouts, prompts (gold answers) and the verifier's version."""
+    """What the outcomes depend on: rollouts, prompts (gold answers), the verifier's version and rule."""
     from importlib.metadata import version
 
     return {"rollouts": input_fp(round_paths(cfg, round_idx)["rollouts"]),
-            "prompts": storage.file_sha256(prompts_path(cfg)), "verifier": f"math-verify=={version('math-verify')}"}
+            "prompts": storage.file_sha256(prompts_path(cfg)), "verifier": f"math-verify=={version('math-verify')}",
+            "verify": cfg.verify.model_dump(mode="json")}
 
 
 def verify_stage(cfg: CAPOConfig, round_idx: int, force: bool = False, workers: int = 2) -> StageResult:
-    """math-verify every response against its gold answer -> ``outcomes.parquet``."""
+    """math-verify every response against its gold answer -> ``outcomes.parquet``, under the rule of
+    ``cfg.verify`` (a response cut at the token budget is wrong by default, status ``truncated``)."""
     p = round_paths(cfg, round_idx)
     key = verify_key(cfg, round_idx)
 
     def compute():
-        ro = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_id", "response_text"]).to_pylist()
+        ro = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_id", "response_text", "finish_reason"]).to_pylist()
         gold = {r["prompt_id"]: r["gold_answer"] for r in pq.read_table(prompts_path(cfg), columns=["prompt_id", "gold_answer"]).to_pylist()}
         pairs = [(gold[r["prompt_id"]], r["response_text"] or "") for r in ro]
-        results = grade(pairs, workers=workers)
+        results = grade(pairs, workers=workers, answer=cfg.verify.answer,
+                        finish_reasons=[r["finish_reason"] for r in ro], truncated=cfg.verify.truncated)
         rows = [{"run_id": cfg.run_id, "round": round_idx, "rollout_id": r["rollout_id"], "prompt_id": r["prompt_id"],
                  "gold_answer": gold[r["prompt_id"]], "extracted_answer": ext, "outcome_correct": ok, "verify_status": st}
                 for r, (ext, ok, st) in zip(ro, results)]

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline import storage
-from pipeline.grading import verify_answer
+from pipeline.grading import grade, verify_answer
 from pipeline.stages.base import prompts_path, round_paths
 from pipeline.stages.reward import reward_stage
 from pipeline.stages.segment import segment_stage
@@ -44,10 +44,10 @@ def _cfg(tmp_path, *overrides: str):
         ("72", "I cannot solve this.", (None, False, "no_answer")),
         ("72", "", (None, False, "no_answer")),
         ("72", "\\boxed{72", (None, False, "no_answer")),  # unclosed box: nothing extracted
-        # math-verify's own behaviour, recorded here: without \boxed it grades the LAST number
-        ("72", "She has 72 eggs left.", ("72", True, "ok")),
-        ("72", "First 72 eggs, then 5 boxes.", ("5", False, "ok")),
-        # ... but a \boxed answer wins over numbers written after it
+        # the default rule (verify.answer=boxed) reads only a boxed answer: prose numbers are no answer
+        ("72", "She has 72 eggs left.", (None, False, "no_answer")),
+        ("72", "First 72 eggs, then 5 boxes.", (None, False, "no_answer")),
+        # ... and a \boxed answer wins over numbers written after it
         ("72", "\\boxed{72}. That took 3 steps.", ("72", True, "ok")),
         # two boxes are read as the set {72, 71}: wrong (the instruction asks for exactly one)
         ("72", "\\boxed{72} or \\boxed{71}", ("72,71", False, "ok")),
@@ -56,6 +56,7 @@ def _cfg(tmp_path, *overrides: str):
         ("1000", "The total is \\boxed{1000}.", ("1000", True, "ok")),
         ("-3", "\\boxed{-3}", ("-3", True, "ok")),
         ("0.5", "\\boxed{\\frac{1}{2}}", ("\\frac{1}{2}", True, "ok")),
+        ("72", "\\[ \\boxed{72 \\text{ eggs}} \\]", ("72", True, "ok")),  # units inside the box
         # LaTeX golds without $...$ (MATH-style sources) must parse as LaTeX, not as "no gold"/"2"
         ("\\sqrt{2}", "\\boxed{\\sqrt 2}", ("\\sqrt{2}", True, "ok")),
         ("2\\pi", "\\boxed{2\\pi}", ("2\\pi", True, "ok")),
@@ -66,6 +67,43 @@ def _cfg(tmp_path, *overrides: str):
 )
 def test_verify_answer(gold, response, expected):
     assert verify_answer(gold, response) == expected
+
+
+@pytest.mark.parametrize(
+    "gold, response, expected",
+    [
+        # verify.answer=any is math-verify's own extraction: without \boxed it grades the LAST number
+        ("72", "She has 72 eggs left.", ("72", True, "ok")),
+        ("72", "First 72 eggs, then 5 boxes.", ("5", False, "ok")),
+        # the learning benchmark's case: a response cut mid-sentence, last number = the gold answer
+        ("1", "0.75 mile + 0.25 mile = 1 mile.\n\nSo, the", ("1", True, "ok")),
+        ("72", "\\boxed{72}. That took 3 steps.", ("72", True, "ok")),
+    ],
+)
+def test_verify_answer_any(gold, response, expected):
+    assert verify_answer(gold, response, answer="any") == expected
+
+
+def test_grade_truncated_responses_score_zero_by_default():
+    pairs = [("72", "So \\boxed{72}"), ("72", "So \\boxed{72}"), ("72", "9 * 8 = 72 and then"), ("72", "\\boxed{71}")]
+    fins = ["stop", "length", "length", "length"]
+    assert grade(pairs, workers=1, finish_reasons=fins) == [
+        ("72", True, "ok"), ("72", False, "truncated"), (None, False, "truncated"), ("71", False, "truncated")]
+    assert grade(pairs, workers=1, finish_reasons=fins, truncated="grade") == [
+        ("72", True, "ok"), ("72", True, "ok"), (None, False, "no_answer"), ("71", False, "ok")]
+    assert grade(pairs, workers=1, finish_reasons=fins, answer="any", truncated="grade")[2] == ("72", True, "ok")
+    assert grade(pairs, workers=1) == grade(pairs, workers=1, truncated="grade")  # no finish reasons: nothing cut
+
+
+def test_grade_rejects_bad_modes():
+    with pytest.raises(ValueError, match="answer='last'; valid: \\('boxed', 'any'\\)"):
+        grade([("1", "1")], answer="last")
+    with pytest.raises(ValueError, match="truncated='drop'; valid: \\('zero', 'grade'\\)"):
+        grade([("1", "1")], truncated="drop")
+    with pytest.raises(ValueError, match="1 finish_reasons for 2 pairs"):
+        grade([("1", "1"), ("2", "2")], finish_reasons=["stop"])
+    with pytest.raises(ValueError, match="answer='last'"):
+        verify_answer("1", "\\boxed{1}", answer="last")
 
 
 def test_verify_answer_without_a_usable_gold():
@@ -273,6 +311,26 @@ def test_verify_stage_grades_against_the_prompt_table(tmp_path):
     assert (got["A"]["outcome_correct"], got["A"]["extracted_answer"], got["A"]["gold_answer"]) == (True, "5", "5")
     assert (got["B"]["outcome_correct"], got["B"]["extracted_answer"]) == (False, "4")
     assert storage.read_manifest(round_paths(cfg, 1)["outcomes"])["accuracy"] == 0.5
+
+
+def test_verify_stage_scores_a_truncated_rollout_zero_and_records_why(tmp_path):
+    cfg = _cfg(tmp_path)
+    _write_round(cfg)
+    p = round_paths(cfg, 1)
+    ro = storage.read_table(p["rollouts"], "rollouts").to_pylist()
+    for r in ro:
+        r["finish_reason"] = "length" if r["rollout_id"] == "A" else r["finish_reason"]
+    _write(cfg, "rollouts", [{k: v for k, v in r.items() if k not in ("run_id", "round")} for r in ro], "rollout")
+    p["outcomes"].unlink()
+    verify_stage(cfg, 1, workers=1)
+    got = {r["rollout_id"]: r for r in storage.read_table(p["outcomes"], "outcomes").to_pylist()}
+    # A's boxed 5 is right, but A hit the token budget: wrong, its answer kept for the record
+    assert (got["A"]["outcome_correct"], got["A"]["extracted_answer"], got["A"]["verify_status"]) == (False, "5", "truncated")
+    assert (got["B"]["outcome_correct"], got["B"]["verify_status"]) == (False, "ok")
+    cfg2 = _cfg(tmp_path, "verify.truncated=grade")  # another rule: another key, recomputed, A right again
+    assert not verify_stage(cfg2, 1, workers=1).skipped
+    got = {r["rollout_id"]: r for r in storage.read_table(p["outcomes"], "outcomes").to_pylist()}
+    assert (got["A"]["outcome_correct"], got["A"]["verify_status"]) == (True, "ok")
 
 
 SMOLLM = Path(__file__).resolve().parents[2] / "data" / "models" / "smollm2-135m-instruct"

@@ -32,6 +32,8 @@ def test_default_yaml_loads_and_matches_embedded_defaults():
     assert load_config(DEFAULT, ["critique.engine={type: openai, base_url: 'http://127.0.0.1:8000/v1'}",
                                  "critique.structured_output=true"]).critique.structured_output is True
     assert cfg.critique.engine.type == "vllm" and cfg.critique.engine.max_model_len == 4096
+    # the verifier reads a boxed answer of a finished response (outcome reward and eval alike)
+    assert (cfg.verify.answer, cfg.verify.truncated) == ("boxed", "zero")
     # one source of defaults: the YAML and the pydantic field defaults agree
     assert load_config(DEFAULT) == load_config(None) == CAPOConfig()
 
@@ -72,6 +74,9 @@ def test_bad_choice_lists_the_valid_ones():
     assert "vote.rule" in msg and "bogus" in msg
     for valid in ("intersection", "union", "majority", "average"):
         assert valid in msg
+    with pytest.raises(ValidationError) as err:
+        load_config(DEFAULT, ["verify.truncated=drop"])
+    assert "verify.truncated" in str(err.value) and "'zero' or 'grade'" in str(err.value)
 
 
 def test_bad_number_is_rejected():
