@@ -17,8 +17,8 @@
    unfinished round when stopped and started again (under the same settings: the run id ends in
    a hash of them).
 3. **Held-out eval**, greedy, at rounds ``0`` and ``K`` (``--eval-mid``: also ``K//2``). Round 0 is
-   computed once and copied into every run, also across invocations (same policy, items, engine:
-   same key; the eval stage recomputes a copy whose key differs).
+   computed once and copied into every run whose eval key it matches, also across invocations
+   (same policy, items, engine and verifier rule).
 4. **Disk.** A round of the 0.5B policy writes a 1.3 GB bf16 checkpoint (``--save-dtype``) and a
    7.6 GB training state (fp32 master weights and AdamW moments): each run keeps one state
    (``train.keep_states=1``) and, once round k is finished (trained, and evaluated when scheduled),
@@ -36,9 +36,10 @@
     .venv/bin/python benchmarks/bench_learning.py --rounds 2 --seeds 0 --eval-size 50   # a smaller look
 
 Cost: every round of every arm is a real round (rollouts, verification, for CAPO the critic, PPO
-update). Measured on a 2-core AVX2 CPU (fp32): a GRPO round of these defaults 4.8 minutes, a CAPO
-round 8.8 (the 1.5B critic's 32 critiques: 252 s), the selection and an eval of 200 problems about
-10-25 minutes each: the whole benchmark about 6.5 hours there (docs/benchmarks.md).
+update). On a 2-core CPU with AVX512-BF16: a GRPO round about 2.3 minutes, a CAPO round 3, a
+control round 1.3, the selection 2 and an eval of 200 problems 1.5: the whole benchmark about
+2.5 hours. On a 2-core AVX2-only CPU (fp32): GRPO 4.8 minutes, CAPO 8.8, an eval 10-25: about
+6.5 hours (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -172,17 +173,15 @@ def selection_in_child(a: argparse.Namespace) -> Path:
 
 
 # ------------------------------------------------------------------------------------------ runs
-def earlier_round0(a: argparse.Namespace) -> Path | None:
-    """A round-0 eval table an earlier invocation wrote (any arm, seed or learning rate): the
-    starting policy on the same held-out items gives the same table. :func:`run_arm` copies it into
-    a run that has none; the eval stage then checks its key and recomputes it if anything differs
-    (another dataset, eval size, policy or engine setting)."""
+def earlier_round0(a: argparse.Namespace) -> list[Path]:
+    """Round-0 eval tables earlier runs wrote (any arm, seed or learning rate), newest first: the
+    starting policy on the same held-out items gives the same table. :func:`run_arm` copies the
+    first one that is current under the run's own eval key (same dataset, eval size, policy,
+    engine and verifier rule) into a run that has none; with none current, the eval stage computes it."""
     from pipeline.storage import manifest_path
 
-    for path in sorted(Path(a.runs_dir).glob("learn-*/round_000/eval.parquet")):
-        if manifest_path(path).exists():
-            return path
-    return None
+    found = [p for p in Path(a.runs_dir).glob("learn-*/round_000/eval.parquet") if manifest_path(p).exists()]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
 def eval_rounds(a: argparse.Namespace) -> set[int]:
@@ -216,20 +215,24 @@ def _prune_checkpoint(cfg, k: int) -> None:
         shutil.rmtree(ckpt.parent / "superseded", ignore_errors=True)
 
 
-def run_arm(a: argparse.Namespace, arm: str, seed: int, train_file: Path, round0_from: Path | None) -> list[dict]:
+def run_arm(a: argparse.Namespace, arm: str, seed: int, train_file: Path, round0_from: list[Path]) -> list[dict]:
     """Rounds 1..K of one arm from its first unfinished round, eval at the scheduled rounds.
     Returns one ``{"arm", "seed", "round", "stage", "seconds"}`` dict per stage that ran."""
     from flows.runner import run_stage
     from pipeline.stages import STAGES
     from pipeline.stages.base import round_paths
-    from pipeline.storage import manifest_path
+    from pipeline.stages.eval import eval_key
+    from pipeline.storage import is_current, manifest_path
 
     cfg = arm_config(a, arm, seed, train_file)
     r0 = round_paths(cfg, 0)["eval"]
-    if round0_from is not None and not r0.exists():  # the starting policy's eval: computed once
-        r0.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(round0_from, r0)
-        shutil.copy2(manifest_path(round0_from), manifest_path(r0))
+    if not r0.exists():  # the starting policy's eval: computed once, copied where its key matches
+        key = eval_key(cfg, 0)
+        src = next((c for c in round0_from if is_current(c, key).current), None)
+        if src is not None:
+            r0.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, r0)
+            shutil.copy2(manifest_path(src), manifest_path(r0))
     ran = []
     res = run_stage("eval", cfg, 0)
     if not res.skipped:
@@ -426,7 +429,7 @@ def main() -> None:
     for arm, seed in order:
         ran += run_arm(a, arm, seed, train_file, round0)
         r0 = round_paths(arm_config(a, arm, seed, train_file), 0)["eval"]
-        round0 = round0 or (r0 if r0.exists() else None)
+        round0 = [r0, *round0] if r0.exists() else round0
     rows = [r for seed in a.seeds for arm in a.arms for r in round_metrics(a, arm, seed, train_file)]
     for r in rows:
         print(json.dumps({**r, **ctx}), flush=True)
