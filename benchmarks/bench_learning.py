@@ -70,7 +70,9 @@ def base_overrides(a: argparse.Namespace, seed: int) -> list[str]:
             f"train.save_dtype={a.save_dtype}", "train.keep_states=1", "train.measure_kl_to_start=true",
             f"eval.benchmarks=[{a.dataset}]", f"eval.sample_size={a.eval_size}", f"eval.max_tokens={a.max_tokens}",
             f"verify.answer={a.verify_answer}", f"verify.truncated={a.verify_truncated}",
-            "scale.policy_engine=per-stage"]
+            "scale.policy_engine=per-stage",
+            # only when set, so that the ids of runs made before the option existed stay the same
+            *([f"train.kl_coef={a.kl_coef}"] if a.kl_coef else [])]
 
 
 def run_id(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> str:
@@ -305,7 +307,9 @@ def round_metrics(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
 
 def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> dict | None:
     """Round K vs round 0 on the same held-out items: the change, its paired bootstrap 95 %
-    interval and McNemar's p (:mod:`pipeline.core.significance`); None before round K is evaluated."""
+    interval and McNemar's p (:mod:`pipeline.core.significance`), the items that changed by verify
+    status (``transitions``), and the greedy answers' mean tokens and share cut at the budget at
+    both ends; None before round K is evaluated."""
     import pyarrow.parquet as pq
 
     from pipeline.core.significance import compare
@@ -317,12 +321,26 @@ def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
         return None
 
     def greedy(path):
-        return {(r["benchmark"], r["prompt_id"]): bool(r["correct"]) for r in pq.read_table(path).to_pylist()
+        return {(r["benchmark"], r["prompt_id"]): r for r in pq.read_table(path).to_pylist()
                 if r["decoding"] == "greedy"}
 
     g0, gk = greedy(p0), greedy(pk)
     ids = sorted(set(g0) & set(gk))
-    return compare([g0[i] for i in ids], [gk[i] for i in ids]).as_dict()
+    out = compare([bool(g0[i]["correct"]) for i in ids], [bool(gk[i]["correct"]) for i in ids]).as_dict()
+    # where the change comes from: answers that now finish inside the budget against answers that
+    # were right and no longer are (verify_status: ok / truncated / no_answer / ...)
+    moves: dict[str, int] = {}
+    for i in ids:
+        a, b = g0[i], gk[i]
+        if bool(a["correct"]) != bool(b["correct"]):
+            key = ("wrong->right" if b["correct"] else "right->wrong") + f" ({a.get('verify_status')}->{b.get('verify_status')})"
+            moves[key] = moves.get(key, 0) + 1
+    out["transitions"] = dict(sorted(moves.items(), key=lambda kv: -kv[1]))
+    out["cut_share_round0"] = float(np.mean([g0[i]["finish_reason"] == "length" for i in ids]))
+    out["cut_share_roundK"] = float(np.mean([gk[i]["finish_reason"] == "length" for i in ids]))
+    out["tokens_round0"] = float(np.mean([g0[i]["num_tokens"] for i in ids]))
+    out["tokens_roundK"] = float(np.mean([gk[i]["num_tokens"] for i in ids]))
+    return out
 
 
 def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, int], dict | None]) -> list[dict]:
@@ -390,6 +408,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-6,
                     help="2e-6 moved the 0.5B policy by a k3 KL of only 0.015 nats per token in 10 GRPO rounds "
                          "(docs/benchmarks.md); KL grows about as lr squared")
+    ap.add_argument("--kl-coef", type=float, default=0.0,
+                    help="train.kl_coef: a k3 KL penalty to the starting policy in the loss (0: measured, not penalized)")
     ap.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per round")
     ap.add_argument("--prompts-per-round", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
