@@ -72,16 +72,21 @@ def base_overrides(a: argparse.Namespace, seed: int) -> list[str]:
             f"verify.answer={a.verify_answer}", f"verify.truncated={a.verify_truncated}",
             "scale.policy_engine=per-stage",
             # only when set, so that the ids of runs made before the option existed stay the same
-            *([f"train.kl_coef={a.kl_coef}"] if a.kl_coef else [])]
+            *([f"train.kl_coef={a.kl_coef}"] if a.kl_coef else []),
+            *([f"eval.pass_k={a.eval_samples}", f"eval.pass_k_benchmarks=[{a.dataset}]"] if a.eval_samples > 1 else [])]
 
 
 def run_id(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> str:
     """``learn-<arm>-s<seed>-<hash>``: the hash covers every setting of the arm's rounds (and the
     training file), so a run resumes only under the settings it started with; other settings start
-    another run instead of continuing one whose checkpoints were trained otherwise."""
+    another run instead of continuing one whose checkpoints were trained otherwise. ``--eval-samples``
+    is left out: it changes the evaluations of a run, not its rounds."""
     from pipeline.config import section_hash
 
-    return f"learn-{arm}-s{seed}-" + section_hash({"overrides": base_overrides(a, seed), "train_file": str(train_file)})[:8]
+    # the eval's samples change no training round: a run evaluated with more of them is the same run
+    train_only = argparse.Namespace(**{**vars(a), "eval_samples": 1})
+    return f"learn-{arm}-s{seed}-" + section_hash({"overrides": base_overrides(train_only, seed),
+                                                   "train_file": str(train_file)})[:8]
 
 
 def arm_config(a: argparse.Namespace, arm: str, seed: int, train_file: Path):
@@ -221,6 +226,7 @@ def run_arm(a: argparse.Namespace, arm: str, seed: int, train_file: Path, round0
     """Rounds 1..K of one arm from its first unfinished round, eval at the scheduled rounds.
     Returns one ``{"arm", "seed", "round", "stage", "seconds"}`` dict per stage that ran."""
     from flows.runner import run_stage
+    from pipeline import storage
     from pipeline.stages import STAGES
     from pipeline.stages.base import round_paths
     from pipeline.stages.eval import eval_key
@@ -228,10 +234,11 @@ def run_arm(a: argparse.Namespace, arm: str, seed: int, train_file: Path, round0
 
     cfg = arm_config(a, arm, seed, train_file)
     r0 = round_paths(cfg, 0)["eval"]
-    if not r0.exists():  # the starting policy's eval: computed once, copied where its key matches
-        key = eval_key(cfg, 0)
-        src = next((c for c in round0_from if is_current(c, key).current), None)
+    key = eval_key(cfg, 0)
+    if not is_current(r0, key).current:  # the starting policy's eval: computed once, copied where its key matches
+        src = next((c for c in round0_from if c != r0 and is_current(c, key).current), None)
         if src is not None:
+            storage.supersede(r0)  # an eval under other settings (e.g. fewer --eval-samples) is kept
             r0.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, r0)
             shutil.copy2(manifest_path(src), manifest_path(r0))
@@ -241,6 +248,13 @@ def run_arm(a: argparse.Namespace, arm: str, seed: int, train_file: Path, round0
         ran.append({"arm": arm, "seed": seed, "round": 0, "stage": "eval", "seconds": round(res.seconds, 1)})
     for k in range(1, min(a.rounds, a.until or a.rounds) + 1):
         if _finished(a, cfg, k):
+            # a finished round evaluated under other eval settings (--eval-samples) is evaluated
+            # again where its checkpoint is still there (the stage skips a current eval)
+            if k in eval_rounds(a) and round_paths(cfg, k)["checkpoint"].is_dir():
+                res = run_stage("eval", cfg, k)
+                if not res.skipped:
+                    ran.append({"arm": arm, "seed": seed, "round": k, "stage": "eval", "seconds": round(res.seconds, 1)})
+                    print(json.dumps({"bench": "learning", "progress": True, **ran[-1]}), flush=True)
             continue
         for name in [*STAGES, *(["eval"] if k in eval_rounds(a) else [])]:
             res = run_stage(name, cfg, k)
@@ -284,6 +298,9 @@ def round_metrics(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
             ev = pq.read_table(p["eval"]).to_pylist()
             greedy = [r["correct"] for r in ev if r["decoding"] == "greedy"]
             row.update(heldout_accuracy=float(np.mean(greedy)), heldout_n=len(greedy))
+            sampled = [r["correct"] for r in ev if r["decoding"] == "sample"]
+            if sampled:  # mean over all k samples of all problems = mean over problems of c/k
+                row.update(heldout_sampled_accuracy=float(np.mean(sampled)), heldout_samples=len(sampled))
         if k >= 1 and p["outcomes"].exists():
             oc = pq.read_table(p["outcomes"]).column("outcome_correct").to_pylist()
             row["train_outcome_reward"] = float(np.mean(oc))
@@ -308,11 +325,13 @@ def round_metrics(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
 def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> dict | None:
     """Round K vs round 0 on the same held-out items: the change, its paired bootstrap 95 %
     interval and McNemar's p (:mod:`pipeline.core.significance`), the items that changed by verify
-    status (``transitions``), and the greedy answers' mean tokens and share cut at the budget at
-    both ends; None before round K is evaluated."""
+    status (``transitions``), the greedy answers' mean tokens and share cut at the budget at both
+    ends, and with ``--eval-samples`` the same for the sampled accuracy (``sampled``:
+    :func:`pipeline.core.significance.compare_rates` over per-problem shares of right samples);
+    None before round K is evaluated."""
     import pyarrow.parquet as pq
 
-    from pipeline.core.significance import compare
+    from pipeline.core.significance import compare, compare_rates
     from pipeline.stages.base import round_paths
 
     cfg = arm_config(a, arm, seed, train_file)
@@ -340,33 +359,61 @@ def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
     out["cut_share_roundK"] = float(np.mean([gk[i]["finish_reason"] == "length" for i in ids]))
     out["tokens_round0"] = float(np.mean([g0[i]["num_tokens"] for i in ids]))
     out["tokens_roundK"] = float(np.mean([gk[i]["num_tokens"] for i in ids]))
+    s0, sk = sampled_rates(p0), sampled_rates(pk)
+    both = sorted(set(s0) & set(sk))
+    if both:  # --eval-samples k: each problem's share of right answers among k samples at T = 1
+        out["sampled"] = compare_rates([s0[i] for i in both], [sk[i] for i in both]).as_dict()
     return out
+
+
+def sampled_rates(path: Path) -> dict[tuple[str, str], float]:
+    """``{(benchmark, prompt_id): right samples / samples}`` of an eval table's sampled rows ({} without)."""
+    import pyarrow.parquet as pq
+
+    by: dict[tuple[str, str], list[bool]] = {}
+    for r in pq.read_table(path, columns=["benchmark", "prompt_id", "decoding", "correct"]).to_pylist():
+        if r["decoding"] == "sample":
+            by.setdefault((r["benchmark"], r["prompt_id"]), []).append(bool(r["correct"]))
+    return {i: float(np.mean(v)) for i, v in by.items()}
 
 
 def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, int], dict | None]) -> list[dict]:
     """Per arm at round K: mean/spread over seeds, gain over control, significance against 2 x spread."""
     K = a.rounds
-    end = {arm: [r["heldout_accuracy"] for r in rows if r["arm"] == arm and r["round"] == K
-                 and r.get("heldout_accuracy") is not None] for arm in a.arms}
-    start = [r["heldout_accuracy"] for r in rows if r["round"] == 0 and r.get("heldout_accuracy") is not None]
+
+    def at(metric: str, arm: str | None, k: int) -> list[float]:
+        return [r[metric] for r in rows if (arm is None or r["arm"] == arm) and r["round"] == k
+                and r.get(metric) is not None]
+
     out = []
-    ctrl = end.get("control") or []
-    for arm, accs in end.items():
+    for arm in a.arms:
+        accs = at("heldout_accuracy", arm, K)
         if not accs:
             continue
-        mean, spread = float(np.mean(accs)), float(np.max(accs) - np.min(accs))
-        s = {"bench": "learning", "summary": arm, "round": K, "seeds": len(accs), "heldout_accuracy": mean,
-             "spread": spread, "start_accuracy": float(np.mean(start)) if start else None,
+        start = at("heldout_accuracy", None, 0)
+        s = {"bench": "learning", "summary": arm, "round": K, "seeds": len(accs),
+             "start_accuracy": float(np.mean(start)) if start else None,
              "paired_change_from_round0": {str(seed): paired.get((arm, seed)) for seed in a.seeds}}
-        if ctrl and arm != "control":
-            c_mean, c_spread = float(np.mean(ctrl)), float(np.max(ctrl) - np.min(ctrl))
-            gain = mean - c_mean
-            s.update(gain_over_control=gain, control_spread=c_spread,  # a spread needs >= 2 seeds per arm
-                     beats_control=bool(gain > 2 * max(spread, c_spread)) if min(len(accs), len(ctrl)) >= 2 else None)
+        # greedy accuracy, and with --eval-samples the sampled accuracy (the quantity RL maximizes)
+        for metric, tag in (("heldout_accuracy", ""), ("heldout_sampled_accuracy", "sampled_")):
+            vals, ctrl = at(metric, arm, K), at(metric, "control", K)
+            if not vals:
+                continue
+            mean, spread = float(np.mean(vals)), float(np.max(vals) - np.min(vals))
+            s.update({metric: mean, f"{tag}spread": spread})
+            if ctrl and arm != "control":
+                c_mean, c_spread = float(np.mean(ctrl)), float(np.max(ctrl) - np.min(ctrl))
+                gain = mean - c_mean
+                s.update({f"{tag}gain_over_control": gain, f"{tag}control_spread": c_spread,
+                          # a spread needs >= 2 seeds per arm
+                          f"{tag}beats_control": bool(gain > 2 * max(spread, c_spread))
+                          if min(len(vals), len(ctrl)) >= 2 else None})
         out.append(s)
-    if end.get("capo") and end.get("grpo"):
-        out.append({"bench": "learning", "capo_minus_grpo": float(np.mean(end["capo"]) - np.mean(end["grpo"])),
-                    "capo_beat_grpo": bool(np.mean(end["capo"]) > np.mean(end["grpo"]))})
+    for metric, tag in (("heldout_accuracy", ""), ("heldout_sampled_accuracy", "sampled_")):
+        c, g = at(metric, "capo", K), at(metric, "grpo", K)
+        if c and g:
+            out.append({"bench": "learning", "metric": metric, f"{tag}capo_minus_grpo": float(np.mean(c) - np.mean(g)),
+                        f"{tag}capo_beat_grpo": bool(np.mean(c) > np.mean(g))})
     return out
 
 
@@ -424,6 +471,10 @@ def main() -> None:
                     help="verify.answer of the selection, the outcome reward and the eval")
     ap.add_argument("--verify-truncated", default="zero", choices=("zero", "grade"),
                     help="verify.truncated: a response cut at --max-tokens is wrong (zero) or graded")
+    ap.add_argument("--eval-samples", type=int, default=1,
+                    help="k > 1: the held-out evals also draw k samples per problem at T = 1 (eval.pass_k) and the "
+                         "summary compares sampled accuracy too; not part of the run ids (finished runs are "
+                         "evaluated again)")
     ap.add_argument("--eval-mid", action="store_true", help="also evaluate round K//2")
     ap.add_argument("--until", type=int, default=None,
                     help="stop every arm after this round (the schedule stays K's; start again to go on)")

@@ -11,6 +11,8 @@ round, wrong in the other) carry information.
   with replacement (Efron & Tibshirani 1993, ch. 13).
 - :func:`compare`: both, and the verdict the report prints: a change is *significant* when the
   bootstrap interval excludes 0 and McNemar's p < alpha; otherwise "within noise".
+- :func:`compare_rates`: the same for per-item *rates* (right samples / k samples at T = 1): a
+  bootstrap interval and :func:`sign_flip_p`, the paired permutation test (McNemar's for 0/1).
 
 Sizes: with a discordance rate d (share of items that flip between the two rounds) the standard
 error of the difference is about ``sqrt(d / n)``. Greedy decoding of two nearly equal checkpoints
@@ -85,6 +87,11 @@ def paired_bootstrap(a, b, n_boot: int = 10_000, level: float = 0.95, seed: int 
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     d = b.astype(np.float64) - a.astype(np.float64)  # (n,) per-item change in {-1, 0, 1}
+    return _bootstrap_mean(d, n_boot, level, seed)
+
+
+def _bootstrap_mean(d: np.ndarray, n_boot: int, level: float, seed: int) -> tuple[float, float, float]:
+    """``(mean(d), lo, hi)``: percentile interval of the mean of the (n,) per-item changes ``d``."""
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, d.size, size=(n_boot, d.size))
     means = d[idx].mean(axis=1)
@@ -129,3 +136,96 @@ def compare(a, b, alpha: float = 0.05, n_boot: int = 10_000, seed: int = 0) -> P
     return PairedChange(n=int(a.size), acc_a=float(a.mean()), acc_b=float(b.mean()), diff=diff, lo=lo, hi=hi,
                         p_mcnemar=p, n01=int((~a & b).sum()), n10=int((a & ~b).sum()),
                         significant=bool((lo > 0 or hi < 0) and p < alpha))
+
+
+# ------------------------------------------------------------------ per-item rates (k samples each)
+def _rates(x, name: str) -> np.ndarray:
+    arr = np.asarray(x, dtype=np.float64)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D vector of per-item rates, got shape {arr.shape}")
+    bad = ~np.isfinite(arr) | (arr < 0) | (arr > 1)
+    if bad.any():
+        raise ValueError(f"{name} must hold rates in [0, 1] (right samples / samples per item), "
+                         f"got {arr[bad][:5].tolist()}")
+    return arr
+
+
+def sign_flip_p(d, n_perm: int = 10_000, seed: int = 0, exact_up_to: int = 16) -> float:
+    """Two-sided paired permutation p-value of ``mean(d) == 0`` by flipping the sign of each item's change.
+
+    Under "no change" the two evaluations of an item are exchangeable, so each nonzero change is
+    equally likely to have either sign (Fisher's paired randomization test; for 0/1 items it is
+    McNemar's test). Items with a zero change do not affect the p-value. Exact enumeration over the
+    ``2**m`` sign patterns when the m nonzero changes number at most ``exact_up_to``, else ``n_perm``
+    seeded random patterns with the observed one counted: ``p = (1 + #{|mean*| >= |mean|}) / (n_perm + 1)``.
+
+    Args:
+        d: (n,) per-item changes (any real numbers).
+    Returns:
+        p in (0, 1]; 1.0 when every change is 0.
+    Raises:
+        ValueError: ``d`` not 1-D.
+    """
+    d = np.asarray(d, dtype=np.float64)
+    if d.ndim != 1:
+        raise ValueError(f"d must be a 1-D vector of per-item changes, got shape {d.shape}")
+    nz = d[d != 0]
+    if nz.size == 0:
+        return 1.0
+    obs = abs(nz.sum()) - 1e-12 * max(1.0, abs(nz).sum())  # ties count as extreme
+    if nz.size <= exact_up_to:
+        signs = 1 - 2 * ((np.arange(2**nz.size)[:, None] >> np.arange(nz.size)) & 1)  # (2^m, m) of +-1
+        return float(np.mean(np.abs(signs @ nz) >= obs))
+    rng = np.random.default_rng(seed)
+    signs = rng.choice(np.array([-1.0, 1.0]), size=(n_perm, nz.size))
+    return float((1 + np.sum(np.abs(signs @ nz) >= obs)) / (n_perm + 1))
+
+
+@dataclass(frozen=True)
+class PairedRateChange:
+    """The change in a per-item rate (e.g. sampled accuracy: right samples / k) between two
+    evaluations of the same ``n`` items.
+
+    Attributes:
+        n: items compared. rate_a, rate_b: mean rates (0..1). diff: rate_b - rate_a.
+        lo, hi: bootstrap interval of diff. p_sign_flip: paired permutation p (:func:`sign_flip_p`).
+        n_up, n_down: items whose rate rose / fell. significant: interval excludes 0 and p < alpha.
+    """
+
+    n: int
+    rate_a: float
+    rate_b: float
+    diff: float
+    lo: float
+    hi: float
+    p_sign_flip: float
+    n_up: int
+    n_down: int
+    significant: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def compare_rates(a, b, alpha: float = 0.05, n_boot: int = 10_000, seed: int = 0) -> PairedRateChange:
+    """Paired change of per-item rates ``a`` -> ``b`` (each in [0, 1], e.g. c/k of k samples at
+    T = 1): the percentile bootstrap interval of the mean change (items resampled, pairs kept) and
+    the sign-flip permutation p-value, with the same verdict rule as :func:`compare`.
+
+    Averaging k samples per item lowers the per-item variance, so a change of the policy's sampling
+    distribution shows at fewer items than a change of its greedy answers.
+
+    Raises:
+        ValueError: not 1-D, different lengths, empty, or a value outside [0, 1] (named).
+    """
+    a, b = _rates(a, "a"), _rates(b, "b")
+    if a.shape != b.shape:
+        raise ValueError(f"paired rates need the same items: a has {a.size}, b has {b.size}")
+    if a.size == 0:
+        raise ValueError("compare_rates needs at least one item")
+    d = b - a
+    diff, lo, hi = _bootstrap_mean(d, n_boot, 1 - alpha, seed)
+    p = sign_flip_p(d, seed=seed)
+    return PairedRateChange(n=int(a.size), rate_a=float(a.mean()), rate_b=float(b.mean()), diff=diff, lo=lo, hi=hi,
+                            p_sign_flip=p, n_up=int((d > 0).sum()), n_down=int((d < 0).sum()),
+                            significant=bool((lo > 0 or hi < 0) and p < alpha))

@@ -51,3 +51,44 @@ def test_bad_input_names_the_problem():
         mcnemar_exact([0, 2], [1, 1])
     with pytest.raises(ValueError, match="at least one item"):
         paired_bootstrap([], [])
+
+
+def test_sign_flip_p_by_hand():
+    from pipeline.core.significance import sign_flip_p
+
+    assert sign_flip_p([1, 1, 1]) == pytest.approx(2 / 8)  # only +++ and --- reach |sum| = 3
+    # d = (0.5, 0.25, -0.25), sum 0.5: |sum| >= 0.5 for +++ (1.0), ++- (0.5), +-+ (0.5) and their
+    # mirrors; +-- and -++ give 0: 6 of 8 patterns
+    assert sign_flip_p([0.5, 0.25, -0.25]) == pytest.approx(6 / 8)
+    assert sign_flip_p([0.0, 0.0]) == 1.0
+    assert sign_flip_p([0.5, -0.25, 0.0]) == 1.0  # every pattern of (0.5, -0.25) has |sum| >= 0.25
+    # on 0/1 items it is McNemar's exact test (5 wrong->right, 1 right->wrong: 14/64)
+    a = [1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+    b = [1, 1, 0, 1, 1, 1, 1, 1, 0, 0]
+    d = np.asarray(b, float) - np.asarray(a, float)
+    assert sign_flip_p(d) == pytest.approx(mcnemar_exact(a, b))
+    # the Monte Carlo path (forced) agrees with the exact value within its sampling error
+    assert sign_flip_p([1, 1, 1], exact_up_to=0, n_perm=20_000) == pytest.approx(0.25, abs=0.01)
+    with pytest.raises(ValueError, match="1-D"):
+        sign_flip_p([[1.0]])
+
+
+def test_compare_rates_by_hand_and_errors():
+    from pipeline.core.significance import compare_rates
+
+    # 4 items, sampled accuracy c/4: two rose (+0.5, +0.25), two unchanged
+    c = compare_rates([0, 0.25, 0.5, 1.0], [0.5, 0.25, 0.75, 1.0])
+    assert (c.n, c.n_up, c.n_down) == (4, 2, 0)
+    assert c.rate_a == pytest.approx(0.4375) and c.rate_b == pytest.approx(0.625)
+    assert c.diff == pytest.approx(0.1875)
+    assert c.p_sign_flip == pytest.approx(2 / 4)  # (0.5, 0.25): only ++ and -- reach |sum| 0.75
+    assert not c.significant
+    # 200 items each up by 0.25: interval [0.25, 0.25], p at its Monte Carlo floor -> significant
+    c = compare_rates([0.25] * 200, [0.5] * 200)
+    assert (c.lo, c.hi) == (pytest.approx(0.25), pytest.approx(0.25)) and c.p_sign_flip < 1e-3 and c.significant
+    with pytest.raises(ValueError, match=r"rates in \[0, 1\].*1\.5"):
+        compare_rates([0.5, 1.5], [0.5, 0.5])
+    with pytest.raises(ValueError, match="same items"):
+        compare_rates([0.5], [0.5, 0.5])
+    with pytest.raises(ValueError, match="at least one"):
+        compare_rates([], [])
