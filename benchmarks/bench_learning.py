@@ -18,7 +18,12 @@
    a hash of them).
 3. **Held-out eval**, greedy, at rounds ``0`` and ``K`` (``--eval-mid``: also ``K//2``). Round 0 is
    computed once and copied into every run whose eval key it matches, also across invocations
-   (same policy, items, engine and verifier rule).
+   (same policy, items, engine and verifier rule). ``--eval-samples k`` adds k samples per problem
+   at T = 1 (``eval.pass_k``): the **sampled accuracy**, the expected outcome reward that the RL
+   objective raises, compared per problem (share of right samples) with a paired bootstrap and a
+   sign-flip permutation test. Greedy accuracy can stay flat while the sampled one rises (RL
+   sharpens the sampling distribution first); both are reported. It is not part of the run ids:
+   finished runs are evaluated again (round K's checkpoint is kept).
 4. **Disk.** A round of the 0.5B policy writes a 1.3 GB bf16 checkpoint (``--save-dtype``) and a
    7.6 GB training state (fp32 master weights and AdamW moments): each run keeps one state
    (``train.keep_states=1``) and, once round k is finished (trained, and evaluated when scheduled),
@@ -28,17 +33,18 @@
    ``train.measure_kl_to_start``), policy entropy and clip fraction (train metrics), and for CAPO
    the share of steps its voting rule flagged; each stage's seconds.
 6. **Final table**: each arm's held-out accuracy at round K (mean and spread = max - min over
-   seeds), its gain over the control and whether that gain exceeds twice the spreads, the paired
-   (same items) change from round 0 with its bootstrap interval, and whether CAPO beat GRPO. A
+   seeds; greedy, and sampled with ``--eval-samples``), its gain over the control and whether that
+   gain exceeds twice the spreads, the paired (same items) change from round 0 with its bootstrap
+   interval and the items that changed by verify status, and whether CAPO beat GRPO. A
    plot ``learning.png`` in the runs dir.
 
-    .venv/bin/python benchmarks/bench_learning.py                      # the full benchmark
+    .venv/bin/python benchmarks/bench_learning.py --eval-samples 4     # the full benchmark, as in docs/benchmarks.md
     .venv/bin/python benchmarks/bench_learning.py --rounds 2 --seeds 0 --eval-size 50   # a smaller look
 
 Cost: every round of every arm is a real round (rollouts, verification, for CAPO the critic, PPO
 update). On a 2-core CPU with AVX512-BF16: a GRPO round about 2.3 minutes, a CAPO round 3, a
-control round 1.3, the selection 2 and an eval of 200 problems 1.5: the whole benchmark about
-2.5 hours. On a 2-core AVX2-only CPU (fp32): GRPO 4.8 minutes, CAPO 8.8, an eval 10-25: about
+control round 1.3, the selection 2 and an eval of 200 problems 1.5 (6 with ``--eval-samples 4``):
+the whole benchmark about 2.5 hours (3 with ``--eval-samples 4``). On a 2-core AVX2-only CPU (fp32): GRPO 4.8 minutes, CAPO 8.8, an eval 10-25: about
 6.5 hours (docs/benchmarks.md).
 """
 
@@ -422,8 +428,11 @@ def plot(a: argparse.Namespace, rows: list[dict], path: Path) -> None:
 
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     ax1, ax2 = fig.subplots(1, 2)
+    colors = {arm: f"C{i}" for i, arm in enumerate(a.arms)}
     for arm in a.arms:
-        for ax, key in ((ax1, "heldout_accuracy"), (ax2, "train_outcome_reward")):
+        for ax, key, style, label in ((ax1, "heldout_accuracy", "-", f"{arm} greedy"),
+                                      (ax1, "heldout_sampled_accuracy", "--", f"{arm} sampled (T=1)"),
+                                      (ax2, "train_outcome_reward", "-", arm)):
             by: dict[int, list[float]] = {}
             for r in rows:
                 if r["arm"] == arm and r.get(key) is not None:
@@ -432,9 +441,9 @@ def plot(a: argparse.Namespace, rows: list[dict], path: Path) -> None:
                 continue
             ks = sorted(by)
             m = [np.mean(by[k]) for k in ks]
-            line = ax.plot(ks, m, marker="o", label=arm)[0]
-            ax.fill_between(ks, [min(by[k]) for k in ks], [max(by[k]) for k in ks], color=line.get_color(), alpha=0.2)
-    ax1.set(title=f"held-out {a.dataset} greedy ({a.eval_size} problems)", xlabel="round", ylabel="accuracy (%)")
+            ax.plot(ks, m, style, marker="o", color=colors[arm], label=label)
+            ax.fill_between(ks, [min(by[k]) for k in ks], [max(by[k]) for k in ks], color=colors[arm], alpha=0.15)
+    ax1.set(title=f"held-out {a.dataset} ({a.eval_size} problems)", xlabel="round", ylabel="accuracy (%)")
     ax2.set(title="training outcome reward (round's rollouts)", xlabel="round", ylabel="correct (%)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)

@@ -108,6 +108,9 @@ def collect(run_dir: Path) -> tuple[dict[str, list[dict]], list[str]]:
                                      key=lambda r: (r["variant"] is not None, r["variant"] or "", r["round"]))
             out["items"] = _rows(con, """SELECT variant, round, benchmark, prompt_id, bool_and(correct) AS correct
                                          FROM eval WHERE decoding = 'greedy' GROUP BY ALL""")
+            out["sampled_items"] = _rows(con, """SELECT variant, round, benchmark, prompt_id,
+                                                        avg(CAST(correct AS DOUBLE)) AS rate
+                                                 FROM eval WHERE decoding = 'sample' GROUP BY ALL""")
         return out, notes
     finally:
         con.close()
@@ -126,20 +129,14 @@ def _variant_rule_flags(data: dict) -> list[dict]:
     return out
 
 
-def paired_changes(items: list[dict]) -> list[dict]:
-    """Round-over-round changes of greedy accuracy, paired on the same problems.
-
-    For each variant, benchmark and round k >= 1: round k against round k-1 (round 0 = the starting
-    policy, shared by every variant) and, for k >= 2, against round 0. Only problems evaluated in
-    both rounds count. Each row is :class:`pipeline.core.significance.PairedChange` plus ``variant``,
-    ``benchmark``, ``round``, ``vs_round``.
-    """
-    from pipeline.core.significance import compare
-
-    by: dict[tuple, dict[str, bool]] = {}
+def _round_pairs(items: list[dict], field: str):
+    """``(variant, benchmark, round, vs_round, before, after)`` for each variant, benchmark and round
+    k >= 1: round k against round k-1 (round 0 = the starting policy, shared by every variant) and,
+    for k >= 2, against round 0, over the problems evaluated in both (``before``/``after``: the
+    per-problem ``field`` values in the same order)."""
+    by: dict[tuple, dict[str, object]] = {}
     for r in items:
-        by.setdefault((r["variant"], r["round"], r["benchmark"]), {})[r["prompt_id"]] = bool(r["correct"])
-    out = []
+        by.setdefault((r["variant"], r["round"], r["benchmark"]), {})[r["prompt_id"]] = r[field]
     variants = sorted({v for v, _, _ in by} - {None})
     for v in variants:
         for (vv, k, b) in sorted(key for key in by if key[0] == v):
@@ -150,11 +147,34 @@ def paired_changes(items: list[dict]) -> list[dict]:
                 if before is None:
                     continue
                 common = sorted(set(before) & set(by[(vv, k, b)]))
-                if not common:
-                    continue
-                ch = compare([before[i] for i in common], [by[(vv, k, b)][i] for i in common])
-                out.append({"variant": v, "benchmark": b, "round": k, "vs_round": base, **ch.as_dict()})
-    return out
+                if common:
+                    yield v, b, k, base, [before[i] for i in common], [by[(vv, k, b)][i] for i in common]
+
+
+def paired_changes(items: list[dict]) -> list[dict]:
+    """Round-over-round changes of greedy accuracy, paired on the same problems.
+
+    For each variant, benchmark and round k >= 1: round k against round k-1 (round 0 = the starting
+    policy, shared by every variant) and, for k >= 2, against round 0. Only problems evaluated in
+    both rounds count. Each row is :class:`pipeline.core.significance.PairedChange` plus ``variant``,
+    ``benchmark``, ``round``, ``vs_round``.
+    """
+    from pipeline.core.significance import compare
+
+    return [{"variant": v, "benchmark": b, "round": k, "vs_round": base,
+             **compare([bool(x) for x in before], [bool(x) for x in after]).as_dict()}
+            for v, b, k, base, before, after in _round_pairs(items, "correct")]
+
+
+def paired_rate_changes(items: list[dict]) -> list[dict]:
+    """The same pairs as :func:`paired_changes` for sampled accuracy: ``items`` hold each problem's
+    ``rate`` (right samples / samples at T = 1, ``eval.pass_k``); each row is
+    :class:`pipeline.core.significance.PairedRateChange` plus ``variant``, ``benchmark``, ``round``,
+    ``vs_round``."""
+    from pipeline.core.significance import compare_rates
+
+    return [{"variant": v, "benchmark": b, "round": k, "vs_round": base, **compare_rates(before, after).as_dict()}
+            for v, b, k, base, before, after in _round_pairs(items, "rate")]
 
 
 def noise_floor_rows(run_dir: Path) -> tuple[list[str], list[list[str]]]:
@@ -219,6 +239,15 @@ def _change_rows(changes: list[dict]) -> tuple[list[str], list[list[str]]]:
     rows = [[c["variant"], _title(c["benchmark"]), str(c["round"]), str(c["vs_round"]), str(c["n"]),
              f"{100 * c['diff']:+.1f}", f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]", f"{c['p_mcnemar']:.3f}",
              f"{c['n10']} / {c['n01']}", "significant" if c["significant"] else "within noise"] for c in changes]
+    return headers, rows
+
+
+def _rate_change_rows(changes: list[dict]) -> tuple[list[str], list[list[str]]]:
+    headers = ["Variant", "Benchmark", "Round", "vs. round", "n", "change (pts)", "95% CI (pts)", "sign-flip p",
+               "problems down / up", "verdict"]
+    rows = [[c["variant"], _title(c["benchmark"]), str(c["round"]), str(c["vs_round"]), str(c["n"]),
+             f"{100 * c['diff']:+.1f}", f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]", f"{c['p_sign_flip']:.3f}",
+             f"{c['n_down']} / {c['n_up']}", "significant" if c["significant"] else "within noise"] for c in changes]
     return headers, rows
 
 
@@ -434,6 +463,8 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
     data, read_notes = collect(run_dir)
     if data.get("items"):
         data["changes"] = paired_changes(data["items"])
+    if data.get("sampled_items"):
+        data["sampled_changes"] = paired_rate_changes(data["sampled_items"])
     plots, notes = _plots(data, out)
     notes += read_notes
     sections: list[tuple[str, str, list[str], list[list[str]]]] = []  # (title, note, headers, rows)
@@ -454,6 +485,19 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
                              "(10,000 resamples); McNemar: exact test on the problems that changed. A change is "
                              "significant when the CI excludes 0 and p < 0.05; otherwise it is within the eval's "
                              "noise. " + batch_invariance_note(run_dir), h3, rows3))
+        if any(r.get("sampled_accuracy") is not None for r in data["accuracy"]):
+            k = max(r["pass_k"] or 0 for r in data["accuracy"])
+            h5, rows5, _ = accuracy_rows(data["accuracy"], "sampled_accuracy")
+            sections.append(("Sampled accuracy (T = 1, %)",
+                             f"Mean share of right answers among the {k} samples per problem: the expected outcome "
+                             "reward the policy is trained to raise (greedy accuracy can stay flat while it rises).",
+                             h5, rows5))
+        if data.get("sampled_changes"):
+            h6, rows6 = _rate_change_rows(data["sampled_changes"])
+            sections.append(("Changes between rounds (paired, sampled)",
+                             "Same problems in both rounds; per problem the share of right samples. CI: percentile "
+                             "bootstrap of the per-problem change; p: sign-flip permutation test (McNemar's test "
+                             "for one sample). Significant when the CI excludes 0 and p < 0.05.", h6, rows6))
         h4, rows4 = noise_floor_rows(run_dir)
         if rows4:
             sections.append(("Noise floor of the eval (paired, greedy)",

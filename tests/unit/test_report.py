@@ -188,3 +188,25 @@ def test_round_changes_are_paired_and_noise_is_called_noise(tmp_path):
     assert "+100.0" in svamp and "significant" in svamp and "within noise" not in svamp
     assert "1.25e-02 / 5.00e-01" in md  # the rollout/trainer log-prob mismatch of the round
     assert rep["accuracy"].read_bytes()[:8] == PNG_MAGIC
+
+
+def test_sampled_accuracy_and_its_paired_change_in_the_report(tmp_path):
+    """8 problems x 4 samples at T = 1: problems 0-3 go from 1 to 3 right samples of 4, the rest
+    stay at 0. Sampled accuracy 12.5 -> 37.5 %; the paired change +25.0 points rests on 4 problems
+    moving the same way (sign-flip p = 2/16 = 0.125): within noise although the bootstrap CI
+    excludes 0, the verdict needs both."""
+    rd = tmp_path / "runs" / RUN
+    r0 = [1, 0, 0, 0] * 4 + [0] * 16
+    r1 = [1, 1, 1, 0] * 4 + [0] * 16
+    _write(rd / "round_000" / "eval.parquet",
+           _eval_rows(0, None, "gsm8k", [0] * 8) + _eval_rows(0, None, "gsm8k", r0, "sample", 4), EVAL_SCHEMA)
+    _write(rd / "round_001" / "variants" / CAPO / "eval.parquet",
+           _eval_rows(1, CAPO, "gsm8k", [0] * 8) + _eval_rows(1, CAPO, "gsm8k", r1, "sample", 4), EVAL_SCHEMA)
+    md = write_report(tmp_path / "runs", RUN)["report_md"].read_text()
+    acc = md.split("### Sampled accuracy")[1].split("###")[0]
+    assert "| 12.5 |" in acc and "| 37.5 |" in acc
+    section = md.split("### Changes between rounds (paired, sampled)")[1].split("###")[0]
+    line = next(x for x in section.splitlines() if "| GSM8K" in x)
+    assert "+25.0" in line and "0.125" in line and "0 / 4" in line and "within noise" in line
+    greedy = md.split("### Changes between rounds (paired, greedy)")[1].split("###")[0]
+    assert "+0.0" in greedy  # the greedy answers did not change
