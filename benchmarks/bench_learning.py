@@ -44,8 +44,8 @@
 Cost: every round of every arm is a real round (rollouts, verification, for CAPO the critic, PPO
 update). On a 2-core CPU with AVX512-BF16: a GRPO round about 2.3 minutes, a CAPO round 3, a
 control round 1.3, the selection 2 and an eval of 200 problems 1.5 (6 with ``--eval-samples 4``):
-the whole benchmark about 2.5 hours (3 with ``--eval-samples 4``). On a 2-core AVX2-only CPU (fp32): GRPO 4.8 minutes, CAPO 8.8, an eval 10-25: about
-6.5 hours (docs/benchmarks.md).
+the whole benchmark about 2.5 hours (3 with ``--eval-samples 4``). On a 2-core AVX2-only CPU
+(fp32): GRPO 4.8 minutes, CAPO 8.8, an eval 10-25: about 6.5 hours (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -356,9 +356,10 @@ def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
     # were right and no longer are (verify_status: ok / truncated / no_answer / ...)
     moves: dict[str, int] = {}
     for i in ids:
-        a, b = g0[i], gk[i]
-        if bool(a["correct"]) != bool(b["correct"]):
-            key = ("wrong->right" if b["correct"] else "right->wrong") + f" ({a.get('verify_status')}->{b.get('verify_status')})"
+        before, after = g0[i], gk[i]
+        if bool(before["correct"]) != bool(after["correct"]):
+            key = (("wrong->right" if after["correct"] else "right->wrong")
+                   + f" ({before.get('verify_status')}->{after.get('verify_status')})")
             moves[key] = moves.get(key, 0) + 1
     out["transitions"] = dict(sorted(moves.items(), key=lambda kv: -kv[1]))
     out["cut_share_round0"] = float(np.mean([g0[i]["finish_reason"] == "length" for i in ids]))
