@@ -345,11 +345,12 @@ def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
     if not (p0.exists() and pk.exists()):
         return None
 
-    def greedy(path):
-        return {(r["benchmark"], r["prompt_id"]): r for r in pq.read_table(path).to_pylist()
-                if r["decoding"] == "greedy"}
+    rows0, rowsk = pq.read_table(p0).to_pylist(), pq.read_table(pk).to_pylist()
 
-    g0, gk = greedy(p0), greedy(pk)
+    def greedy(rows):
+        return {(r["benchmark"], r["prompt_id"]): r for r in rows if r["decoding"] == "greedy"}
+
+    g0, gk = greedy(rows0), greedy(rowsk)
     ids = sorted(set(g0) & set(gk))
     out = compare([bool(g0[i]["correct"]) for i in ids], [bool(gk[i]["correct"]) for i in ids]).as_dict()
     # where the change comes from: answers that now finish inside the budget against answers that
@@ -366,19 +367,17 @@ def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
     out["cut_share_roundK"] = float(np.mean([gk[i]["finish_reason"] == "length" for i in ids]))
     out["tokens_round0"] = float(np.mean([g0[i]["num_tokens"] for i in ids]))
     out["tokens_roundK"] = float(np.mean([gk[i]["num_tokens"] for i in ids]))
-    s0, sk = sampled_rates(p0), sampled_rates(pk)
+    s0, sk = sampled_rates(rows0), sampled_rates(rowsk)
     both = sorted(set(s0) & set(sk))
     if both:  # --eval-samples k: each problem's share of right answers among k samples at T = 1
         out["sampled"] = compare_rates([s0[i] for i in both], [sk[i] for i in both]).as_dict()
     return out
 
 
-def sampled_rates(path: Path) -> dict[tuple[str, str], float]:
+def sampled_rates(rows: list[dict]) -> dict[tuple[str, str], float]:
     """``{(benchmark, prompt_id): right samples / samples}`` of an eval table's sampled rows ({} without)."""
-    import pyarrow.parquet as pq
-
     by: dict[tuple[str, str], list[bool]] = {}
-    for r in pq.read_table(path, columns=["benchmark", "prompt_id", "decoding", "correct"]).to_pylist():
+    for r in rows:
         if r["decoding"] == "sample":
             by.setdefault((r["benchmark"], r["prompt_id"]), []).append(bool(r["correct"]))
     return {i: float(np.mean(v)) for i, v in by.items()}

@@ -234,20 +234,15 @@ def batch_invariance_note(run_dir: Path) -> str:
 
 
 def _change_rows(changes: list[dict]) -> tuple[list[str], list[list[str]]]:
-    headers = ["Variant", "Benchmark", "Round", "vs. round", "n", "change (pts)", "95% CI (pts)", "McNemar p",
-               "right->wrong / wrong->right", "verdict"]
+    """Table rows of :func:`paired_changes` (greedy: McNemar) or :func:`paired_rate_changes`
+    (sampled: sign-flip test, problems whose share of right samples fell / rose)."""
+    sampled = bool(changes) and "p_sign_flip" in changes[0]
+    p_head, p_key, moved, down, up = (("sign-flip p", "p_sign_flip", "problems down / up", "n_down", "n_up") if sampled
+                                      else ("McNemar p", "p_mcnemar", "right->wrong / wrong->right", "n10", "n01"))
+    headers = ["Variant", "Benchmark", "Round", "vs. round", "n", "change (pts)", "95% CI (pts)", p_head, moved, "verdict"]
     rows = [[c["variant"], _title(c["benchmark"]), str(c["round"]), str(c["vs_round"]), str(c["n"]),
-             f"{100 * c['diff']:+.1f}", f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]", f"{c['p_mcnemar']:.3f}",
-             f"{c['n10']} / {c['n01']}", "significant" if c["significant"] else "within noise"] for c in changes]
-    return headers, rows
-
-
-def _rate_change_rows(changes: list[dict]) -> tuple[list[str], list[list[str]]]:
-    headers = ["Variant", "Benchmark", "Round", "vs. round", "n", "change (pts)", "95% CI (pts)", "sign-flip p",
-               "problems down / up", "verdict"]
-    rows = [[c["variant"], _title(c["benchmark"]), str(c["round"]), str(c["vs_round"]), str(c["n"]),
-             f"{100 * c['diff']:+.1f}", f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]", f"{c['p_sign_flip']:.3f}",
-             f"{c['n_down']} / {c['n_up']}", "significant" if c["significant"] else "within noise"] for c in changes]
+             f"{100 * c['diff']:+.1f}", f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]", f"{c[p_key]:.3f}",
+             f"{c[down]} / {c[up]}", "significant" if c["significant"] else "within noise"] for c in changes]
     return headers, rows
 
 
@@ -474,8 +469,8 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
         n = {f"{_title(r['benchmark'])} {r['n_problems']}" for r in data["accuracy"]}
         sections.append(("Accuracy (greedy, %)", f"math-verify; problems per benchmark: {', '.join(sorted(n))}. "
                          "Avg. = unweighted mean over benchmarks (* = over the benchmarks evaluated).", h, rows))
+        k = max(r["pass_k"] or 0 for r in data["accuracy"])  # samples per problem (0: greedy only)
         if any(r["pass_at_k"] is not None for r in data["accuracy"]):
-            k = max(r["pass_k"] or 0 for r in data["accuracy"])
             h2, rows2, _ = accuracy_rows(data["accuracy"], "pass_at_k")
             sections.append((f"pass@{k} (%)", f"{k} samples at temperature 1.0 per problem.", h2, rows2))
         if data.get("changes"):
@@ -486,14 +481,13 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
                              "significant when the CI excludes 0 and p < 0.05; otherwise it is within the eval's "
                              "noise. " + batch_invariance_note(run_dir), h3, rows3))
         if any(r.get("sampled_accuracy") is not None for r in data["accuracy"]):
-            k = max(r["pass_k"] or 0 for r in data["accuracy"])
             h5, rows5, _ = accuracy_rows(data["accuracy"], "sampled_accuracy")
             sections.append(("Sampled accuracy (T = 1, %)",
                              f"Mean share of right answers among the {k} samples per problem: the expected outcome "
                              "reward the policy is trained to raise (greedy accuracy can stay flat while it rises).",
                              h5, rows5))
         if data.get("sampled_changes"):
-            h6, rows6 = _rate_change_rows(data["sampled_changes"])
+            h6, rows6 = _change_rows(data["sampled_changes"])
             sections.append(("Changes between rounds (paired, sampled)",
                              "Same problems in both rounds; per problem the share of right samples. CI: percentile "
                              "bootstrap of the per-problem change; p: sign-flip permutation test (McNemar's test "
