@@ -21,6 +21,9 @@ from __future__ import annotations
 import functools
 import http.server
 import logging
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from collections import Counter
 from pathlib import Path
 
@@ -297,3 +300,40 @@ def serve(folder: Path, port: int = 8765) -> http.server.ThreadingHTTPServer:
     return http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
 
 
+
+
+CHROMIUM_NAMES = ("chromium", "chromium-browser")
+
+
+def chromium_executable() -> str | None:
+    """The path of a Chromium binary on ``PATH`` (Debian's ``chromium`` or Ubuntu's
+    ``chromium-browser``; ``scripts/install.sh`` installs it with apt), or ``None`` when there is none."""
+    for name in CHROMIUM_NAMES:
+        if path := shutil.which(name):
+            return path
+    return None
+
+
+@contextmanager
+def headless_chromium() -> Iterator:
+    """A headless Chromium (a ``playwright.sync_api.Browser``) to open browser pages with, closed on exit.
+
+    Used by the tests that click through a page as a person does and by
+    ``scripts/browser_screenshot.py``. Launched with ``--no-sandbox`` (root in a container has no
+    user namespace for Chromium's sandbox); the pages it opens are local files.
+
+    Raises:
+        RuntimeError: no Chromium on ``PATH`` (install Debian's ``chromium``: ``apt-get install chromium``).
+        ImportError: ``playwright`` is not installed (``pip install -e .[test]``).
+    """
+    exe = chromium_executable()
+    if exe is None:
+        raise RuntimeError(f"no Chromium on PATH (looked for {' or '.join(CHROMIUM_NAMES)}): apt-get install chromium")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        try:
+            yield browser
+        finally:
+            browser.close()

@@ -10,8 +10,9 @@ critiques), and saves a PNG. Needs Chromium (Debian's ``chromium``) and ``playwr
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
+
+from pipeline.browse import chromium_executable, headless_chromium
 
 
 def main() -> None:
@@ -22,13 +23,9 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1400)
     ap.add_argument("--height", type=int, default=1000)
     a = ap.parse_args()
-    from playwright.sync_api import sync_playwright
-
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
+    if chromium_executable() is None:
         raise SystemExit("Chromium not found: apt-get install chromium")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+    with headless_chromium() as browser:
         page = browser.new_page(viewport={"width": a.width, "height": a.height})
         page.goto(a.page.resolve().as_uri())
         page.check(f"input[name=filter][value={a.filter}]")
@@ -39,7 +36,6 @@ def main() -> None:
             visible.first.scroll_into_view_if_needed()
         a.out.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(a.out))
-        browser.close()
     print(a.out)
 
 

@@ -295,12 +295,11 @@ def test_noise_floor_of_a_real_round(tiny_round, repo):
 
 def test_the_critique_browser_of_the_real_round_in_chromium(tiny_round, repo):
     """Issue 14, as a person uses it: `capo browse`, open the page, filter, click a step."""
-    import shutil
+    from pipeline.browse import chromium_executable, headless_chromium
 
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
+    if chromium_executable() is None:
         pytest.skip("Chromium is not installed (scripts/install.sh installs Debian's `chromium` where apt works)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
+    pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
     cfg = tiny_round[0]
     out = subprocess.run([sys.executable, "-m", "flows.cli", "browse", cfg.run_id, "--round", "1",
                           "--runs-dir", cfg.runs_dir], cwd=repo, capture_output=True, text=True, timeout=300)
@@ -318,8 +317,7 @@ def test_the_critique_browser_of_the_real_round_in_chromium(tiny_round, repo):
         critiques.setdefault(rid, []).append(raw)
     tokens = dict(con.execute("SELECT rollout_id, num_tokens FROM rollouts").fetchall())
     con.close()
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+    with headless_chromium() as browser:
         page = browser.new_page()
         page.goto(page_path.as_uri())
         assert page.locator(".response").count() == cfg.data.prompts_per_round * cfg.rollout.group_size
@@ -334,7 +332,6 @@ def test_the_critique_browser_of_the_real_round_in_chromium(tiny_round, repo):
                      for i in range(len(critiques[rid]))]
         assert [s.strip() for s in shown_raw] == [c.strip() for c in critiques[rid]]
         assert first.locator('[data-testid="token-strip"] span').count() == tokens[rid]
-        browser.close()
 
 
 def test_two_rounds_started_together_on_one_run_exactly_one_writes(tiny_round, repo):

@@ -11,7 +11,7 @@ import duckdb
 import pytest
 
 from pipeline import storage
-from pipeline.browse import build_browser, collect
+from pipeline.browse import build_browser, chromium_executable, collect, headless_chromium
 from pipeline.stages.reward import reward_stage
 from pipeline.stages.vote import vote_stage
 from tests.toy_round import toy_config, write_round
@@ -87,23 +87,16 @@ def test_model_text_reaches_the_page_as_data_only(toy_run):
     assert a["steps"][1]["text"] == EVIL and a["critiques"][0]["raw"] == EVIL  # intact once parsed
 
 
-def _chromium():
-    import shutil
-
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
+def _skip_without_chromium() -> None:
+    if chromium_executable() is None:
         pytest.skip("Chromium is not installed (scripts/install.sh installs Debian's `chromium` where apt works)")
     pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
-    return path
 
 
 def test_a_person_filters_and_opens_the_critiques_of_a_step(toy_run):
-    from playwright.sync_api import sync_playwright
-
-    exe = _chromium()
+    _skip_without_chromium()
     page_path = build_browser(toy_run.run_dir(), 1)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+    with headless_chromium() as browser:
         page = browser.new_page()
         dialogs = []
         page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
@@ -129,7 +122,6 @@ def test_a_person_filters_and_opens_the_critiques_of_a_step(toy_run):
         page.get_by_label("all").check()
         page.fill("#search", "no such text anywhere")
         assert page.locator(".response:not(.hidden)").count() == 0
-        browser.close()
 
 
 def test_the_run_report_links_the_browser_of_each_round(toy_run, tmp_path):
@@ -175,11 +167,8 @@ def test_the_same_prompt_in_another_round_is_linked(toy_run):
     assert prompt["other_rounds"] == [{"round": 1, "responses": 2, "correct": 1, "flagged_steps": 1}]
     assert data["overview"]["accuracy"] == 1.0
     page = build_browser(cfg.run_dir(), 2)
-    exe = _chromium()  # skips here (the data is checked above) where Chromium is not installed
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+    _skip_without_chromium()  # skips here (the data is checked above) where Chromium is not installed
+    with headless_chromium() as browser:
         tab = browser.new_page()
         tab.goto(page.as_uri())
         link = tab.get_by_test_id("other-rounds").get_by_role("link", name="round 1")
@@ -187,4 +176,3 @@ def test_the_same_prompt_in_another_round_is_linked(toy_run):
         tab.wait_for_load_state()
         assert tab.url.endswith("/round_001-capo-intersection/index.html#toy-train-00000")
         assert tab.title().startswith("CAPO critiques: toy round 1 ")
-        browser.close()
