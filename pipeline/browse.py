@@ -22,9 +22,9 @@ import functools
 import http.server
 import logging
 import shutil
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from collections import Counter
 from pathlib import Path
 
 import duckdb
@@ -298,8 +298,6 @@ def serve(folder: Path, port: int = 8765) -> http.server.ThreadingHTTPServer:
     """An HTTP server for ``folder`` bound to 127.0.0.1 only (call ``serve_forever``)."""
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
     return http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
-
-
 
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser")
