@@ -79,6 +79,8 @@ def base_overrides(a: argparse.Namespace, seed: int) -> list[str]:
             "scale.policy_engine=per-stage",
             # only when set, so that the ids of runs made before the option existed stay the same
             *([f"train.kl_coef={a.kl_coef}"] if a.kl_coef else []),
+            *(["rollout.dynamic_sampling=true", f"rollout.max_gen_batches={a.max_gen_batches}"]
+              if a.dynamic_sampling else []),
             *([f"eval.pass_k={a.eval_samples}", f"eval.pass_k_benchmarks=[{a.dataset}]"] if a.eval_samples > 1 else [])]
 
 
@@ -292,7 +294,9 @@ def round_metrics(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
     """One dict per round 0..K from the run's tables."""
     import pyarrow.parquet as pq
 
+    from pipeline import storage
     from pipeline.stages.base import round_paths
+    from pipeline.stages.rollout import has_signal
 
     cfg = arm_config(a, arm, seed, train_file)
     secs = stage_seconds(a, arm, seed, train_file)
@@ -308,8 +312,15 @@ def round_metrics(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
             if sampled:  # mean over all k samples of all problems = mean over problems of c/k
                 row.update(heldout_sampled_accuracy=float(np.mean(sampled)), heldout_samples=len(sampled))
         if k >= 1 and p["outcomes"].exists():
-            oc = pq.read_table(p["outcomes"]).column("outcome_correct").to_pylist()
-            row["train_outcome_reward"] = float(np.mean(oc))
+            oc = pq.read_table(p["outcomes"], columns=["prompt_id", "outcome_correct"]).to_pylist()
+            row["train_outcome_reward"] = float(np.mean([r["outcome_correct"] for r in oc]))
+            groups: dict[str, list[bool]] = {}
+            for r in oc:
+                groups.setdefault(r["prompt_id"], []).append(r["outcome_correct"])
+            row["groups_with_signal"] = f"{sum(map(has_signal, groups.values()))}/{len(groups)}"
+            ds = (storage.read_manifest(p["rollouts"]) or {}).get("dynamic_sampling")
+            if ds:  # what dynamic sampling sampled to fill the round
+                row.update(gen_batches=ds["gen_batches"], groups_sampled=ds["groups_sampled"])
         if k >= 1 and p["train_metrics"].exists():
             tm = pq.read_table(p["train_metrics"]).to_pylist()
             first = {m["name"]: m["value"] for m in tm if m["step"] == 0}
@@ -466,6 +477,9 @@ def main() -> None:
                          "(docs/benchmarks.md); KL grows about as lr squared")
     ap.add_argument("--kl-coef", type=float, default=0.0,
                     help="train.kl_coef: a k3 KL penalty to the starting policy in the loss (0: measured, not penalized)")
+    ap.add_argument("--dynamic-sampling", action="store_true",
+                    help="rollout.dynamic_sampling: keep only groups whose outcomes differ (DAPO)")
+    ap.add_argument("--max-gen-batches", type=int, default=3, help="rollout.max_gen_batches with --dynamic-sampling")
     ap.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per round")
     ap.add_argument("--prompts-per-round", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)

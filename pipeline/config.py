@@ -135,6 +135,17 @@ class RolloutConfig(_Strict):
     instruction: str | None = None
     """Appended to every problem. None picks the instruction that matches ``steps.mode``
     (:data:`DEFAULT_INSTRUCTIONS`); it always asks for exactly one ``\\boxed{}`` answer."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476 §3.2; verl's ``filter_groups`` on
+    ``acc``): keep only groups whose verified outcomes differ (neither all right nor all wrong: a
+    group-normalized advantage gives the others no signal), sampling further batches of
+    ``data.prompts_per_round`` other prompts until the round has ``data.prompts_per_round`` such
+    groups or ``max_gen_batches`` batches were sampled; then it fills up with groups without signal.
+    The outcome is the verify stage's (``verify`` rules), also for CAPO and GenORM runs. The rollout
+    manifest records what was sampled and dropped (``dynamic_sampling``)."""
+    max_gen_batches: int = Field(3, ge=1)
+    """With ``dynamic_sampling``: most batches of ``data.prompts_per_round`` prompts sampled per
+    round (so at most this many times the rollouts of a round without it)."""
 
     @model_validator(mode="after")
     def _policy_servable(self) -> "RolloutConfig":

@@ -4,6 +4,11 @@ The prompts of round k are a seeded slice of the training prompts (:func:`select
 round 1 samples from ``rollout.policy``, round k > 1 from round k-1's checkpoint
 (:func:`pipeline.stages.base.policy_for_round`). Every sampled token's id and the engine's log-prob
 of it (after temperature, the PPO ratio's old log-prob check) are stored.
+
+With ``rollout.dynamic_sampling`` (DAPO §3.2) the stage grades each batch of groups as it is sampled
+and keeps only groups whose outcomes differ, sampling further batches of other prompts
+(:func:`extra_prompt_indices`) until the round has ``data.prompts_per_round`` of them
+(:func:`filter_groups`); the manifest's ``dynamic_sampling`` says what was sampled and dropped.
 """
 
 from __future__ import annotations
@@ -52,12 +57,54 @@ def select_prompt_indices(n_prompts: int, per_round: int, round_idx: int, seed: 
     return np.asarray(out, dtype=np.int64)
 
 
+def extra_prompt_indices(n_prompts: int, count: int, round_idx: int, seed: int, batch: int,
+                         exclude: list[int]) -> np.ndarray:
+    """Prompts of dynamic sampling's extra batch ``batch`` (1, 2, ...) of round ``round_idx``: the
+    first ``count`` prompts of a permutation seeded by ``(seed, round_idx, batch)`` that are not in
+    ``exclude`` (the prompts the round already sampled); fewer when the set runs out. Shape
+    ``(<= count,)``, int64. The round's own slice (:func:`select_prompt_indices`) is untouched, so
+    later rounds draw the same prompts with or without dynamic sampling."""
+    skip = {int(i) for i in exclude}
+    perm = np.random.default_rng([seed, round_idx, 1000 + batch]).permutation(n_prompts)
+    return np.asarray([i for i in perm if int(i) not in skip][:count], dtype=np.int64)
+
+
+def has_signal(correct: list[bool]) -> bool:
+    """A group gives a group-normalized advantage some signal when its outcomes differ."""
+    return 0 < sum(map(bool, correct)) < len(correct)
+
+
+def filter_groups(correct: list[list[bool]], per_round: int) -> tuple[list[int], int]:
+    """Dynamic sampling's choice (DAPO §3.2, eq. 11's constraint ``0 < |{correct}| < G``): of the
+    sampled groups (one list of verified outcomes per group, in sampling order), the first
+    ``per_round`` with signal (:func:`has_signal`); when there are fewer, the first groups without
+    signal fill the round up to ``per_round``.
+
+    Returns ``(indices of the kept groups in sampling order, how many of them have no signal)``.
+    Example: outcomes ``[[1,1], [0,1], [0,0], [1,0]]`` and ``per_round=2`` keep ``[1, 3]`` (0
+    without signal); with ``per_round=3``, ``[0, 1, 3]`` (1 without signal).
+    """
+    signal = [i for i, c in enumerate(correct) if has_signal(c)][:per_round]
+    fill = [i for i, c in enumerate(correct) if not has_signal(c)][: per_round - len(signal)]
+    return sorted(signal + fill), len(fill)
+
+
+def rollout_settings(cfg: CAPOConfig) -> dict:
+    """``cfg.rollout`` as the rollout key holds it: dynamic sampling's fields only when it is on, so
+    rounds sampled before the option existed keep their key (and their cached rollouts)."""
+    ro = cfg.rollout.model_dump(mode="json")
+    ds = {k: ro.pop(k) for k in ("dynamic_sampling", "max_gen_batches")}
+    if ds["dynamic_sampling"]:
+        ro["dynamic_sampling"] = ds
+    return ro
+
+
 def rollout_key(cfg: CAPOConfig, round_idx: int) -> dict:
     """What the rollouts depend on: data, rollout settings, resolved dtype, policy and prompts."""
     from pipeline.precision import precision_record
 
     c = cfg.model_dump(mode="json")
-    return {"round": round_idx, "seed": cfg.seed, "data": c["data"], "rollout": c["rollout"],
+    return {"round": round_idx, "seed": cfg.seed, "data": c["data"], "rollout": rollout_settings(cfg),
             "dtype": precision_record(cfg)["rollout_dtype"], "engine_logprobs": "processed",  # after temperature/top-p
             "policy": model_fingerprint(policy_for_round(cfg, round_idx)),
             "prompts": storage.file_sha256(prompts_path(cfg))}
@@ -69,19 +116,50 @@ def rollout_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stage
     key = rollout_key(cfg, round_idx)
 
     def compute():
-        policy = policy_for_round(cfg, round_idx)
-        prompts = pq.read_table(prompts_path(cfg))
-        idx = select_prompt_indices(prompts.num_rows, cfg.data.prompts_per_round, round_idx, cfg.seed)
-        chosen = prompts.take(pa.array(idx)).to_pylist()
-        convs = [policy_messages(r["question"], cfg.instruction()) for r in chosen]
         from pipeline.engines.host import policy_engine
 
-        engine = policy_engine(policy, cfg.rollout.engine, seed=round_seed(cfg, round_idx, 1))
-        gens = engine.generate(convs, cfg.rollout.group_size, cfg.rollout.sampling)
+        policy = policy_for_round(cfg, round_idx)
+        prompts = pq.read_table(prompts_path(cfg))
+        per, rc = cfg.data.prompts_per_round, cfg.rollout
+        engine = policy_engine(policy, rc.engine, seed=round_seed(cfg, round_idx, 1))
+        groups: list[tuple[dict, object, list[str]]] = []  # (prompt row, generation, response texts)
+        correct: list[list[bool]] = []
+        idx = select_prompt_indices(prompts.num_rows, per, round_idx, cfg.seed)
+        tried: list[int] = []
+        n_batches = 0
+        for batch in range(rc.max_gen_batches if rc.dynamic_sampling else 1):
+            if batch:
+                idx = extra_prompt_indices(prompts.num_rows, per, round_idx, cfg.seed, batch, tried)
+                if not len(idx):
+                    break
+            tried += idx.tolist()
+            n_batches += 1
+            chosen = prompts.take(pa.array(idx)).to_pylist()
+            gens = engine.generate([policy_messages(r["question"], cfg.instruction()) for r in chosen],
+                                   rc.group_size, rc.sampling)
+            new = [(r, g, [decode_with_bytes(engine.tokenizer, s.token_ids)[0] for s in g.samples])
+                   for r, g in zip(chosen, gens)]
+            groups += new
+            if not rc.dynamic_sampling:
+                break
+            correct += _grade_groups(cfg, new)
+            if sum(map(has_signal, correct)) >= per:
+                break
+        extra = {}
+        if rc.dynamic_sampling:
+            keep, n_flat = filter_groups(correct, per)
+            kept = set(keep)
+            dropped = [g[0]["prompt_id"] for i, g in enumerate(groups) if i not in kept]
+            extra["dynamic_sampling"] = {
+                "gen_batches": n_batches, "groups_sampled": len(groups),
+                "groups_with_signal": sum(map(has_signal, correct)), "groups_kept": len(keep),
+                "groups_kept_without_signal": n_flat, "dropped_prompt_ids": dropped}
+            log.info("dynamic sampling: %s", json.dumps({k: v for k, v in extra["dynamic_sampling"].items()
+                                                         if k != "dropped_prompt_ids"}))
+            groups = [groups[i] for i in keep]
         rows = []
-        for prompt, gen in zip(chosen, gens):
-            for j, s in enumerate(gen.samples):
-                text, _, _ = decode_with_bytes(engine.tokenizer, s.token_ids)
+        for prompt, gen, texts in groups:
+            for j, (s, text) in enumerate(zip(gen.samples, texts)):
                 rows.append({
                     "run_id": cfg.run_id, "round": round_idx,
                     "rollout_id": f"{cfg.run_id}/r{round_idx}/{prompt['prompt_id']}/{j}",
@@ -93,9 +171,24 @@ def rollout_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stage
         stats = engine.stats.as_dict()
         engine.close()
         log.info("rollout engine: %s", json.dumps(stats))
-        return pa.Table.from_pylist(rows, schema=ROLLOUTS_SCHEMA), provenance(cfg, {"engine": stats, "policy": policy})
+        return (pa.Table.from_pylist(rows, schema=ROLLOUTS_SCHEMA),
+                provenance(cfg, {"engine": stats, "policy": policy, **extra}))
 
     return run_table_stage("rollout", p["rollouts"], "rollouts", key, compute, force)
+
+
+def _grade_groups(cfg: CAPOConfig, groups: list[tuple[dict, object, list[str]]]) -> list[list[bool]]:
+    """Verified outcomes of freshly sampled groups, under the verify stage's rules (math-verify)."""
+    from pipeline.grading import grade
+
+    pairs = [(r["gold_answer"], t or "") for r, _, texts in groups for t in texts]
+    fins = [s.finish_reason for _, g, _ in groups for s in g.samples]
+    res = grade(pairs, answer=cfg.verify.answer, finish_reasons=fins, truncated=cfg.verify.truncated)
+    out, i = [], 0
+    for _, _, texts in groups:
+        out.append([ok for _, ok, _ in res[i : i + len(texts)]])
+        i += len(texts)
+    return out
 
 
 STAGE = Stage("rollout", (), ("rollouts",), True, rollout_key, "pipeline.stages.rollout:rollout_stage")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.stages.rollout import select_prompt_indices
+from pipeline.stages.rollout import extra_prompt_indices, filter_groups, has_signal, select_prompt_indices
 
 
 def test_rounds_take_disjoint_slices_of_one_permutation_per_epoch():
@@ -27,3 +27,46 @@ def test_selection_is_reproducible_and_seeded():
 def test_more_prompts_per_round_than_exist_is_an_error():
     with pytest.raises(ValueError, match="prompts_per_round=11 exceeds the 10 prompts"):
         select_prompt_indices(10, 11, 1, seed=0)
+
+
+# ---------------------------------------------------------------- dynamic sampling (DAPO §3.2)
+def test_filter_groups_keeps_the_first_groups_with_signal():
+    # groups: all right, mixed, all wrong, mixed (worked by hand in filter_groups' docstring)
+    outcomes = [[True, True], [False, True], [False, False], [True, False]]
+    assert filter_groups(outcomes, 2) == ([1, 3], 0)
+    assert filter_groups(outcomes, 1) == ([1], 0)
+
+
+def test_filter_groups_fills_up_with_groups_without_signal_in_sampling_order():
+    outcomes = [[True, True], [False, True], [False, False], [True, False]]
+    assert filter_groups(outcomes, 3) == ([0, 1, 3], 1)
+    assert filter_groups(outcomes, 4) == ([0, 1, 2, 3], 2)
+    assert filter_groups([[False] * 4, [True] * 4, [False] * 4], 2) == ([0, 1], 2)
+
+
+def test_has_signal_needs_both_outcomes_in_the_group():
+    assert has_signal([True, False, False, False]) and has_signal([True, True, True, False])
+    assert not has_signal([False] * 4) and not has_signal([True] * 4)
+
+
+def test_extra_batches_skip_the_prompts_already_sampled_and_are_seeded():
+    first = select_prompt_indices(10, 3, 2, seed=5)
+    extra = extra_prompt_indices(10, 3, 2, 5, batch=1, exclude=first.tolist())
+    assert len(extra) == 3 and not set(extra.tolist()) & set(first.tolist())
+    assert extra.tolist() == extra_prompt_indices(10, 3, 2, 5, batch=1, exclude=first.tolist()).tolist()
+    second = extra_prompt_indices(10, 3, 2, 5, batch=2, exclude=first.tolist() + extra.tolist())
+    assert not set(second.tolist()) & (set(first.tolist()) | set(extra.tolist()))
+    # the set runs out: 9 of 10 already sampled leaves one
+    assert extra_prompt_indices(10, 3, 2, 5, batch=3, exclude=list(range(9))).tolist() == [9]
+
+
+def test_the_rollout_key_holds_dynamic_sampling_only_when_it_is_on(tmp_path):
+    from pipeline.config import load_config
+    from pipeline.stages.rollout import rollout_settings
+
+    base = [f"runs_dir={tmp_path}", f"data_dir={tmp_path}"]
+    off, off5, on = (rollout_settings(load_config(None, base + x)) for x in
+                     ([], ["rollout.max_gen_batches=5"], ["rollout.dynamic_sampling=true"]))
+    assert off == off5 and "dynamic_sampling" not in off and "max_gen_batches" not in off
+    assert on["dynamic_sampling"] == {"dynamic_sampling": True, "max_gen_batches": 3}
+    assert {k: v for k, v in on.items() if k != "dynamic_sampling"} == off
