@@ -81,6 +81,7 @@ def base_overrides(a: argparse.Namespace, seed: int) -> list[str]:
             *([f"train.kl_coef={a.kl_coef}"] if a.kl_coef else []),
             *(["rollout.dynamic_sampling=true", f"rollout.max_gen_batches={a.max_gen_batches}"]
               if a.dynamic_sampling else []),
+            *([f"reward.overlong_buffer={a.overlong_buffer}"] if a.overlong_buffer else []),
             *([f"eval.pass_k={a.eval_samples}", f"eval.pass_k_benchmarks=[{a.dataset}]"] if a.eval_samples > 1 else [])]
 
 
@@ -480,6 +481,8 @@ def main() -> None:
     ap.add_argument("--dynamic-sampling", action="store_true",
                     help="rollout.dynamic_sampling: keep only groups whose outcomes differ (DAPO)")
     ap.add_argument("--max-gen-batches", type=int, default=3, help="rollout.max_gen_batches with --dynamic-sampling")
+    ap.add_argument("--overlong-buffer", type=int, default=0,
+                    help="reward.overlong_buffer: DAPO's soft overlong penalty over the budget's last N tokens (0: off)")
     ap.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per round")
     ap.add_argument("--prompts-per-round", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)

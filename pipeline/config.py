@@ -299,6 +299,15 @@ class RewardConfig(_Strict):
     """Divide by the group std (Dr.GRPO argues against it)."""
     eps: float = Field(1e-6, gt=0)
     """Added to the group std before dividing (docs/design.md §1.8)."""
+    overlong_buffer: int = Field(0, ge=0)
+    """L_cache of DAPO's soft overlong punishment (arXiv 2503.14476 §3.4, eq. 13), in tokens; 0 (the
+    default) turns it off. A response longer than ``rollout.sampling.max_tokens - overlong_buffer``
+    tokens loses reward linearly, ``overlong_penalty`` at the budget (a response cut there), added to
+    the reward of every one of its tokens before the group normalization
+    (:func:`pipeline.core.rewards.overlong_penalty`)."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """With ``overlong_buffer``: the penalty at the token budget, in reward units (DAPO's 1.0; a right
+    answer is worth ``correct_weight``)."""
 
     @model_validator(mode="after")
     def _c_above_p(self) -> "RewardConfig":
@@ -502,6 +511,10 @@ class CAPOConfig(_Strict):
         if r.estimator == "grpo" and r.process_weight > 0:
             raise ValueError("reward.estimator=grpo is sequence-level and would ignore the process reward "
                              f"(reward.process_weight={r.process_weight}); use capo-token-group or set it to 0")
+        if r.overlong_buffer >= self.rollout.sampling.max_tokens:
+            raise ValueError(f"reward.overlong_buffer={r.overlong_buffer} must be below rollout.sampling.max_tokens="
+                             f"{self.rollout.sampling.max_tokens} (the penalty ramps over the budget's last "
+                             "overlong_buffer tokens); e.g. a quarter of it, or 0 to turn it off")
         roles = [("rollout", self.rollout.sampling.max_tokens, self.rollout.engine),
                  ("critique", c.sampling.max_tokens, c.engine),
                  ("eval", self.eval.max_tokens, self.eval.engine or self.rollout.engine)]

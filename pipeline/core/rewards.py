@@ -181,6 +181,36 @@ def group_run_advantages(
     return (centered_S / (np.sqrt(var_G)[dense_S] + eps)).astype(np.float32)
 
 
+def overlong_penalty(num_tokens: np.ndarray, max_tokens: int, buffer: int, factor: float = 1.0) -> np.ndarray:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476 §3.4, eq. 13), one value per
+    response, added to its reward (verl's ``overlong_buffer``, ``penalty_factor``):
+
+    ``0`` for ``|y| <= L_max - L_cache``; ``factor * ((L_max - L_cache) - |y|) / L_cache`` inside the
+    last ``L_cache`` tokens of the budget; ``-factor`` at the budget or beyond (a response cut at
+    ``max_tokens``). ``L_max = max_tokens``, ``L_cache = buffer``. Example (L_max 100, L_cache 20,
+    factor 1): 50 and 80 tokens -> 0, 90 -> -0.5, 100 -> -1.
+
+    Args:
+        num_tokens: (B,) response lengths in tokens.
+        max_tokens: the sampling budget ``L_max`` (``rollout.sampling.max_tokens``), > 0.
+        buffer: ``L_cache``, in ``(0, max_tokens)``.
+        factor: the penalty at the budget, >= 0 (in units of reward; DAPO's correct reward is 1).
+
+    Returns:
+        (B,) float32 penalties in ``[-factor, 0]``.
+
+    Raises:
+        ValueError: ``buffer`` not in ``(0, max_tokens)`` or ``factor`` negative.
+    """
+    if not 0 < buffer < max_tokens:
+        raise ValueError(f"overlong buffer={buffer} must lie in (0, max_tokens={max_tokens})")
+    if factor < 0:
+        raise ValueError(f"overlong penalty factor={factor} must be >= 0")
+    n_B = np.asarray(num_tokens, dtype=np.float64)
+    exceed = n_B - (max_tokens - buffer)
+    return (-factor * np.clip(exceed / buffer, 0.0, 1.0)).astype(np.float32)
+
+
 def grpo_sequence_advantages(
     outcome_reward: np.ndarray,
     group_ids: np.ndarray,

@@ -16,6 +16,7 @@ from pipeline.config import CAPOConfig
 from pipeline.core.rewards import (
     group_run_advantages,
     grpo_sequence_advantages,
+    overlong_penalty,
     token_rewards,
 )
 from pipeline.schemas import TOKEN_REWARDS_SCHEMA
@@ -39,8 +40,12 @@ def reward_key(cfg: CAPOConfig, round_idx: int) -> dict:
         ins.update(steps=input_fp(p["steps"]), step_verdicts=input_fp(p["step_verdicts"]))
     if cfg.critique.enabled and cfg.critique.mode == "outcome":
         ins.update(critiques=input_fp(p["critiques"]))
+    reward = dict(c["reward"])
+    overlong = {k: reward.pop(k) for k in ("overlong_buffer", "overlong_penalty")}
+    if overlong["overlong_buffer"]:  # in the key only when on: rewards computed before the option keep their key
+        reward["overlong"] = {**overlong, "max_tokens": cfg.rollout.sampling.max_tokens}
     return {**ins, "critique_enabled": cfg.critique.enabled, "critique_mode": cfg.critique.mode,
-            "vote": c["vote"], "reward": c["reward"], "variant": cfg.variant}
+            "vote": c["vote"], "reward": reward, "variant": cfg.variant}
 
 
 def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
@@ -75,8 +80,12 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
             pos_S, len_S, w_S, n_valid = np.arange(B), n_tok, np.zeros(B, np.float32), np.zeros(B, np.int32)
         run_off = np.concatenate([[0], np.cumsum(np.bincount(pos_S, minlength=B))])
         R_S = token_rewards(r_v, w_S, run_off, rc.correct_weight, rc.process_weight)  # (S,), runs sorted by response
+        pen_B = np.zeros(B, np.float32)
+        if rc.overlong_buffer:  # DAPO's soft overlong punishment, the same for every token of a response
+            pen_B = overlong_penalty(n_tok, cfg.rollout.sampling.max_tokens, rc.overlong_buffer, rc.overlong_penalty)
+            R_S = R_S + pen_B[pos_S]
         if rc.estimator == "grpo":
-            A_S = grpo_sequence_advantages(rc.correct_weight * r_v, groups, rc.scale_by_std, rc.eps)[pos_S]
+            A_S = grpo_sequence_advantages(rc.correct_weight * r_v + pen_B, groups, rc.scale_by_std, rc.eps)[pos_S]
         else:
             A_S = group_run_advantages(R_S, len_S, groups[pos_S], rc.scale_by_std, rc.eps)
         R, A = np.repeat(R_S, len_S), np.repeat(A_S, len_S)  # (N,): the only per-token work
@@ -94,8 +103,10 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
             "advantages": pa.ListArray.from_arrays(off32, pa.array(A.astype(np.float32))),
             "reward_config_hash": pa.array([storage.key_hash(key)] * B, pa.string()),
         })
+        overlong_stats = ({"overlong_penalized": int((pen_B < 0).sum()), "mean_overlong_penalty": float(pen_B.mean())}
+                          if rc.overlong_buffer else {})
         extra = {"share_tokens_penalized": float(n_pen.sum() / max(len(R), 1)),
-                 "mean_token_reward": float(R.mean()) if len(R) else None, "outcome_source": rc.outcome, **genorm_stats}
+                 "mean_token_reward": float(R.mean()) if len(R) else None, "outcome_source": rc.outcome, **genorm_stats, **overlong_stats}
         return table.cast(TOKEN_REWARDS_SCHEMA), provenance(cfg, extra)
 
     return run_table_stage("reward", p["token_rewards"], "token_rewards", key, compute, force)

@@ -11,7 +11,7 @@ import pytest
 from pipeline import storage
 from pipeline.grading import grade, verify_answer
 from pipeline.stages.base import prompts_path, round_paths
-from pipeline.stages.reward import reward_stage
+from pipeline.stages.reward import reward_key, reward_stage
 from pipeline.stages.segment import segment_stage
 from pipeline.stages.verify import verify_stage
 from pipeline.stages.vote import vote_stage
@@ -237,6 +237,43 @@ def test_grpo_baseline_without_critiques(tmp_path):
     assert got["A"]["rule"] is None and got["A"]["n_penalized_tokens"] == 0
     with pytest.raises(ValueError, match="process_weight"):  # a process penalty needs step critiques
         _cfg(tmp_path, "critique.enabled=false", "variant=grpo")
+
+
+def test_overlong_penalty_by_hand_in_both_estimators(tmp_path):
+    # DAPO's soft overlong punishment, budget 12 tokens, buffer 6: no penalty up to 6 tokens, then
+    # -(n - 6) / 6: A (11 tokens) -5/6, B (7 tokens) -1/6, on every token of the response
+    over = ["rollout.sampling.max_tokens=12", "reward.overlong_buffer=6"]
+    cfg = _cfg(tmp_path, "critique.enabled=false", "reward.process_weight=0", "reward.estimator=grpo",
+               "reward.scale_by_std=false", "variant=grpo", *over)
+    _write_round(cfg)
+    reward_stage(cfg, 1)
+    got = _read_rewards(cfg)
+    np.testing.assert_allclose(got["A"]["rewards"], [2 - 5 / 6] * 11, rtol=1e-6)
+    np.testing.assert_allclose(got["B"]["rewards"], [-1 / 6] * 7, rtol=1e-6)
+    # sequence rewards [7/6, -1/6], mean 1/2: Dr.GRPO advantages (no std) +-2/3 (+-1 without the penalty)
+    np.testing.assert_allclose(got["A"]["advantages"], [2 / 3] * 11, rtol=1e-5)
+    np.testing.assert_allclose(got["B"]["advantages"], [-2 / 3] * 7, rtol=1e-5)
+    man = storage.read_manifest(round_paths(cfg, 1)["token_rewards"])
+    assert man["overlong_penalized"] == 2 and man["mean_overlong_penalty"] == pytest.approx(-0.5)
+    assert man["key"]["reward"]["overlong"] == {"overlong_buffer": 6, "overlong_penalty": 1.0, "max_tokens": 12}
+
+    # CAPO token rewards under intersection: the step penalty and the overlong penalty add up
+    capo = _cfg(tmp_path, *over, "variant=capo-overlong")
+    vote_stage(capo, 1)
+    reward_stage(capo, 1)
+    got = _read_rewards(capo)
+    np.testing.assert_allclose(got["A"]["rewards"], [7 / 6] * 4 + [1 / 6] + [7 / 6] * 6, rtol=1e-6)
+    np.testing.assert_allclose(got["B"]["rewards"], [-1 / 6] * 7, rtol=1e-6)
+    # off (the default), the reward key holds no overlong settings: keys of earlier rounds stay valid
+    off = _cfg(tmp_path, "critique.enabled=false", "reward.process_weight=0", "reward.estimator=grpo", "variant=grpo")
+    key_off = reward_key(off, 1)["reward"]
+    assert not {"overlong", "overlong_buffer", "overlong_penalty"} & set(key_off)
+    assert key_off == {k: v for k, v in man["key"]["reward"].items() if k != "overlong"} | {"scale_by_std": True}
+
+
+def test_an_overlong_buffer_as_long_as_the_budget_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"reward.overlong_buffer=12 must be below rollout.sampling.max_tokens=12"):
+        _cfg(tmp_path, "rollout.sampling.max_tokens=12", "reward.overlong_buffer=12")
 
 
 def test_reruns_skip_and_changed_inputs_recompute(tmp_path):

@@ -200,3 +200,23 @@ def test_broadcast_to_tokens():
     assert out.dtype == np.float32
     with pytest.raises(ValueError, match="B\\+1"):
         broadcast_to_tokens(np.array([1.0]), np.array([0, 1, 2]))
+
+
+# ------------------------------------------------------------ DAPO soft overlong punishment (eq. 13)
+def test_overlong_penalty_by_hand():
+    from pipeline.core.rewards import overlong_penalty
+
+    # L_max 100, L_cache 20: free up to 80 tokens, then linear to -factor at 100 and beyond
+    got = overlong_penalty(np.array([50, 80, 81, 90, 100, 120]), 100, 20)
+    np.testing.assert_allclose(got, [0, 0, -0.05, -0.5, -1, -1], rtol=1e-6)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(overlong_penalty(np.array([90, 100]), 100, 20, factor=0.5), [-0.25, -0.5], rtol=1e-6)
+
+
+@pytest.mark.parametrize("buffer, factor, match", [(0, 1.0, "buffer=0 must lie in"), (100, 1.0, "buffer=100 must lie in"),
+                                                   (20, -1.0, "factor=-1.0 must be >= 0")])
+def test_overlong_penalty_rejects_bad_settings(buffer, factor, match):
+    from pipeline.core.rewards import overlong_penalty
+
+    with pytest.raises(ValueError, match=match):
+        overlong_penalty(np.array([10]), 100, buffer, factor)
