@@ -45,6 +45,11 @@ _SQL = {
                          sum(list_sum(rewards)) / sum(len(rewards)) AS mean_token_reward,
                          avg(outcome_correct::INT) AS train_accuracy
                   FROM token_rewards GROUP BY ALL ORDER BY ALL""",
+    # a group whose responses are all right or all wrong gives a group-normalized outcome advantage nothing
+    "groups": """SELECT round, variant, count(*) FILTER (WHERE n_right > 0 AND n_right < n) AS groups_with_signal,
+                        count(*) AS groups
+                 FROM (SELECT round, variant, prompt_id, sum(outcome_correct::INT) AS n_right, count(*) AS n
+                       FROM token_rewards GROUP BY ALL) GROUP BY ALL ORDER BY ALL""",
     "flagged": """SELECT round, variant, rule, avg((weight > 0)::INT) AS share_flagged, count(*) AS steps
                   FROM step_verdicts GROUP BY ALL ORDER BY ALL""",
     "parse": """SELECT round, mode,
@@ -59,7 +64,7 @@ _SQL = {
                 FROM train_metrics GROUP BY ALL ORDER BY ALL""",
 }
 _DEFAULT_COLUMNS = {"critiques": {"mode": "'process'", "steps_wrong_lines": "NULL::INTEGER[]"}}  # columns older tables lack, and their value
-_NEEDS = {"rollout": "token_rewards", "flagged": "step_verdicts", "parse": "critiques", "train": "train_metrics"}
+_NEEDS = {"rollout": "token_rewards", "groups": "token_rewards", "flagged": "step_verdicts", "parse": "critiques", "train": "train_metrics"}
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -403,21 +408,24 @@ def _fmt(x: float | None, spec: str, scale: float = 1.0) -> str:
 
 
 def training_rows(data: dict) -> tuple[list[str], list[list[str]]]:
-    """Per (variant, round): training accuracy, response length, token reward, flags, parse failures, PPO."""
+    """Per (variant, round): training accuracy, groups with signal (outcomes neither all right nor all
+    wrong), response length, token reward, flags, parse failures, PPO."""
     keys = sorted({(r["variant"], r["round"]) for key in ("rollout", "train") for r in data.get(key, [])})
-    by = {key: {(r["variant"], r["round"]): r for r in data.get(key, [])} for key in ("rollout", "train")}
+    by = {key: {(r["variant"], r["round"]): r for r in data.get(key, [])} for key in ("rollout", "train", "groups")}
     flags = {(r["variant"], r["round"]): r["share_flagged"]
              for r in _variant_rule_flags(data) if r["label"] == r["variant"]}
     parse: dict[int, list[str]] = {}
     for r in data.get("parse", []):
         mode = "" if r["mode"] == "process" else f" ({r['mode']})"
         parse.setdefault(r["round"], []).append(_fmt(r["failure_rate"], ".1f", 100) + mode)
-    headers = ["Variant", "Round", "train acc. (%)", "resp. tokens", "token reward", "steps flagged (%)",
+    headers = ["Variant", "Round", "train acc. (%)", "groups with signal", "resp. tokens", "token reward", "steps flagged (%)",
                "critic parse fail. (%)", "clip frac.", "approx. KL", "trainer vs engine log-prob diff, mean / max"]
     rows = []
     for v, k in keys:
         ro, tr = by["rollout"].get((v, k), {}), by["train"].get((v, k), {})
-        rows.append([v, str(k), _fmt(ro.get("train_accuracy"), ".1f", 100), _fmt(ro.get("mean_response_tokens"), ".1f"),
+        g = by["groups"].get((v, k))
+        rows.append([v, str(k), _fmt(ro.get("train_accuracy"), ".1f", 100),
+                     f"{g['groups_with_signal']} / {g['groups']}" if g else "–", _fmt(ro.get("mean_response_tokens"), ".1f"),
                      _fmt(ro.get("mean_token_reward"), ".3f"), _fmt(flags.get((v, k)), ".1f", 100),
                      ", ".join(parse.get(k, [])) or "–", _fmt(tr.get("clip_frac"), ".4f"),
                      _fmt(tr.get("approx_kl"), ".2e"),

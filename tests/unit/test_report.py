@@ -121,8 +121,9 @@ def test_report_training_numbers(runs):
     assert tm[GRPO]["clip_frac"] == pytest.approx((0.0 + 0.2) / 2)
     md = write_report(runs, RUN)["report_md"].read_text()
     # capo round 1: train acc 50.0, (3 + 2) / 2 tokens, reward 4 / 5, flagged 1 of 4 steps (intersection, not union)
-    assert f"| {CAPO} | 1 | 50.0 | 2.5 | 0.800 | 25.0 | 33.3 | 0.2000 |" in md
-    assert f"| {GRPO} | 1 | 50.0 | 2.0 | 0.500 | – | 33.3 | 0.1000 |" in md
+    # one group (p0) per variant, one right and one wrong response: 1 of 1 groups with signal
+    assert f"| {CAPO} | 1 | 50.0 | 1 / 1 | 2.5 | 0.800 | 25.0 | 33.3 | 0.2000 |" in md
+    assert f"| {GRPO} | 1 | 50.0 | 1 / 1 | 2.0 | 0.500 | – | 33.3 | 0.1000 |" in md
     # the critic-signal table: by hand from the four critiques of rollout x (the "ok" rows carry no list)
     assert "### Critic signal (process critiques)" in md
     assert "| 1 | 0 % of 1 | no_verdict 1, ok 2, skipped_empty_response 1 | – |" in md
@@ -210,3 +211,15 @@ def test_sampled_accuracy_and_its_paired_change_in_the_report(tmp_path):
     assert "+25.0" in line and "0.125" in line and "0 / 4" in line and "within noise" in line
     greedy = md.split("### Changes between rounds (paired, greedy)")[1].split("###")[0]
     assert "+0.0" in greedy  # the greedy answers did not change
+
+
+def test_groups_with_signal_count_groups_whose_outcomes_differ(tmp_path):
+    # three groups of two: p0 right+wrong (signal), p1 right+right, p2 wrong+wrong (none) -> 1 of 3
+    rows = _token_rewards(GRPO, None, [[2.0], [0.0], [2.0], [2.0], [0.0], [0.0]])
+    for i, r in enumerate(rows):
+        r["prompt_id"] = f"p{i // 2}"
+    _write(tmp_path / RUN / "round_001" / "variants" / GRPO / "token_rewards.parquet", rows, TOKEN_REWARDS_SCHEMA)
+    data, _ = collect(tmp_path / RUN)
+    assert data["groups"] == [{"round": 1, "variant": GRPO, "groups_with_signal": 1, "groups": 3}]
+    md = write_report(tmp_path, RUN)["report_md"].read_text()
+    assert f"| {GRPO} | 1 | 50.0 | 1 / 3 | 1.0 |" in md
