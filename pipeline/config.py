@@ -119,7 +119,8 @@ class DataConfig(_Strict):
     train_split: str = "train"
     """Split of ``train_prompts`` to train on (``train`` or ``test`` for the embedded GSM8K; a split name for a HF dataset; for a local file it only labels the rows: ``prompt_id``, ``split``)."""
     prompts_per_round: int = Field(8, ge=1)
-    """Distinct problems per round; drawn without repetition across rounds from a seeded order."""
+    """Distinct problems per round; drawn without repetition across rounds from a seeded order (one
+    permutation per epoch; ``rollout.dynamic_sampling``'s extra prompts come from another one)."""
 
 
 class RolloutConfig(_Strict):
@@ -138,11 +139,14 @@ class RolloutConfig(_Strict):
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476 §3.2; verl's ``filter_groups`` on
     ``acc``): keep only groups whose verified outcomes differ (neither all right nor all wrong: a
-    group-normalized advantage gives the others no signal), sampling further batches of
+    group-normalized *outcome* advantage gives the others nothing), sampling further batches of
     ``data.prompts_per_round`` other prompts until the round has ``data.prompts_per_round`` such
-    groups or ``max_gen_batches`` batches were sampled; then it fills up with groups without signal.
-    The outcome is the verify stage's (``verify`` rules), also for CAPO and GenORM runs. The rollout
-    manifest records what was sampled and dropped (``dynamic_sampling``)."""
+    groups. The filter reads the verifier's outcome (``verify`` rules) in every variant, so under
+    CAPO it also drops groups whose only signal is the process reward, and under GenORM it judges
+    signal by another outcome than the one trained on. When ``max_gen_batches`` batches hold too few
+    groups with signal the round fills up with groups without signal (our choice; verl raises);
+    those train on a zero outcome advantage. The rollout manifest records what was sampled and
+    dropped (``dynamic_sampling``); extra prompts may repeat ones of other rounds of the epoch."""
     max_gen_batches: int = Field(3, ge=1)
     """With ``dynamic_sampling``: most batches of ``data.prompts_per_round`` prompts sampled per
     round (so at most this many times the rollouts of a round without it)."""

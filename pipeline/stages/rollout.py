@@ -6,8 +6,9 @@ round 1 samples from ``rollout.policy``, round k > 1 from round k-1's checkpoint
 of it (after temperature, the PPO ratio's old log-prob check) are stored.
 
 With ``rollout.dynamic_sampling`` (DAPO §3.2) the stage grades each batch of groups as it is sampled
-and keeps only groups whose outcomes differ, sampling further batches of other prompts
-(:func:`extra_prompt_indices`) until the round has ``data.prompts_per_round`` of them
+(the verify stage's rules) and keeps only groups whose outcomes differ, sampling further batches of
+other prompts (:func:`extra_prompt_indices`) until the round has ``data.prompts_per_round`` of them
+or ``rollout.max_gen_batches`` batches were sampled, then fills up with groups without signal
 (:func:`filter_groups`); the manifest's ``dynamic_sampling`` says what was sampled and dropped.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 
 import numpy as np
 import pyarrow as pa
@@ -41,20 +43,48 @@ log = logging.getLogger("capo.stages")
 
 
 def select_prompt_indices(n_prompts: int, per_round: int, round_idx: int, seed: int) -> np.ndarray:
-    """Indices of the prompts of round ``round_idx`` (1-based).
+    """Indices of the prompts of round ``round_idx`` (1-based), shape ``(per_round,)``.
 
-    A seeded permutation per epoch; rounds take consecutive slices, so prompts do not repeat until
-    the training set is used up, then a new epoch (a new permutation) starts.
+    A seeded permutation per epoch (:func:`epoch_permutation`); rounds take consecutive slices, so
+    prompts do not repeat until the training set is used up, then a new epoch starts. A round that
+    straddles two epochs never holds a prompt twice.
+
+    Raises:
+        ValueError: ``per_round`` exceeds ``n_prompts``.
     """
     if per_round > n_prompts:
         raise ValueError(f"data.prompts_per_round={per_round} exceeds the {n_prompts} prompts available")
     start, stop = (round_idx - 1) * per_round, round_idx * per_round
+    perms: dict[int, np.ndarray] = {}
     out = []
     for pos in range(start, stop):
         epoch, off = divmod(pos, n_prompts)
-        perm = np.random.default_rng([seed, epoch]).permutation(n_prompts)
-        out.append(perm[off])
+        if epoch not in perms:
+            perms[epoch] = epoch_permutation(n_prompts, per_round, seed, epoch)
+        out.append(perms[epoch][off])
     return np.asarray(out, dtype=np.int64)
+
+
+def epoch_permutation(n_prompts: int, per_round: int, seed: int, epoch: int) -> np.ndarray:
+    """The prompt order of one epoch, shape ``(n_prompts,)``: a permutation seeded by ``(seed, epoch)``,
+    except that when a round straddles the boundary from the previous epoch (``n_prompts`` is not a
+    multiple of ``per_round``), a prompt of the new epoch's head that the round already holds from
+    the old epoch's tail swaps places with the first later prompt that it does not hold. Epochs whose
+    head does not collide are the plain seeded permutation."""
+    prev = None
+    for e in range(epoch + 1):  # each epoch's head depends on the (adjusted) tail before it
+        perm = np.random.default_rng([seed, e]).permutation(n_prompts)
+        t = (e * n_prompts) % per_round  # the straddling round's prompts in epoch e - 1
+        if e and t:
+            tail = set(prev[n_prompts - t:].tolist())
+            head, rest = perm[: per_round - t].tolist(), perm[per_round - t:].tolist()
+            for i, x in enumerate(head):
+                if x in tail:  # of the n - t prompts outside the tail at most h - 1 are in the head, so
+                    j = next(k for k, y in enumerate(rest) if y not in tail)  # rest holds >= n - per_round + 1
+                    head[i], rest[j] = rest[j], head[i]
+            perm = np.asarray(head + rest, dtype=perm.dtype)
+        prev = perm
+    return prev
 
 
 def extra_prompt_indices(n_prompts: int, count: int, round_idx: int, seed: int, batch: int,
@@ -63,7 +93,9 @@ def extra_prompt_indices(n_prompts: int, count: int, round_idx: int, seed: int, 
     first ``count`` prompts of a permutation seeded by ``(seed, round_idx, batch)`` that are not in
     ``exclude`` (the prompts the round already sampled); fewer when the set runs out. Shape
     ``(<= count,)``, int64. The round's own slice (:func:`select_prompt_indices`) is untouched, so
-    later rounds draw the same prompts with or without dynamic sampling."""
+    later rounds draw the same prompts with or without dynamic sampling; the cost is that an extra
+    prompt may be one that another round of the same epoch trains on too (verl instead consumes the
+    next batches of its data loader)."""
     skip = {int(i) for i in exclude}
     perm = np.random.default_rng([seed, round_idx, 1000 + batch]).permutation(n_prompts)
     return np.asarray([i for i in perm if int(i) not in skip][:count], dtype=np.int64)
@@ -91,11 +123,15 @@ def filter_groups(correct: list[list[bool]], per_round: int) -> tuple[list[int],
 
 def rollout_settings(cfg: CAPOConfig) -> dict:
     """``cfg.rollout`` as the rollout key holds it: dynamic sampling's fields only when it is on, so
-    rounds sampled before the option existed keep their key (and their cached rollouts)."""
+    rounds sampled before the option existed keep their key (and their cached rollouts). When on, the
+    grading that chooses the groups is part of it too: the verify rules and math-verify's version."""
+    from importlib.metadata import version
+
     ro = cfg.rollout.model_dump(mode="json")
     ds = {k: ro.pop(k) for k in ("dynamic_sampling", "max_gen_batches")}
     if ds["dynamic_sampling"]:
-        ro["dynamic_sampling"] = ds
+        ro["dynamic_sampling"] = {**ds, "verify": cfg.verify.model_dump(mode="json"),
+                                  "verifier": f"math-verify=={version('math-verify')}"}
     return ro
 
 
@@ -153,7 +189,9 @@ def rollout_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stage
             extra["dynamic_sampling"] = {
                 "gen_batches": n_batches, "groups_sampled": len(groups),
                 "groups_with_signal": sum(map(has_signal, correct)), "groups_kept": len(keep),
-                "groups_kept_without_signal": n_flat, "dropped_prompt_ids": dropped}
+                "groups_kept_without_signal": n_flat, "dropped_prompt_ids": dropped,
+                # the outcome reward over every sampled response (the table's kept groups are mixed by construction)
+                "sampled_accuracy": float(np.mean([ok for c in correct for ok in c]))}
             log.info("dynamic sampling: %s", json.dumps({k: v for k, v in extra["dynamic_sampling"].items()
                                                          if k != "dropped_prompt_ids"}))
             groups = [groups[i] for i in keep]
@@ -168,6 +206,9 @@ def rollout_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stage
                     "response_token_ids": s.token_ids, "rollout_logprobs": s.logprobs,
                     "finish_reason": s.finish_reason, "num_tokens": len(s.token_ids),
                 })
+        dup = [rid for rid, n in Counter(r["rollout_id"] for r in rows).items() if n > 1]
+        if dup:  # a round holds each prompt once (select_prompt_indices, extra_prompt_indices)
+            raise ValueError(f"round {round_idx} would hold rollout ids twice: {dup[:3]}")
         stats = engine.stats.as_dict()
         engine.close()
         log.info("rollout engine: %s", json.dumps(stats))

@@ -18,6 +18,31 @@ def test_rounds_take_disjoint_slices_of_one_permutation_per_epoch():
     assert first_epoch.tolist() != np.concatenate(rounds)[10:].tolist()
 
 
+def test_a_round_across_an_epoch_boundary_never_holds_a_prompt_twice():
+    # 10 prompts, 3 per round: round 4 takes epoch 0's last prompt and epoch 1's first two. Seed 0's
+    # plain permutations collide there (epoch 1 starts with epoch 0's last prompt); the head swaps it
+    # with the next prompt of the epoch instead. Every epoch stays a permutation.
+    plain0, plain1 = (np.random.default_rng([0, e]).permutation(10) for e in (0, 1))
+    assert plain0[9] in plain1[:2]  # the collision this test is about
+    r4 = select_prompt_indices(10, 3, 4, seed=0)
+    assert len(set(r4.tolist())) == 3 and r4[0] == plain0[9]
+    for seed in range(50):
+        for n, per in ((10, 3), (7, 4), (11, 10), (3, 2)):
+            draws = np.concatenate([select_prompt_indices(n, per, k, seed) for k in range(1, 3 * n + 1)])
+            rounds = draws.reshape(-1, per)
+            assert all(len(set(r.tolist())) == per for r in rounds), (seed, n, per)
+            for e in range(len(draws) // n):
+                assert sorted(draws[e * n:(e + 1) * n].tolist()) == list(range(n)), (seed, n, per, e)
+
+
+def test_epochs_without_a_collision_are_the_plain_seeded_permutation():
+    from pipeline.stages.rollout import epoch_permutation
+
+    # 40 prompts, 4 per round: no round straddles an epoch, so nothing is ever swapped
+    for e in range(3):
+        assert epoch_permutation(40, 4, 7, e).tolist() == np.random.default_rng([7, e]).permutation(40).tolist()
+
+
 def test_selection_is_reproducible_and_seeded():
     a = select_prompt_indices(100, 8, 3, seed=1)
     assert a.tolist() == select_prompt_indices(100, 8, 3, seed=1).tolist()
@@ -68,5 +93,11 @@ def test_the_rollout_key_holds_dynamic_sampling_only_when_it_is_on(tmp_path):
     off, off5, on = (rollout_settings(load_config(None, base + x)) for x in
                      ([], ["rollout.max_gen_batches=5"], ["rollout.dynamic_sampling=true"]))
     assert off == off5 and "dynamic_sampling" not in off and "max_gen_batches" not in off
-    assert on["dynamic_sampling"] == {"dynamic_sampling": True, "max_gen_batches": 3}
+    assert {k: on["dynamic_sampling"][k] for k in ("dynamic_sampling", "max_gen_batches")} == {
+        "dynamic_sampling": True, "max_gen_batches": 3}
+    # the grading that picks the groups is part of the key: another verify rule, other rollouts
+    assert on["dynamic_sampling"]["verify"] == {"answer": "boxed", "truncated": "zero"}
+    assert on["dynamic_sampling"]["verifier"].startswith("math-verify==")
+    other = rollout_settings(load_config(None, base + ["rollout.dynamic_sampling=true", "verify.answer=any"]))
+    assert other != on
     assert {k: v for k, v in on.items() if k != "dynamic_sampling"} == off
