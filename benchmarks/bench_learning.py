@@ -321,7 +321,10 @@ def round_metrics(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
             row["groups_with_signal"] = f"{sum(map(has_signal, groups.values()))}/{len(groups)}"
             ds = (storage.read_manifest(p["rollouts"]) or {}).get("dynamic_sampling")
             if ds:  # what dynamic sampling sampled to fill the round
-                row.update(gen_batches=ds["gen_batches"], groups_sampled=ds["groups_sampled"])
+                row.update(gen_batches=ds["gen_batches"], groups_sampled=ds["groups_sampled"],
+                           groups_sampled_with_signal=ds["groups_with_signal"])
+                if "sampled_accuracy" in ds:  # over every sampled response, before the filter
+                    row["train_outcome_reward_all_sampled"] = ds["sampled_accuracy"]
         if k >= 1 and p["train_metrics"].exists():
             tm = pq.read_table(p["train_metrics"]).to_pylist()
             first = {m["name"]: m["value"] for m in tm if m["step"] == 0}
@@ -456,11 +459,15 @@ def plot(a: argparse.Namespace, rows: list[dict], path: Path) -> None:
             ax.plot(ks, m, style, marker="o", color=colors[arm], label=label)
             ax.fill_between(ks, [min(by[k]) for k in ks], [max(by[k]) for k in ks], color=colors[arm], alpha=0.15)
     ax1.set(title=f"held-out {a.dataset} ({a.eval_size} problems)", xlabel="round", ylabel="accuracy (%)")
-    ax2.set(title="training outcome reward (round's rollouts)", xlabel="round", ylabel="correct (%)")
+    ax2.set(title="training outcome reward (round's rollouts" + (", kept groups)" if a.dynamic_sampling else ")"),
+            xlabel="round", ylabel="correct (%)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"bench_learning: mean over seeds {a.seeds}, band = min..max")
+    extras = [x for x, on in ((f"KL coef {a.kl_coef}", a.kl_coef), ("dynamic sampling", a.dynamic_sampling),
+                              (f"overlong buffer {a.overlong_buffer}", a.overlong_buffer)) if on]
+    fig.suptitle(f"bench_learning: mean over seeds {a.seeds}, band = min..max"
+                 + (f"; {', '.join(extras)}" if extras else ""))
     fig.savefig(path, dpi=100)
 
 
