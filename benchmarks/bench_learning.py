@@ -35,8 +35,10 @@
 6. **Final table**: each arm's held-out accuracy at round K (mean and spread = max - min over
    seeds; greedy, and sampled with ``--eval-samples``), its gain over the control and whether that
    gain exceeds twice the spreads, the paired (same items) change from round 0 with its bootstrap
-   interval and the items that changed by verify status, and whether CAPO beat GRPO. A
-   plot ``learning.png`` in the runs dir.
+   interval and the items that changed by verify status, the change pooled over seeds with an
+   interval that counts both seed and item noise (``pooled_change_from_round0``: seeds and items
+   resampled independently, :func:`pipeline.core.significance.pooled_over_seeds`), and whether
+   CAPO beat GRPO. A plot ``learning.png`` in the runs dir.
 
     .venv/bin/python benchmarks/bench_learning.py --eval-samples 4     # the full benchmark, as in docs/benchmarks.md
     .venv/bin/python benchmarks/bench_learning.py --rounds 2 --seeds 0 --eval-size 50   # a smaller look
@@ -389,6 +391,45 @@ def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
     return out
 
 
+def item_changes(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> dict[str, dict] | None:
+    """Each held-out problem's change from round 0 to round K: ``{"greedy": {item: -1/0/1},
+    "sampled": {item: change of its share of right samples}}`` (``sampled`` empty without
+    ``--eval-samples``); None before round K is evaluated. Items are ``(benchmark, prompt_id)``."""
+    import pyarrow.parquet as pq
+
+    from pipeline.stages.base import round_paths
+
+    cfg = arm_config(a, arm, seed, train_file)
+    p0, pk = round_paths(cfg, 0)["eval"], round_paths(cfg, a.rounds)["eval"]
+    if not (p0.exists() and pk.exists()):
+        return None
+    rows0, rowsk = pq.read_table(p0).to_pylist(), pq.read_table(pk).to_pylist()
+
+    def greedy(rows):
+        return {(r["benchmark"], r["prompt_id"]): float(bool(r["correct"])) for r in rows if r["decoding"] == "greedy"}
+
+    g0, gk, s0, sk = greedy(rows0), greedy(rowsk), sampled_rates(rows0), sampled_rates(rowsk)
+    return {"greedy": {i: gk[i] - g0[i] for i in set(g0) & set(gk)},
+            "sampled": {i: sk[i] - s0[i] for i in set(s0) & set(sk)}}
+
+
+def pooled_changes(a: argparse.Namespace, arm: str, changes: dict[tuple[str, int], dict | None]) -> dict[str, dict]:
+    """Over the arm's seeds evaluated at round K, on the items all of them share: the mean change from
+    round 0 with its crossed (seeds x items) bootstrap interval
+    (:func:`pipeline.core.significance.pooled_over_seeds`), per metric (``greedy``, ``sampled``)."""
+    from pipeline.core.significance import pooled_over_seeds
+
+    out = {}
+    for metric in ("greedy", "sampled"):
+        per_seed = [c[metric] for seed in a.seeds if (c := changes.get((arm, seed))) and c[metric]]
+        if not per_seed:
+            continue
+        items = sorted(set.intersection(*(set(c) for c in per_seed)))
+        if items:
+            out[metric] = pooled_over_seeds([[c[i] for i in items] for c in per_seed]).as_dict()
+    return out
+
+
 def sampled_rates(rows: list[dict]) -> dict[tuple[str, str], float]:
     """``{(benchmark, prompt_id): right samples / samples}`` of an eval table's sampled rows ({} without)."""
     by: dict[tuple[str, str], list[bool]] = {}
@@ -398,8 +439,11 @@ def sampled_rates(rows: list[dict]) -> dict[tuple[str, str], float]:
     return {i: float(np.mean(v)) for i, v in by.items()}
 
 
-def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, int], dict | None]) -> list[dict]:
-    """Per arm at round K: mean/spread over seeds, gain over control, significance against 2 x spread."""
+def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, int], dict | None],
+              changes: dict[tuple[str, int], dict | None] | None = None) -> list[dict]:
+    """Per arm at round K: mean/spread over seeds, gain over control, significance against 2 x spread,
+    and with ``changes`` (:func:`item_changes` per arm and seed) the change from round 0 pooled over
+    seeds with its crossed bootstrap interval (``pooled_change_from_round0``)."""
     K = a.rounds
 
     def at(metric: str, arm: str | None, k: int) -> list[float]:
@@ -415,6 +459,8 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
         s = {"bench": "learning", "summary": arm, "round": K, "seeds": len(accs),
              "start_accuracy": float(np.mean(start)) if start else None,
              "paired_change_from_round0": {str(seed): paired.get((arm, seed)) for seed in a.seeds}}
+        if changes:
+            s["pooled_change_from_round0"] = pooled_changes(a, arm, changes)
         # greedy accuracy, and with --eval-samples the sampled accuracy (the quantity RL maximizes)
         for metric, tag in (("heldout_accuracy", ""), ("heldout_sampled_accuracy", "sampled_")):
             vals, ctrl = at(metric, arm, K), at(metric, "control", K)
@@ -471,7 +517,8 @@ def plot(a: argparse.Namespace, rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (also to rebuild a finished run's settings: ``parser().parse_args([...])``)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -514,7 +561,11 @@ def main() -> None:
     ap.add_argument("--runs-dir", default=str(ROOT / "runs" / "bench_learning"))
     ap.add_argument("--data-dir", default=str(ROOT / "data"))
     ap.add_argument("--select-only", action="store_true", help=argparse.SUPPRESS)  # child mode
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = parser().parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if a.select_only:
         print(json.dumps({"bench": "learning", "selection_file": str(select_training_items(a))}), flush=True)
@@ -538,7 +589,8 @@ def main() -> None:
     for r in rows:
         print(json.dumps({**r, **ctx}), flush=True)
     paired = {(arm, seed): paired_change(a, arm, seed, train_file) for arm in a.arms for seed in a.seeds}
-    for s in summarize(a, rows, paired):
+    changes = {(arm, seed): item_changes(a, arm, seed, train_file) for arm in a.arms for seed in a.seeds}
+    for s in summarize(a, rows, paired, changes):
         print(json.dumps({**s, **ctx}), flush=True)
     out = Path(a.runs_dir) / "learning.png"
     plot(a, rows, out)

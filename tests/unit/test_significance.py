@@ -92,3 +92,53 @@ def test_compare_rates_by_hand_and_errors():
         compare_rates([0.5], [0.5, 0.5])
     with pytest.raises(ValueError, match="at least one"):
         compare_rates([], [])
+
+
+def test_pooled_over_seeds_by_hand():
+    from pipeline.core.significance import pooled_over_seeds
+
+    # two runs, two identical items: resampling items changes nothing; the runs are drawn
+    # (a, a), (a, b), (b, a), (b, b) with p 1/4 each -> replicate means 1, 0.5, 0.5, 0:
+    # the 2.5 % / 97.5 % quantiles are the extremes
+    r = pooled_over_seeds([[1, 1], [0, 0]])
+    assert (r.seeds, r.n, r.diff, r.per_seed) == (2, 2, 0.5, (1.0, 0.0))
+    assert (r.lo, r.hi, r.significant) == (0.0, 1.0, False)
+    # one run is the paired item bootstrap: 4 items, one gained; the replicate mean is X/4 with
+    # X ~ Binomial(4, 1/4): P(X = 0) = 0.32 > 2.5 %, P(X >= 3) = 13/256 = 5.1 % > 2.5 %, P(X = 4) = 0.4 %
+    r = pooled_over_seeds([[1, 0, 0, 0]])
+    assert (r.diff, r.lo, r.hi) == (0.25, 0.0, 0.75)
+    # no variation at all: a point interval, significant when away from 0
+    r = pooled_over_seeds(np.full((3, 5), 0.1))
+    assert r.lo == pytest.approx(0.1) and r.hi == pytest.approx(0.1) and r.significant
+    # per-item rates are allowed (k samples per item)
+    assert pooled_over_seeds([[0.25, -0.5], [0.75, 0.0]]).diff == pytest.approx(0.125)
+
+
+def test_pooled_over_seeds_reaches_the_worse_run_with_few_seeds():
+    from pipeline.core.significance import pooled_over_seeds
+
+    # runs gaining 30 and 10 points on 200 items: a quarter of the replicates hold only the second
+    # run (mean 0.10, item sd sqrt(0.1 * 0.9 / 200) = 0.021), so the 2.5 % quantile is that
+    # component's 10 % quantile, about 0.10 - 1.28 * 0.021 = 0.073; the top likewise 0.30 + 0.04
+    d = np.zeros((2, 200))
+    d[0, :60] = 1
+    d[1, :20] = 1
+    r = pooled_over_seeds(d)
+    assert r.diff == pytest.approx(0.2) and r.per_seed == pytest.approx((0.3, 0.1))
+    assert 0.06 < r.lo < 0.09 and 0.32 < r.hi < 0.35 and r.significant
+    # a max - min rule would call this noise: gain 0.2 < 2 x spread 0.4
+
+
+def test_pooled_over_seeds_bad_input_names_the_problem():
+    from pipeline.core.significance import pooled_over_seeds
+
+    with pytest.raises(ValueError, match=r"2-D \(runs, items\).*shape \(3,\)"):
+        pooled_over_seeds([1, 0, 1])
+    with pytest.raises(ValueError, match=r"at least one run and one item.*\(0, 0\)"):
+        pooled_over_seeds(np.zeros((0, 0)))
+    with pytest.raises(ValueError, match=r"\[-1, 1\].*2\.0"):
+        pooled_over_seeds([[0, 2]])
+    with pytest.raises(ValueError, match=r"\[-1, 1\].*nan"):
+        pooled_over_seeds([[0, float("nan")]])
+    with pytest.raises(ValueError, match="level must be in"):
+        pooled_over_seeds([[0, 1]], level=1.5)
