@@ -1,0 +1,65 @@
+"""The learning benchmark's final table (benchmarks/bench_learning.py), on hand-made per-seed results.
+
+The rounds themselves are real in the benchmark; here only its arithmetic over finished runs: the
+mean and max - min spread over seeds, the gain over the control against twice the spread, and the
+change pooled over seeds with its crossed bootstrap interval.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_learning", ROOT / "benchmarks" / "bench_learning.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _changes(per_item: list[int], n: int = 200) -> dict:
+    """One run's item changes: the first ``per_item[0]`` items gained (+1), the next ``per_item[1]`` lost (-1)."""
+    up, down = per_item
+    d = [1.0] * up + [-1.0] * down + [0.0] * (n - up - down)
+    return {"greedy": {("mawps", f"p{i}"): x for i, x in enumerate(d)}, "sampled": {}}
+
+
+def test_summary_by_hand(bench):
+    a = bench.parser().parse_args(["--arms", "grpo", "control", "--seeds", "0", "1", "--rounds", "2"])
+    rows = [
+        {"arm": arm, "seed": s, "round": k, "heldout_accuracy": acc}
+        for arm, s, k, acc in [("grpo", 0, 0, 0.50), ("grpo", 1, 0, 0.50), ("grpo", 0, 2, 0.62),
+                               ("grpo", 1, 2, 0.56), ("control", 0, 2, 0.50), ("control", 1, 2, 0.51)]
+    ]
+    # grpo: seed 0 gained 30 - 6 = 24 items of 200 (+12 points), seed 1 gained 20 - 8 = 12 (+6 points)
+    changes = {("grpo", 0): _changes([30, 6]), ("grpo", 1): _changes([20, 8]),
+               ("control", 0): _changes([0, 0]), ("control", 1): _changes([5, 3])}
+    grpo, control = bench.summarize(a, rows, {}, changes)
+    assert grpo["summary"] == "grpo" and grpo["seeds"] == 2
+    # mean 0.59, spread 0.06; control mean 0.505, spread 0.01: gain 0.085 < 2 x 0.06 = 0.12 -> not beaten
+    assert grpo["heldout_accuracy"] == pytest.approx(0.59) and grpo["spread"] == pytest.approx(0.06)
+    assert grpo["gain_over_control"] == pytest.approx(0.085) and grpo["beats_control"] is False
+    pooled = grpo["pooled_change_from_round0"]["greedy"]
+    assert pooled["seeds"] == 2 and pooled["n"] == 200
+    assert pooled["diff"] == pytest.approx(0.09) and pooled["per_seed"] == pytest.approx([0.12, 0.06])
+    # the worse seed (+6 points, item se ~ sqrt(28 / 200) / sqrt(200) = 0.026) keeps the interval above 0
+    assert 0 < pooled["lo"] < 0.06 < 0.12 < pooled["hi"] and pooled["significant"] is True
+    assert "sampled" not in grpo["pooled_change_from_round0"]  # no --eval-samples: no sampled rates
+    assert control["pooled_change_from_round0"]["greedy"]["diff"] == pytest.approx(0.005)
+    assert control["pooled_change_from_round0"]["greedy"]["significant"] is False
+
+
+def test_pooling_uses_the_items_every_seed_has_and_skips_unfinished_runs(bench):
+    a = bench.parser().parse_args(["--arms", "grpo", "--seeds", "0", "1", "2"])
+    one, two = _changes([4, 0], n=8), _changes([2, 0], n=8)
+    del two["greedy"][("mawps", "p0")]  # seed 1 lacks an item (one it gained): pooled over the 7 both have
+    pooled = bench.pooled_changes(a, "grpo", {("grpo", 0): one, ("grpo", 1): two, ("grpo", 2): None})
+    assert pooled["greedy"]["seeds"] == 2 and pooled["greedy"]["n"] == 7
+    assert pooled["greedy"]["per_seed"] == pytest.approx([3 / 7, 1 / 7])
+    assert bench.pooled_changes(a, "grpo", {("grpo", 0): None}) == {}
