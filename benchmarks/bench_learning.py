@@ -38,7 +38,8 @@
    interval and the items that changed by verify status, the change pooled over seeds with an
    interval that counts both seed and item noise (``pooled_change_from_round0``: seeds and items
    resampled independently, :func:`pipeline.core.significance.pooled_over_seeds`), and whether
-   CAPO beat GRPO. A plot ``learning.png`` in the runs dir.
+   CAPO beat GRPO (the difference of their means, and paired by seed and item with the same
+   interval: ``capo_minus_grpo_pooled``). A plot ``learning.png`` in the runs dir.
 
     .venv/bin/python benchmarks/bench_learning.py --eval-samples 4     # the full benchmark, as in docs/benchmarks.md
     .venv/bin/python benchmarks/bench_learning.py --rounds 2 --seeds 0 --eval-size 50   # a smaller look
@@ -479,9 +480,30 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
     for metric, tag in (("heldout_accuracy", ""), ("heldout_sampled_accuracy", "sampled_")):
         c, g = at(metric, "capo", K), at(metric, "grpo", K)
         if c and g:
-            out.append({"bench": "learning", "metric": metric, f"{tag}capo_minus_grpo": float(np.mean(c) - np.mean(g)),
-                        f"{tag}capo_beat_grpo": bool(np.mean(c) > np.mean(g))})
+            row = {"bench": "learning", "metric": metric, f"{tag}capo_minus_grpo": float(np.mean(c) - np.mean(g)),
+                   f"{tag}capo_beat_grpo": bool(np.mean(c) > np.mean(g))}
+            if changes and (head := capo_vs_grpo(a, changes, "sampled" if tag else "greedy")):
+                # paired per seed and item, seeds and items resampled: is the difference more than noise?
+                row[f"{tag}capo_minus_grpo_pooled"] = head
+            out.append(row)
     return out
+
+
+def capo_vs_grpo(a: argparse.Namespace, changes: dict[tuple[str, int], dict | None], metric: str) -> dict | None:
+    """CAPO's round-K result minus GRPO's, paired by seed and held-out item (both arms start from the
+    same round-0 eval, so the difference of their changes is the difference of their round-K
+    results), over the seeds both arms finished, on the items all of them share, with the crossed
+    bootstrap interval of :func:`pipeline.core.significance.pooled_over_seeds`; None without such seeds."""
+    from pipeline.core.significance import pooled_over_seeds
+
+    pairs = [(c[metric], g[metric]) for seed in a.seeds
+             if (c := changes.get(("capo", seed))) and (g := changes.get(("grpo", seed))) and c[metric] and g[metric]]
+    if not pairs:
+        return None
+    items = sorted(set.intersection(*(set(c) & set(g) for c, g in pairs)))
+    if not items:
+        return None
+    return pooled_over_seeds([[c[i] - g[i] for i in items] for c, g in pairs]).as_dict()
 
 
 def plot(a: argparse.Namespace, rows: list[dict], path: Path) -> None:
@@ -505,7 +527,7 @@ def plot(a: argparse.Namespace, rows: list[dict], path: Path) -> None:
             ax.plot(ks, m, style, marker="o", color=colors[arm], label=label)
             ax.fill_between(ks, [min(by[k]) for k in ks], [max(by[k]) for k in ks], color=colors[arm], alpha=0.15)
     ax1.set(title=f"held-out {a.dataset} ({a.eval_size} problems)", xlabel="round", ylabel="accuracy (%)")
-    ax2.set(title="training outcome reward (round's rollouts" + (", kept groups)" if a.dynamic_sampling else ")"),
+    ax2.set(title="training outcome reward (" + ("kept groups)" if a.dynamic_sampling else "round's rollouts)"),
             xlabel="round", ylabel="correct (%)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)

@@ -63,3 +63,23 @@ def test_pooling_uses_the_items_every_seed_has_and_skips_unfinished_runs(bench):
     assert pooled["greedy"]["seeds"] == 2 and pooled["greedy"]["n"] == 7
     assert pooled["greedy"]["per_seed"] == pytest.approx([3 / 7, 1 / 7])
     assert bench.pooled_changes(a, "grpo", {("grpo", 0): None}) == {}
+
+
+def test_capo_minus_grpo_is_paired_by_seed_and_item(bench):
+    a = bench.parser().parse_args(["--arms", "grpo", "capo", "--seeds", "0", "1", "--rounds", "2"])
+    rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": acc}
+            for arm, s, acc in [("grpo", 0, 0.55), ("grpo", 1, 0.55), ("capo", 0, 0.60), ("capo", 1, 0.60)]]
+    # on 200 items: GRPO gained items 0-9 in both seeds; CAPO gained items 0-19 in both: CAPO - GRPO
+    # is +1 on items 10-19 and 0 elsewhere, in both seeds -> +5 points, and no seed variation
+    changes = {("grpo", 0): _changes([10, 0]), ("grpo", 1): _changes([10, 0]),
+               ("capo", 0): _changes([20, 0]), ("capo", 1): _changes([20, 0])}
+    *_, head = bench.summarize(a, rows, {}, changes)
+    assert head["metric"] == "heldout_accuracy" and head["capo_minus_grpo"] == pytest.approx(0.05)
+    pooled = head["capo_minus_grpo_pooled"]
+    assert pooled["seeds"] == 2 and pooled["diff"] == pytest.approx(0.05) and pooled["per_seed"] == pytest.approx([0.05, 0.05])
+    # only the item factor varies: 10 of 200 items at +1, se = sqrt(0.05 * 0.95 / 200) = 0.0154, so about
+    # 0.05 +- 0.03 (the replicate means are multiples of 1/200)
+    assert 0.015 < pooled["lo"] < 0.03 and 0.07 < pooled["hi"] <= 0.09 and pooled["significant"]
+    # a seed only one arm finished is left out; no seed both finished: no pooled comparison
+    assert bench.capo_vs_grpo(a, {**changes, ("grpo", 1): None}, "greedy")["seeds"] == 1
+    assert bench.capo_vs_grpo(a, {("capo", 0): changes[("capo", 0)], ("grpo", 1): changes[("grpo", 1)]}, "greedy") is None
