@@ -346,6 +346,19 @@ def round_metrics(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
     return out
 
 
+def eval_tables(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> tuple[list[dict], list[dict]] | None:
+    """The run's round-0 and round-K eval tables as written (rows as dicts); None before round K is evaluated."""
+    import pyarrow.parquet as pq
+
+    from pipeline.stages.base import round_paths
+
+    cfg = arm_config(a, arm, seed, train_file)
+    p0, pk = round_paths(cfg, 0)["eval"], round_paths(cfg, a.rounds)["eval"]
+    if not (p0.exists() and pk.exists()):
+        return None
+    return pq.read_table(p0).to_pylist(), pq.read_table(pk).to_pylist()
+
+
 def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> dict | None:
     """Round K vs round 0 on the same held-out items: the change, its paired bootstrap 95 %
     interval and McNemar's p (:mod:`pipeline.core.significance`), the items that changed by verify
@@ -353,17 +366,12 @@ def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
     ends, and with ``--eval-samples`` the same for the sampled accuracy (``sampled``:
     :func:`pipeline.core.significance.compare_rates` over per-problem shares of right samples);
     None before round K is evaluated."""
-    import pyarrow.parquet as pq
-
     from pipeline.core.significance import compare, compare_rates
-    from pipeline.stages.base import round_paths
 
-    cfg = arm_config(a, arm, seed, train_file)
-    p0, pk = round_paths(cfg, 0)["eval"], round_paths(cfg, a.rounds)["eval"]
-    if not (p0.exists() and pk.exists()):
+    tables = eval_tables(a, arm, seed, train_file)
+    if tables is None:
         return None
-
-    rows0, rowsk = pq.read_table(p0).to_pylist(), pq.read_table(pk).to_pylist()
+    rows0, rowsk = tables
 
     def greedy(rows):
         return {(r["benchmark"], r["prompt_id"]): r for r in rows if r["decoding"] == "greedy"}
@@ -396,15 +404,10 @@ def item_changes(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -
     """Each held-out problem's change from round 0 to round K: ``{"greedy": {item: -1/0/1},
     "sampled": {item: change of its share of right samples}}`` (``sampled`` empty without
     ``--eval-samples``); None before round K is evaluated. Items are ``(benchmark, prompt_id)``."""
-    import pyarrow.parquet as pq
-
-    from pipeline.stages.base import round_paths
-
-    cfg = arm_config(a, arm, seed, train_file)
-    p0, pk = round_paths(cfg, 0)["eval"], round_paths(cfg, a.rounds)["eval"]
-    if not (p0.exists() and pk.exists()):
+    tables = eval_tables(a, arm, seed, train_file)
+    if tables is None:
         return None
-    rows0, rowsk = pq.read_table(p0).to_pylist(), pq.read_table(pk).to_pylist()
+    rows0, rowsk = tables
 
     def greedy(rows):
         return {(r["benchmark"], r["prompt_id"]): float(bool(r["correct"])) for r in rows if r["decoding"] == "greedy"}
