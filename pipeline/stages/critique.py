@@ -77,7 +77,8 @@ _STREAM_SEEDED_ENGINES = ("vllm",)
 def critic_seed(cfg: CAPOConfig, round_idx: int, first_shard: int) -> int:
     """Seed of a critic engine whose first shard is ``first_shard``.
 
-    The transformers engine reseeds at every ``generate`` call and the OpenAI engine sends the seed
+    The transformers engine seeds every ``generate`` call from the seed and the call's prompts
+    (:func:`pipeline.engines.transformers_engine.call_seed`) and the OpenAI engine sends the seed
     with every request, so a shard's critiques depend only on the shard: they get the stage seed
     (``round_seed(cfg, round_idx, 2)``) and are the same whether the stage runs locally, resumes
     or fans out. vLLM draws all samples of an engine run from one stream (a per-request seed kills

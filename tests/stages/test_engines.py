@@ -47,6 +47,39 @@ def test_transformers_engine_samples_and_logprobs_match_trainer(tiny_model):
         np.testing.assert_allclose(lp, samp.logprobs, atol=2e-3)
 
 
+def test_transformers_engine_seeds_each_call_from_its_prompts(tiny_model):
+    """A call's samples depend only on (seed, prompts): the same call on a fresh engine replays them
+    (critique shards are runner-independent); a call on other prompts (dynamic sampling's extra
+    batch, the next critique shard) gets another stream; the global torch RNG is left as it was."""
+    from pipeline.engines.transformers_engine import call_seed
+
+    assert call_seed(5, [[1, 2], [3]]) == call_seed(5, [[1, 2], [3]])
+    assert len({call_seed(5, [[1, 2], [3]]), call_seed(5, [[1], [2, 3]]), call_seed(6, [[1, 2], [3]]),
+                call_seed(5, [[1, 2]])}) == 4  # the split between prompts counts, and so does the seed
+    cfg, sampling = TransformersEngineConfig(dtype="float32", batch_size=2), SamplingConfig(temperature=1.0, max_tokens=12)
+    eng = TransformersEngine(tiny_model, cfg, seed=5)
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    first = [s.token_ids for s in eng.generate([CONV], 4, sampling)[0].samples]
+    assert torch.equal(torch.rand(3), expected_next), "generate must not reseed the process's torch RNG"
+    other = [{"role": "user", "content": "What is 6 * 9? Put the answer in \\boxed{}."}]
+    eng.generate([other], 4, sampling)
+    assert [s.token_ids for s in TransformersEngine(tiny_model, cfg, seed=5).generate([CONV], 4, sampling)[0].samples] == first
+
+
+def test_transformers_engine_logprobs_are_the_sampled_distributions(tiny_model):
+    """At T = 0.7 the engine reports log_softmax(logits / T), what the trainer recomputes for the
+    PPO ratio (and vLLM's processed_logprobs), not the raw model's log-probs."""
+    eng = TransformersEngine(tiny_model, TransformersEngineConfig(dtype="float32"), seed=1)
+    gen = eng.generate([CONV], 2, SamplingConfig(temperature=0.7, max_tokens=10))[0]
+    at_t = _recompute(tiny_model, gen.prompt_token_ids, gen.samples, temperature=0.7)
+    raw = _recompute(tiny_model, gen.prompt_token_ids, gen.samples, temperature=1.0)
+    for samp, lp, lp_raw in zip(gen.samples, at_t, raw):
+        np.testing.assert_allclose(samp.logprobs, lp, atol=2e-3)
+        assert np.abs(np.asarray(samp.logprobs) - lp_raw).max() > 1e-2  # the two differ, so the check can fail
+
+
 def test_the_transformers_engine_refuses_an_output_constraint(tiny_model):
     eng = TransformersEngine(tiny_model, TransformersEngineConfig(dtype="float32"), seed=0)
     with pytest.raises(ValueError, match="the transformers engine cannot constrain its output.*valid engines: vllm"):
