@@ -1,0 +1,233 @@
+"""Does a learning run's held-out gain survive a larger token budget, or is it answers that now fit?
+
+The learning benchmark (``bench_learning.py``) trains and evaluates at one budget, ``--max-tokens``
+(192 tokens in docs/benchmarks.md), and grades an answer cut at the budget as wrong
+(``verify.truncated: zero``). A run can then raise held-out accuracy in two ways: by solving more
+problems, or by finishing inside the budget answers that were right but too long. This benchmark
+tells them apart. For every finished learning run in ``--runs-dir`` it evaluates the starting
+policy (once) and the run's round-K checkpoint again, greedily, on the same held-out problems at a
+larger budget ``--max-tokens`` (default 512), and reports per run and pooled over each arm's seeds:
+
+- the change from round 0 at the training budget (the run's own eval tables, as written) and at the
+  larger one (paired on the same items: bootstrap interval and McNemar's p,
+  :func:`pipeline.core.significance.compare`; pooled over seeds with the crossed seeds x items
+  interval, :func:`pipeline.core.significance.pooled_over_seeds`);
+- the share of answers cut at each budget, and the accuracy among the answers that finished.
+
+A gain that holds at the larger budget is the policy solving more problems; one that vanishes
+there was the budget. Evaluations are written to ``<runs-dir>/budget-<N>/<run>.parquet`` with a
+manifest keyed on the checkpoint's fingerprint and the eval settings, and reused when current (the
+benchmark resumes). JSON lines on stdout.
+
+    .venv/bin/python benchmarks/bench_budget.py --runs-dir runs/bench_learning --max-tokens 512
+
+Cost: one greedy eval of the held-out problems per checkpoint (200 problems at up to 512 tokens:
+about 3-5 minutes on a 2-core CPU with vLLM), plus one for the starting policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+log = logging.getLogger("capo.bench_budget")
+
+
+def finished_runs(runs_dir: Path) -> list[dict]:
+    """The learning runs under ``runs_dir`` whose last evaluated round still has its checkpoint:
+    ``{"name", "arm", "seed", "round", "eval0", "evalK", "checkpoint", "config"}`` (eval paths of
+    round 0 and round K, the resolved config of round K's eval), sorted by name."""
+    from pipeline import storage
+
+    out = []
+    for run in sorted(Path(runs_dir).glob("learn-*")):
+        evals = sorted(run.glob("round_*/variants/*/eval.parquet"))
+        evals = [p for p in evals if storage.read_manifest(p) and (p.parent / "checkpoint").is_dir()]
+        e0 = run / "round_000" / "eval.parquet"
+        if not evals or storage.read_manifest(e0) is None:
+            continue
+        ek = evals[-1]
+        man = storage.read_manifest(ek)
+        _, arm, seed, _ = run.name.split("-", 3)
+        out.append({"name": run.name, "arm": arm_label(arm, man["resolved_config"]), "seed": int(seed.lstrip("s")),
+                    "round": int(ek.parts[-4].split("_")[1]), "eval0": e0, "evalK": ek,
+                    "checkpoint": ek.parent / "checkpoint", "config": man["resolved_config"]})
+    return out
+
+
+def arm_label(arm: str, rc: dict) -> str:
+    """The arm and the training settings that tell bench_learning's configurations apart (seeds of
+    one label are pooled): e.g. ``grpo lr=5e-06 ds`` or ``grpo lr=5e-06 kl=0.04``."""
+    t, ro, rw = rc["train"], rc["rollout"], rc["reward"]
+    parts = [arm, f"lr={t['learning_rate']:g}"]
+    if t.get("kl_coef"):
+        parts.append(f"kl={t['kl_coef']:g}")
+    if ro.get("dynamic_sampling"):
+        parts.append("ds")
+    if rw.get("overlong_buffer"):
+        parts.append(f"overlong={rw['overlong_buffer']}")
+    return " ".join(parts)
+
+
+def greedy_rows(rows: list[dict]) -> dict[tuple[str, str], dict]:
+    """``{(benchmark, prompt_id): row}`` of an eval table's greedy rows."""
+    return {(r["benchmark"], r["prompt_id"]): r for r in rows if r["decoding"] == "greedy"}
+
+
+def budget_change(before: list[dict], after: list[dict]) -> dict:
+    """Greedy round 0 (``before``) vs round K (``after``) on the items both evaluated.
+
+    Returns ``n``, the paired change (:func:`pipeline.core.significance.compare`: ``acc_a``,
+    ``acc_b``, ``diff``, bootstrap ``lo``/``hi``, ``p_mcnemar``, ``significant``), ``cut_a`` /
+    ``cut_b`` (shares of answers cut at the budget, ``finish_reason == "length"``) and
+    ``finished_acc_a`` / ``finished_acc_b`` (accuracy among the answers that finished; None when none
+    did), and ``item_change`` (``{item: -1.0 / 0.0 / 1.0}``, for pooling over seeds).
+
+    Raises:
+        ValueError: the two tables share no greedy item.
+    """
+    from pipeline.core.significance import compare
+
+    g0, gk = greedy_rows(before), greedy_rows(after)
+    ids = sorted(set(g0) & set(gk))
+    if not ids:
+        raise ValueError(f"no greedy item in common between the two eval tables ({len(g0)} and {len(gk)} greedy rows)")
+    out = compare([bool(g0[i]["correct"]) for i in ids], [bool(gk[i]["correct"]) for i in ids]).as_dict()
+
+    def finished_acc(g):
+        ok = [bool(g[i]["correct"]) for i in ids if g[i]["finish_reason"] != "length"]
+        return float(np.mean(ok)) if ok else None
+
+    out.update(cut_a=float(np.mean([g0[i]["finish_reason"] == "length" for i in ids])),
+               cut_b=float(np.mean([gk[i]["finish_reason"] == "length" for i in ids])),
+               finished_acc_a=finished_acc(g0), finished_acc_b=finished_acc(gk),
+               item_change={f"{b}/{p}": float(bool(gk[(b, p)]["correct"])) - float(bool(g0[(b, p)]["correct"]))
+                            for b, p in ids})
+    return out
+
+
+def pooled(changes: list[dict[str, float]]) -> dict | None:
+    """The seeds' item changes (``budget_change(...)["item_change"]``) pooled on the items all share,
+    with the crossed seeds x items interval; None for no seed or no shared item."""
+    from pipeline.core.significance import pooled_over_seeds
+
+    if not changes:
+        return None
+    items = sorted(set.intersection(*(set(c) for c in changes)))
+    return pooled_over_seeds([[c[i] for i in items] for c in changes]).as_dict() if items else None
+
+
+def eval_key(policy: str, rc: dict, max_tokens: int) -> dict:
+    """What a recheck eval depends on: the policy's fingerprint, the held-out problems, the budget,
+    the engine, the instruction and the verifier rule (``rc``: round K's resolved config)."""
+    from pipeline.config import CAPOConfig
+    from pipeline.stages.base import model_fingerprint
+
+    cfg = CAPOConfig.model_validate(rc)
+    ec = cfg.eval
+    return {"policy": model_fingerprint(policy), "benchmarks": ec.benchmarks, "sample_size": ec.sample_size,
+            "seed": ec.seed, "max_tokens": max_tokens, "engine": (ec.engine or cfg.rollout.engine).model_dump(mode="json"),
+            "instruction": cfg.instruction(), "verify": cfg.verify.model_dump(mode="json")}
+
+
+def evaluate_here(policy: str, rc: dict, max_tokens: int, out: Path) -> None:
+    """Greedy eval of ``policy`` on round K's held-out problems at ``max_tokens`` -> ``out`` (with its
+    manifest; an earlier table there is superseded, not overwritten)."""
+    from pipeline import storage
+    from pipeline.config import CAPOConfig
+    from pipeline.stages.eval import evaluate_policy
+
+    cfg = CAPOConfig.model_validate(rc)
+    ec = cfg.eval
+    table = evaluate_policy(policy, ec.benchmarks, ec.sample_size, ec.seed, ec.engine or cfg.rollout.engine,
+                            max_tokens, 1, cfg.instruction(), run_id=cfg.run_id,
+                            eval_root=Path(cfg.data_dir).resolve() / "eval", answer=cfg.verify.answer,
+                            truncated=cfg.verify.truncated)
+    storage.write_parquet(table, out, stage="eval", key=eval_key(policy, rc, max_tokens), extra={"policy": policy})
+
+
+def evaluate(policy: str, config_of: Path, max_tokens: int, out: Path) -> list[dict]:
+    """The rows of ``policy``'s greedy eval at ``max_tokens`` (the settings of the eval table
+    ``config_of``'s resolved config): read from ``out`` when current, else computed in a child
+    process (vLLM's memory and threads end with it; the environment the pipeline gives its eval
+    stage) and written there."""
+    import os
+    import subprocess
+
+    import pyarrow.parquet as pq
+
+    from pipeline import storage
+    from pipeline.engines.base import engine_process_env
+
+    rc = storage.read_manifest(config_of)["resolved_config"]
+    if not storage.is_current(out, eval_key(policy, rc, max_tokens)).current:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **engine_process_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        subprocess.run([sys.executable, __file__, "--child", policy, str(config_of), str(max_tokens), str(out)],
+                       cwd=ROOT, check=True, env=env)
+    return pq.read_table(out).to_pylist()
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs-dir", default="runs/bench_learning", help="where bench_learning.py wrote its runs")
+    ap.add_argument("--max-tokens", type=int, default=512, help="the larger budget of the second eval")
+    ap.add_argument("--runs", nargs="*", default=None, help="run names to include (default: every finished run)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    import pyarrow.parquet as pq
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:  # one eval, in the child process evaluate() starts
+        from pipeline import storage
+
+        policy, config_of, max_tokens, out = argv[1:5]
+        evaluate_here(policy, storage.read_manifest(Path(config_of))["resolved_config"], int(max_tokens), Path(out))
+        return
+    a = parser().parse_args(argv)
+    runs_dir = Path(a.runs_dir)
+    runs = [r for r in finished_runs(runs_dir) if a.runs is None or r["name"] in a.runs]
+    if not runs:
+        raise SystemExit(f"no finished learning run with its last checkpoint under {runs_dir}")
+    folder = runs_dir / f"budget-{a.max_tokens}"
+    start: dict[str, list[dict]] = {}  # the starting policy's eval, per starting policy
+    per_arm: dict[str, dict[str, list]] = {}
+    for r in runs:
+        rows0, rowsk = pq.read_table(r["eval0"]).to_pylist(), pq.read_table(r["evalK"]).to_pylist()
+        budget = r["config"]["eval"]["max_tokens"]
+        if a.max_tokens <= budget:
+            raise SystemExit(f"--max-tokens {a.max_tokens} is not above {r['name']}'s own budget {budget}")
+        policy0 = rows0[0]["policy"]
+        t0 = time.perf_counter()
+        if policy0 not in start:
+            start[policy0] = evaluate(policy0, r["evalK"], a.max_tokens, folder / "start.parquet")
+        big_k = evaluate(str(r["checkpoint"]), r["evalK"], a.max_tokens, folder / f"{r['name']}.parquet")
+        small, big = budget_change(rows0, rowsk), budget_change(start[policy0], big_k)
+        row = {"bench": "budget", "run": r["name"], "arm": r["arm"], "seed": r["seed"], "round": r["round"],
+               f"at_{budget}": {k: v for k, v in small.items() if k != "item_change"},
+               f"at_{a.max_tokens}": {k: v for k, v in big.items() if k != "item_change"},
+               "seconds": round(time.perf_counter() - t0, 1)}
+        print(json.dumps(row), flush=True)
+        arm = per_arm.setdefault(r["arm"], {"small": [], "big": [], "budget": budget})
+        arm["small"].append(small["item_change"])
+        arm["big"].append(big["item_change"])
+    for arm, d in per_arm.items():
+        print(json.dumps({"bench": "budget", "summary": arm, "seeds": len(d["big"]),
+                          f"pooled_at_{d['budget']}": pooled(d["small"]),
+                          f"pooled_at_{a.max_tokens}": pooled(d["big"])}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
