@@ -173,7 +173,7 @@ def evaluate(policy: str, config_of: Path, max_tokens: int, out: Path) -> list[d
         out.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **engine_process_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         subprocess.run([sys.executable, __file__, "--child", policy, str(config_of), str(max_tokens), str(out)],
-                       cwd=ROOT, check=True, env=env)
+                       cwd=ROOT, check=True, env=env, stdout=sys.stderr)  # stdout: this script's JSON lines only
     return pq.read_table(out).to_pylist()
 
 
