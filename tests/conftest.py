@@ -26,6 +26,16 @@ def repo() -> Path:
     return REPO
 
 
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     """The project's data dir (embedded models and prompts are converted once and reused)."""
