@@ -1,4 +1,4 @@
-"""Benchmark 6: does a run learn? GRPO-rule vs CAPO vs a no-update control, K on-policy rounds, several seeds.
+"""Benchmark 6: does a run learn? GRPO-rule vs CAPO vs a no-update control (and a shuffled-outcome control), K on-policy rounds, several seeds.
 
 1. **Training items with signal, held-out items of the same distribution.** ``--dataset`` is an
    eval benchmark (default MAWPS, 2,065 one- and two-step word problems). Its seeded eval subset of
@@ -12,7 +12,10 @@
    voting rule, ``--n`` critiques per response), ``control`` (preset ``grpo`` with
    ``train.learning_rate=0``: every round runs, forward passes and metrics included, but no
    backward and no optimizer step, so no weight moves; its eval at round K re-measures the starting
-   policy, the eval's own noise). Each arm x seed is one run (``<runs-dir>/learn-<arm>-s<seed>-<settings hash>``)
+   policy, the eval's own noise), and, when asked for, ``shuffled`` (preset ``grpo`` with
+   ``reward.outcome=shuffled``: each group's verified outcomes dealt out again at random among its
+   responses, so updates of GRPO's size and noise that say nothing about which response was right;
+   a training arm that does not beat it learned nothing from its reward). Each arm x seed is one run (``<runs-dir>/learn-<arm>-s<seed>-<settings hash>``)
    run round by round through the same stage runner as ``capo run``; it resumes at its first
    unfinished round when stopped and started again (under the same settings: the run id ends in
    a hash of them).
@@ -66,7 +69,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-ARMS = ("grpo", "capo", "control")
+ARMS = ("grpo", "capo", "control", "shuffled")
+DEFAULT_ARMS = ["grpo", "capo", "control"]
 log = logging.getLogger("capo.bench_learning")
 
 
@@ -108,6 +112,8 @@ def arm_config(a: argparse.Namespace, arm: str, seed: int, train_file: Path):
                                       f"variant={arm}"]
     if arm == "control":
         over.append("train.learning_rate=0")
+    if arm == "shuffled":
+        over.append("reward.outcome=shuffled")
     return load_config(ROOT / "configs" / "default.yaml", over, preset=None if arm == "capo" else "grpo")
 
 
@@ -489,18 +495,27 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
                 # paired per seed and item, seeds and items resampled: is the difference more than noise?
                 row[f"{tag}capo_minus_grpo_pooled"] = head
             out.append(row)
+        for arm in ("grpo", "capo"):  # a training arm against the update that carries no reward information
+            t, sh = at(metric, arm, K), at(metric, "shuffled", K)
+            if t and sh:
+                row = {"bench": "learning", "metric": metric, f"{tag}{arm}_minus_shuffled": float(np.mean(t) - np.mean(sh))}
+                if changes and (head := capo_vs_grpo(a, changes, "sampled" if tag else "greedy", arm, "shuffled")):
+                    row[f"{tag}{arm}_minus_shuffled_pooled"] = head
+                out.append(row)
     return out
 
 
-def capo_vs_grpo(a: argparse.Namespace, changes: dict[tuple[str, int], dict | None], metric: str) -> dict | None:
-    """CAPO's round-K result minus GRPO's, paired by seed and held-out item (both arms start from the
-    same round-0 eval, so the difference of their changes is the difference of their round-K
-    results), over the seeds both arms finished, on the items all of them share, with the crossed
-    bootstrap interval of :func:`pipeline.core.significance.pooled_over_seeds`; None without such seeds."""
+def capo_vs_grpo(a: argparse.Namespace, changes: dict[tuple[str, int], dict | None], metric: str,
+                 arm: str = "capo", other: str = "grpo") -> dict | None:
+    """``arm``'s round-K result minus ``other``'s (CAPO minus GRPO by default), paired by seed and
+    held-out item (both arms start from the same round-0 eval, so the difference of their changes is
+    the difference of their round-K results), over the seeds both arms finished, on the items all of
+    them share, with the crossed bootstrap interval of
+    :func:`pipeline.core.significance.pooled_over_seeds`; None without such seeds."""
     from pipeline.core.significance import pooled_over_seeds
 
     pairs = [(c[metric], g[metric]) for seed in a.seeds
-             if (c := changes.get(("capo", seed))) and (g := changes.get(("grpo", seed))) and c[metric] and g[metric]]
+             if (c := changes.get((arm, seed))) and (g := changes.get((other, seed))) and c[metric] and g[metric]]
     if not pairs:
         return None
     items = sorted(set.intersection(*(set(c) & set(g) for c, g in pairs)))
@@ -547,7 +562,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=ARMS,
+                    help="shuffled (not run by default): GRPO on each group's outcomes shuffled among its responses")
     ap.add_argument("--dataset", default="mawps", help="an eval benchmark: train on rows outside its eval subset")
     ap.add_argument("--policy", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--critic", default="qwen2.5-coder-1.5b-instruct")

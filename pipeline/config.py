@@ -294,8 +294,13 @@ class RewardConfig(_Strict):
     """C = W_whole: reward of a right final answer (paper §3, asymmetric reward shaping)."""
     process_weight: float = Field(1.0, ge=0)
     """P = W_process: penalty on tokens of a step the vote marks wrong (paper ablation best P=1)."""
-    outcome: Literal["rule", "genorm"] = "rule"
-    """Where r_v comes from: the rule verifier (math-verify) or the GenORM critic's majority vote."""
+    outcome: Literal["rule", "genorm", "shuffled"] = "rule"
+    """Where r_v comes from: the rule verifier (math-verify), the GenORM critic's majority vote, or
+    ``shuffled``, a control: the rule verifier's outcomes permuted at random among the responses of
+    each group (seeded by ``seed`` and the round; :func:`pipeline.core.rewards.shuffle_within_groups`),
+    so updates of GRPO's size and noise that carry no information about which response was right.
+    The ``token_rewards`` table keeps the true ``outcome_correct`` beside the shuffled
+    ``outcome_reward``."""
     estimator: Literal["capo-token-group", "grpo"] = "capo-token-group"
     """capo-token-group: normalize token rewards over all tokens of the group (docs/design.md §1.8);
     grpo: sequence-level group-normalized outcome advantage broadcast to tokens."""

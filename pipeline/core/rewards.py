@@ -211,6 +211,42 @@ def overlong_penalty(num_tokens: np.ndarray, max_tokens: int, buffer: int, facto
     return (-factor * np.clip(exceed / buffer, 0.0, 1.0)).astype(np.float32)
 
 
+def shuffle_within_groups(values: np.ndarray, group_ids: np.ndarray, seed: int | list[int]) -> np.ndarray:
+    """Permute each group's values among its own responses at random: the shuffled-outcome control.
+
+    Each group keeps its multiset of values (so the same number of right answers, the same group
+    mean and std, hence the same set of advantages), but which response gets which value no longer
+    depends on the response: a run trained on it receives updates of GRPO's size and noise with no
+    information about correctness (a placebo, in the spirit of the random-reward baselines of
+    Shao et al. 2025, "Spurious Rewards", arXiv 2506.10947). Vectorized: responses are ordered by
+    (group, random key) and their values written back in (group, original position) order.
+    Example: values ``[1, 0, 0, 1, 1]``, groups ``[0, 0, 1, 1, 1]`` -> ``[1, 0]`` or ``[0, 1]``
+    for group 0 and a permutation of ``[0, 1, 1]`` for group 1; a group of one or with equal
+    values is unchanged.
+
+    Args:
+        values: (B,) one value per response (e.g. the outcome reward ``r_v``).
+        group_ids: (B,) int, the prompt group of each response.
+        seed: seed of the permutation (the reward stage uses ``[cfg.seed, round]``); the same seed
+            and inputs give the same result.
+
+    Returns:
+        (B,) array of ``values``' dtype.
+
+    Raises:
+        ValueError: ``values`` and ``group_ids`` differ in shape or are not 1-D.
+    """
+    v_B, g_B = np.asarray(values), np.asarray(group_ids)
+    if v_B.ndim != 1 or v_B.shape != g_B.shape:
+        raise ValueError(f"values {v_B.shape} and group_ids {g_B.shape} must be 1-D of the same length")
+    rng = np.random.default_rng(seed)
+    shuffled = np.lexsort((rng.random(len(v_B)), g_B))  # by group, then at random
+    in_place = np.lexsort((np.arange(len(v_B)), g_B))  # by group, then by position
+    out_B = v_B.copy()
+    out_B[in_place] = v_B[shuffled]
+    return out_B
+
+
 def grpo_sequence_advantages(
     outcome_reward: np.ndarray,
     group_ids: np.ndarray,

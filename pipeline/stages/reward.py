@@ -17,6 +17,7 @@ from pipeline.core.rewards import (
     group_run_advantages,
     grpo_sequence_advantages,
     overlong_penalty,
+    shuffle_within_groups,
     token_rewards,
 )
 from pipeline.schemas import TOKEN_REWARDS_SCHEMA
@@ -44,6 +45,8 @@ def reward_key(cfg: CAPOConfig, round_idx: int) -> dict:
     overlong = {k: reward.pop(k) for k in ("overlong_buffer", "overlong_penalty")}
     if overlong["overlong_buffer"]:  # in the key only when on: rewards computed before the option keep their key
         reward["overlong"] = {**overlong, "max_tokens": cfg.rollout.sampling.max_tokens}
+    if cfg.reward.outcome == "shuffled":  # the permutation's seed, in the key only then (other keys stay)
+        reward["shuffle_seed"] = [cfg.seed, round_idx]
     return {**ins, "critique_enabled": cfg.critique.enabled, "critique_mode": cfg.critique.mode,
             "vote": c["vote"], "reward": reward, "variant": cfg.variant}
 
@@ -72,6 +75,8 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
         if rc.outcome == "genorm":
             r_v, genorm_stats = _genorm_outcomes(p, rid.to_pylist(), r_v)
         groups = pc.dictionary_encode(ro.column("prompt_id").combine_chunks()).indices.to_numpy()
+        if rc.outcome == "shuffled":  # the control: each group's outcomes dealt out again at random
+            r_v = shuffle_within_groups(r_v, groups, [cfg.seed, round_idx])
         process = cfg.critique.enabled and cfg.critique.mode == "process"
         B = len(n_tok)
         if process:  # one run per step: the tokens of a step share their reward

@@ -271,6 +271,32 @@ def test_overlong_penalty_by_hand_in_both_estimators(tmp_path):
     assert key_off == {k: v for k, v in man["key"]["reward"].items() if k != "overlong"} | {"scale_by_std": True}
 
 
+def test_shuffled_outcome_control_deals_each_groups_outcomes_out_again(tmp_path):
+    # groups: A (right) and B (wrong); C and D both right (extra_group). Shuffled within groups, the
+    # first group is either as verified (A 1, B 0) or swapped (A 0, B 1); the second stays (1, 1).
+    seen = set()
+    for seed in range(8):
+        cfg = _cfg(tmp_path, "critique.enabled=false", "reward.process_weight=0", "reward.estimator=grpo",
+                   "reward.outcome=shuffled", f"variant=shuffled-{seed}", f"seed={seed}")
+        if seed == 0:
+            _write_round(cfg, extra_group=True)
+        reward_stage(cfg, 1)
+        got = _read_rewards(cfg)
+        r = {k: got[k]["outcome_reward"] for k in "ABCD"}
+        assert sorted([r["A"], r["B"]]) == [0.0, 1.0] and r["C"] == r["D"] == 1.0
+        assert [got[k]["outcome_correct"] for k in "ABCD"] == [True, False, True, True]  # the truth is kept
+        a = 1 / math.sqrt(2) if r["A"] == 1.0 else -1 / math.sqrt(2)  # the same advantages, dealt to whom the shuffle says
+        np.testing.assert_allclose(got["A"]["advantages"], [a] * 11, rtol=1e-5)
+        np.testing.assert_allclose(got["B"]["advantages"], [-a] * 7, rtol=1e-5)
+        np.testing.assert_allclose(got["C"]["advantages"] + got["D"]["advantages"], [0] * 5)
+        assert storage.read_manifest(round_paths(cfg, 1)["token_rewards"])["key"]["reward"]["shuffle_seed"] == [seed, 1]
+        seen.add(r["A"])
+    assert seen == {0.0, 1.0}, "over 8 seeds the first group must be swapped at least once and kept at least once"
+    # the rule's key holds no shuffle seed, so keys written before the option stay valid
+    assert "shuffle_seed" not in reward_key(_cfg(tmp_path, "critique.enabled=false", "reward.process_weight=0",
+                                                 "reward.estimator=grpo", "variant=grpo"), 1)["reward"]
+
+
 def test_an_overlong_buffer_as_long_as_the_budget_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"reward.overlong_buffer=12 must be below rollout.sampling.max_tokens=12"):
         _cfg(tmp_path, "rollout.sampling.max_tokens=12", "reward.overlong_buffer=12")

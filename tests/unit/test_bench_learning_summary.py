@@ -7,6 +7,8 @@ change pooled over seeds with its crossed bootstrap interval.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import load_benchmark
@@ -77,3 +79,22 @@ def test_capo_minus_grpo_is_paired_by_seed_and_item(bench):
     # a seed only one arm finished is left out; no seed both finished: no pooled comparison
     assert bench.capo_vs_grpo(a, {**changes, ("grpo", 1): None}, "greedy")["seeds"] == 1
     assert bench.capo_vs_grpo(a, {("capo", 0): changes[("capo", 0)], ("grpo", 1): changes[("grpo", 1)]}, "greedy") is None
+
+
+def test_each_training_arm_is_compared_with_the_shuffled_outcome_control(bench):
+    a = bench.parser().parse_args(["--arms", "grpo", "shuffled", "--seeds", "0", "1", "--rounds", "2"])
+    assert bench.parser().parse_args([]).arms == ["grpo", "capo", "control"]  # the control is asked for by name
+    rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": acc}
+            for arm, s, acc in [("grpo", 0, 0.60), ("grpo", 1, 0.60), ("shuffled", 0, 0.55), ("shuffled", 1, 0.55)]]
+    # as above: GRPO gained items 0-19 in both seeds, the shuffled control items 0-9 -> +5 points
+    changes = {("grpo", 0): _changes([20, 0]), ("grpo", 1): _changes([20, 0]),
+               ("shuffled", 0): _changes([10, 0]), ("shuffled", 1): _changes([10, 0])}
+    out = bench.summarize(a, rows, {}, changes)
+    assert [r.get("summary") for r in out[:2]] == ["grpo", "shuffled"]
+    (head,) = [r for r in out if "grpo_minus_shuffled" in r]
+    assert head["grpo_minus_shuffled"] == pytest.approx(0.05)
+    pooled = head["grpo_minus_shuffled_pooled"]
+    assert pooled["seeds"] == 2 and pooled["per_seed"] == pytest.approx([0.05, 0.05]) and pooled["significant"]
+    assert not [r for r in out if "capo_minus_shuffled" in r]  # no CAPO runs, no CAPO row
+    cfg = bench.arm_config(a, "shuffled", 0, Path("train.jsonl"))
+    assert cfg.reward.outcome == "shuffled" and cfg.reward.estimator == "grpo" and not cfg.critique.enabled

@@ -13,6 +13,7 @@ from pipeline.core.rewards import (
     check_reward_weights,
     group_token_advantages,
     grpo_sequence_advantages,
+    shuffle_within_groups,
     token_rewards,
 )
 
@@ -220,3 +221,26 @@ def test_overlong_penalty_rejects_bad_settings(buffer, factor, match):
 
     with pytest.raises(ValueError, match=match):
         overlong_penalty(np.array([10]), 100, buffer, factor)
+
+
+# --- shuffle_within_groups (the shuffled-outcome control) -------------------------------------
+
+
+def test_shuffle_within_groups_keeps_each_groups_values():
+    values = np.array([1.0, 0.0, 0.0, 1.0, 1.0, 5.0])
+    groups = np.array([0, 0, 1, 1, 1, 2])  # group 2 has one response: it cannot move
+    outs = [shuffle_within_groups(values, groups, [s, 1]) for s in range(30)]
+    for out in outs:
+        assert sorted(out[:2]) == [0.0, 1.0] and sorted(out[2:5]) == [0.0, 1.0, 1.0] and out[5] == 5.0
+    # by hand: group 0 has 2 orders, group 1 has 3 (where its 0 lands); 30 seeds see them all
+    assert {tuple(o[:2]) for o in outs} == {(1.0, 0.0), (0.0, 1.0)}
+    assert {int(np.argmin(o[2:5])) for o in outs} == {0, 1, 2}
+    np.testing.assert_array_equal(shuffle_within_groups(values, groups, [3, 1]), outs[3])  # seeded
+    # groups need not be contiguous: interleaved rows keep their own group's values
+    inter = shuffle_within_groups(np.array([1, 7, 0, 7]), np.array([0, 1, 0, 1]), 0)
+    assert sorted(inter[[0, 2]]) == [0, 1] and list(inter[[1, 3]]) == [7, 7]
+
+
+def test_shuffle_within_groups_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"values \(3,\) and group_ids \(2,\)"):
+        shuffle_within_groups(np.zeros(3), np.zeros(2, int), 0)
