@@ -86,7 +86,9 @@ class HeadLogProbs(torch.autograd.Function):
             g = grad_lp[:, c0:c0 + ctx.chunk].to(acc)  # (B, C)
             h = torch.gather(hidden, 1, ix.unsqueeze(-1).expand(-1, -1, H))  # (B, C, H)
             ac = torch.autocast(ctx.autocast[0], dtype=ctx.autocast[1]) if ctx.autocast else contextlib.nullcontext()
-            with torch.no_grad():
+            # an ambient autocast (``loss.backward()`` called inside ``with autocast``) must not recast
+            # the fp32 accumulation below: only the recomputed logits take the forward's autocast
+            with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
                 with ac:
                     logits = torch.nn.functional.linear(h, weight, bias)  # (B, C, V), as in forward
                 G = torch.softmax(logits.to(acc) * ctx.inv_temp, dim=-1)

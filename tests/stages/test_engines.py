@@ -231,3 +231,27 @@ def test_head_bypass_restores_a_hook_and_skips_softcapped_heads(tiny_model):
     assert output_head(model) is None
     with torch.no_grad():
         torch.testing.assert_close(token_logprobs(model, mb), fused)  # the unfused path, same numbers here
+
+
+def test_head_logprobs_backward_inside_an_autocast_block_equals_outside():
+    """``loss.backward()`` called inside ``with torch.autocast(...)`` (a common pattern) gives the
+    hand-written backward the same fp32 gradients as outside it: the ambient autocast does not
+    recast its accumulation (it used to turn ``G @ weight`` into bf16 and fail in ``scatter_add_``)."""
+    from train.logprobs import HeadLogProbs
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.tensor([[0, 1, 2, 3], [2, 3, 4, 0]])
+    target = torch.tensor([[1, 6, 0, 2], [3, 3, 5, 0]])
+    grads = []
+    for ambient in (False, True):
+        g.manual_seed(0)
+        hidden = torch.randn(2, 5, 3, generator=g, requires_grad=True)
+        weight = torch.randn(7, 3, generator=g, requires_grad=True)
+        bias = torch.randn(7, generator=g, requires_grad=True)
+        lp = HeadLogProbs.apply(hidden, weight, bias, idx, target, 1 / 0.7, 3, None)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ambient):
+            lp.sum().backward()
+        grads.append([hidden.grad, weight.grad, bias.grad])
+    for outside, inside in zip(*grads):
+        assert inside.dtype == torch.float32
+        torch.testing.assert_close(inside, outside, atol=0, rtol=0)

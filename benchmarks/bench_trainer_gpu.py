@@ -1,0 +1,346 @@
+"""Benchmark 7: the train stage on a CUDA GPU, the path CI never runs (no GPU there).
+
+The policy has the default round's architecture (``--model``: the config and tokenizer of
+Qwen2.5-Coder-0.5B-Instruct as shipped: 630M parameters, an untied 151,936 x 896 output head) with **random weights** from a
+fixed seed: a GPU machine here cannot reach a model hub and its working tree travels with at most
+64 MiB, so only the config and tokenizer go along. Every check below is about mechanics and cost,
+which random weights exercise exactly as trained ones do (same shapes, same kernels); nothing here
+measures learning (that is ``bench_learning.py``).
+
+The rounds are real tables: ``rollouts`` and ``token_rewards`` of ``--responses`` responses in
+groups of ``--group`` (random prompt/response token ids, ``--prompt-len`` + up to
+``--response-len`` tokens; outcomes and flagged tails at random; token rewards and group advantages
+by :func:`pipeline.core.rewards.token_rewards` / :func:`group_token_advantages`, the CAPO
+formulas), written through :mod:`pipeline.storage` as the reward stage writes them. On them:
+
+1. ``train_stage`` (the product's code, in process, on the **defaults** except
+   ``train.measure_kl_to_start=true`` so the reference path runs) trains round 1, then round 2
+   from round 1's training state. Per round: seconds, peak GPU memory, tokens/s, and the first
+   step's ``ratio_mean`` / ``approx_kl`` / ``clip_frac``, which must be 1 / 0 / 0 (exactly, up to
+   the float64 sum that aggregates micro-batches; old
+   log-probs in the update's mode), and ``kl_ref``, exactly 0 in round 1 (the reference is the
+   starting policy, through the policy's precision path) and above 0 in round 2.
+2. **Two rounds equal one process**: both rounds' ``ppo_update`` replayed in one process with one
+   model and one AdamW must end at round 2's saved fp32 master weights, with the same optimizer
+   step count. Sections 1-2 run with ``torch.use_deterministic_algorithms`` and PyTorch's math
+   attention (cuDNN's and the flash/memory-efficient attention backwards are not deterministic:
+   with them two identical replays differ by about as much as the update), and the replay runs
+   twice, so the line shows the replay's own noise floor beside the difference.
+3. **The export**: round k's engine checkpoint must be exactly the ``train.save_dtype`` cast of
+   round k's master weights; the share of master elements that round 2 moved relative to round 1.
+   Sections 3-5 run with the default attention kernels again.
+4. **The fused output head** (:class:`train.logprobs.HeadLogProbs`, whose backward is written by
+   hand) against the model's own logits under the same autocast: max |log-prob difference| and the
+   relative L2 difference of the gradient of ``sum(advantage * log-prob)`` over every parameter.
+5. **Alternatives**, one optimizer round each on the round-1 batch, peak GPU memory and seconds:
+   today's defaults (fused head, gradient checkpointing, micro-batch 2) vs the model's full logits,
+   vs no gradient checkpointing, vs micro-batches of 8 and 16 (what a GPU user would raise).
+
+Every line is JSON with ``bench_context``. Run it where there is a GPU (``--out`` collects the
+lines in a file as well)::
+
+    python benchmarks/bench_trainer_gpu.py --out $OUT/trainer_gpu.jsonl
+
+and, as a dry run of the script on a CPU, with a 2-layer model::
+
+    .venv/bin/python benchmarks/bench_trainer_gpu.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+OUT_LINES: list[dict] = []
+
+
+def emit(rec: dict, ctx: dict) -> None:
+    """Print one JSON line (with the run's context) and keep it for ``--out``."""
+    line = {"bench": "trainer_gpu", **rec, **ctx}
+    OUT_LINES.append(line)
+    print(json.dumps(line), flush=True)
+
+
+def peak_gb() -> float | None:
+    return torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def release(accelerator) -> None:
+    """Drop Accelerate's references to prepared models and optimizers (it keeps them in lists), so
+    the next measurement's peak counts only its own tensors."""
+    import gc
+
+    accelerator.free_memory()
+    gc.collect()
+    reset_peak()
+
+
+def deterministic_attention(on: bool) -> None:
+    """PyTorch's math attention only (deterministic backward) when ``on``; every backend otherwise."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_flash_sdp(not on)
+        torch.backends.cuda.enable_mem_efficient_sdp(not on)
+        torch.backends.cuda.enable_cudnn_sdp(not on)
+    torch.use_deterministic_algorithms(on, warn_only=True)
+
+
+def make_policy(model_dir: Path, dest: Path, tiny: bool) -> int:
+    """A random-weight checkpoint with ``model_dir``'s architecture and tokenizer at ``dest``
+    (bfloat16, as the shipped checkpoints are). Returns the parameter count."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    conf = AutoConfig.from_pretrained(model_dir)
+    if tiny:
+        conf.num_hidden_layers, conf.hidden_size, conf.intermediate_size = 2, 64, 128
+        conf.num_attention_heads, conf.num_key_value_heads, conf.head_dim = 4, 2, 16
+        conf.max_window_layers = 2
+        if getattr(conf, "layer_types", None):
+            conf.layer_types = conf.layer_types[:2]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(conf, dtype=torch.bfloat16)
+    model.save_pretrained(dest, safe_serialization=True)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(dest)
+    return sum(p.numel() for p in model.parameters())
+
+
+def write_round(cfg, k: int, n: int, group: int, prompt_len: int, response_len: int, vocab: int, eos: int) -> int:
+    """Round k's rollouts and token_rewards tables (CAPO token rewards, group advantages). Returns
+    the number of response tokens."""
+    from pipeline import storage
+    from pipeline.core.rewards import group_token_advantages, token_rewards
+    from pipeline.schemas import SCHEMAS
+    from pipeline.stages.base import round_paths
+
+    rng = np.random.default_rng(1000 + k)
+    ro, lengths, outcome, weights, gid = [], [], [], [], []
+    for i in range(n):
+        g = i // group
+        prompt = rng.integers(100, vocab - 100, prompt_len).tolist()
+        t = int(rng.integers(response_len // 3, response_len + 1))
+        resp = rng.integers(100, vocab - 100, t - 1).tolist() + [eos]
+        r_v = float(rng.random() < 0.5)
+        n_bad = int(rng.integers(0, t // 2)) if rng.random() < 0.5 else 0
+        ro.append({"run_id": cfg.run_id, "round": k, "rollout_id": f"r{k}-{i}", "prompt_id": f"p{k}-{g}", "sample_idx": i % group,
+                   "policy": cfg.rollout.policy, "prompt_token_ids": prompt, "response_text": "",
+                   "response_token_ids": resp, "rollout_logprobs": [], "finish_reason": "stop", "num_tokens": t})
+        lengths.append(t)
+        outcome.append(r_v)
+        weights.append(np.r_[np.zeros(t - n_bad), np.ones(n_bad)])
+        gid.append(g)
+    off = np.r_[0, np.cumsum(lengths)]
+    rewards = token_rewards(np.array(outcome), np.concatenate(weights), off, C=2.0, P=1.0)
+    adv = group_token_advantages(rewards, off, np.array(gid))
+    tr = [{"run_id": cfg.run_id, "round": k, "variant": cfg.variant, "rollout_id": f"r{k}-{i}", "prompt_id": f"p{k}-{gid[i]}",
+           "outcome_correct": bool(outcome[i]), "outcome_reward": outcome[i], "rule": "intersection",
+           "n_valid_critiques": 1, "n_penalized_tokens": int(weights[i].sum()),
+           "rewards": rewards[off[i]:off[i + 1]].tolist(), "advantages": adv[off[i]:off[i + 1]].tolist(),
+           "reward_config_hash": "bench_trainer_gpu"} for i in range(n)]
+    p = round_paths(cfg, k)
+    storage.write_table(pa.Table.from_pylist(ro, schema=SCHEMAS["rollouts"]), p["rollouts"], "rollouts",
+                        stage="rollout", key={"bench_trainer_gpu": "rollouts", "round": k})
+    storage.write_table(pa.Table.from_pylist(tr, schema=SCHEMAS["token_rewards"]), p["token_rewards"], "token_rewards",
+                        stage="reward", key={"bench_trainer_gpu": "token_rewards", "round": k})
+    return int(off[-1])
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def fresh(policy: Path, tc, accelerator, gc: bool | None = None):
+    """The policy in fp32 (``train.dtype``) prepared by Accelerate with the stage's optimizer."""
+    from transformers import AutoModelForCausalLM
+
+    from train.trainer import make_optimizer
+
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=getattr(torch, tc.dtype))
+    if tc.gradient_checkpointing if gc is None else gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = make_optimizer(model, tc, accelerator)
+    return accelerator.prepare(model, opt)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "data" / "models" / "qwen2.5-coder-0.5b-instruct"),
+                    help="folder with the architecture's config.json and tokenizer (weights are not read)")
+    ap.add_argument("--responses", type=int, default=32, help="responses per round (default: 8 groups of 4)")
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=192)
+    ap.add_argument("--response-len", type=int, default=320, help="longest response (rollout.sampling.max_tokens)")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model: a dry run of the script on a CPU")
+    ap.add_argument("--work", default=None, help="working folder (default: a temporary one)")
+    ap.add_argument("--out", default=None, help="also write the JSON lines to this file")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+
+    import accelerate
+    import transformers
+    from accelerate import Accelerator
+
+    from pipeline import storage
+    from pipeline.config import load_config
+    from pipeline.precision import bench_context, resolve_mixed_precision
+    from pipeline.stages.base import round_paths
+    from train.examples import collate, load_examples
+    from train.logprobs import token_logprobs
+    from train.trainer import ppo_update, train_stage
+
+    ctx = {**bench_context(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "accelerate": accelerate.__version__, "tiny": args.tiny}
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench_trainer_gpu-"))
+    policy = work / "policy"
+    t0 = time.perf_counter()
+    n_params = make_policy(Path(args.model), policy, args.tiny)
+    emit({"what": "policy", "params": n_params, "random_weights": True, "seconds": round(time.perf_counter() - t0, 1)}, ctx)
+
+    cfg = load_config(None, [f"runs_dir={work / 'runs'}", f"data_dir={work / 'data'}", "run_id=gpu",
+                             f"rollout.policy={policy}", "train.measure_kl_to_start=true"])
+    tc = cfg.train
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(policy)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    vocab = len(tok)
+    tokens = {k: write_round(cfg, k, args.responses, args.group, args.prompt_len, args.response_len, vocab,
+                             tok.eos_token_id) for k in (1, 2)}
+
+    deterministic_attention(True)
+    # 1. the product's train stage, rounds 1 and 2
+    for k in (1, 2):
+        reset_peak()
+        t0 = time.perf_counter()
+        train_stage(cfg, k)
+        sync()
+        secs = time.perf_counter() - t0
+        m = storage.read_table(round_paths(cfg, k)["train_metrics"], "train_metrics").to_pylist()
+        first = {r["name"]: r["value"] for r in m if r["step"] == 0}
+        steps = 1 + max(r["step"] for r in m)
+        emit({"what": "train_stage", "round": k, "seconds": round(secs, 2), "peak_gpu_gb": peak_gb(),
+              "optimizer_steps": steps, "response_tokens": tokens[k],
+              "tokens_per_s_update": float(np.mean([r["value"] for r in m if r["name"] == "tokens_per_s"])),
+              "mixed_precision": resolve_mixed_precision(tc.mixed_precision).value,
+              "first_step": {x: first.get(x) for x in ("ratio_mean", "approx_kl", "clip_frac", "kl_ref", "entropy")},
+              # old log-probs in the update's own mode: ratio exactly 1 before the first step; the
+              # reference is the starting policy, so KL to it is exactly 0 in round 1 only
+              "first_step_exact": abs(first.get("ratio_mean") - 1.0) < 1e-12 and first.get("approx_kl") == 0.0
+              and first.get("clip_frac") == 0.0 and (k > 1 or first.get("kl_ref") == 0.0)}, ctx)
+
+    # 2. two rounds == one process running both rounds' updates (twice: the replay's own noise floor)
+    from transformers import AutoModelForCausalLM
+
+    accelerator = Accelerator(mixed_precision=resolve_mixed_precision(tc.mixed_precision).value)
+    replays, n_steps = [], 0
+    for _ in range(2):
+        model, opt = fresh(policy, tc, accelerator)
+        ref = AutoModelForCausalLM.from_pretrained(policy, dtype=getattr(torch, tc.dtype)).eval().to(accelerator.device)
+        ref.requires_grad_(False)
+        n_steps = 0
+        for k in (1, 2):
+            n_steps += len(ppo_update(model, opt, load_examples(cfg, k), tc, pad, cfg.seed + k, accelerator, ref,
+                                      temperature=cfg.rollout.sampling.temperature))
+        replays.append({n: v.detach().float().cpu() for n, v in accelerator.unwrap_model(model).state_dict().items()})
+        del model, opt, ref
+        release(accelerator)
+    s1, s2 = (load_weights(round_paths(cfg, k)["train_state"]) for k in (1, 2))
+    worst = max(float((replays[0][n] - s2[n].float()).abs().max()) for n in s2)
+    floor = max(float((replays[0][n] - replays[1][n]).abs().max()) for n in s2)
+    man2 = storage.read_manifest(round_paths(cfg, 2)["train_state"])
+    emit({"what": "two_rounds_equal_one_process", "max_abs_diff": worst, "replay_vs_replay_max_abs_diff": floor,
+          "steps_replayed": n_steps, "steps_in_state": man2.get("optimizer_steps_total"),
+          "ok": worst <= max(floor, 1e-6) and n_steps == man2.get("optimizer_steps_total")}, ctx)
+    del replays
+    deterministic_attention(False)
+
+    # 3. the export is the save_dtype cast of the master weights; round 2 moved most elements
+    for k, s in ((1, s1), (2, s2)):
+        ck = load_weights(round_paths(cfg, k)["checkpoint"])
+        exact = all(bool((s[n].to(ck[n].dtype) == ck[n]).all()) for n in ck)
+        emit({"what": "export_is_cast_of_master", "round": k, "checkpoint_dtype": str(next(iter(ck.values())).dtype),
+              "ok": exact}, ctx)
+    moved = sum(int((s1[n] != s2[n]).sum()) for n in s2) / sum(s2[n].numel() for n in s2)
+    emit({"what": "round2_vs_round1_master", "share_of_elements_moved": moved}, ctx)
+
+    # 4. fused output head vs the model's own logits: log-probs and gradients under the same autocast
+    from transformers import AutoModelForCausalLM as AM
+
+    ex = load_examples(cfg, 1)
+    mb = collate(ex[: tc.micro_batch_size], pad)
+    res = {}
+    for fuse in (True, False):
+        m = AM.from_pretrained(policy, dtype=torch.float32).to(accelerator.device)
+        with accelerator.autocast():
+            lp = token_logprobs(m, mb, cfg.rollout.sampling.temperature, fuse_head=fuse)
+            (lp * mb["advantages"].to(lp.device)).sum().backward()
+        res[fuse] = (lp.detach().float().cpu(), {n: q.grad.detach().float().cpu() for n, q in m.named_parameters()
+                                                 if q.grad is not None})
+        del m
+    release(accelerator)
+    d_lp = float((res[True][0] - res[False][0]).abs().max())
+    g1, g0 = res[True][1], res[False][1]
+    num = sum(float((g1[n] - g0[n]).norm() ** 2) for n in g0) ** 0.5
+    den = sum(float(g0[n].norm() ** 2) for n in g0) ** 0.5
+    emit({"what": "fused_head_vs_model_logits", "max_abs_logprob_diff": d_lp, "grad_rel_l2_diff": num / den,
+          "mixed_precision": accelerator.mixed_precision}, ctx)
+    del res, g1, g0
+    release(accelerator)
+
+    # 5. alternatives: one optimizer round on the round-1 batch each, time and peak memory
+    variants = [("defaults", {}, True, None), ("model_logits", {}, False, None), ("no_grad_ckpt", {}, True, False),
+                ("micro_batch_8", {"micro_batch_size": 8}, True, None), ("micro_batch_16", {"micro_batch_size": 16}, True, None),
+                ("micro_batch_16_no_grad_ckpt", {"micro_batch_size": 16}, True, False)]
+    for name, over, fuse, gc in variants:
+        tcv = tc.model_copy(update=over)
+        model, opt = fresh(policy, tcv, accelerator, gc)
+        try:
+            ppo_update(model, opt, ex, tcv, pad, cfg.seed + 1, accelerator, None, cfg.rollout.sampling.temperature, fuse)  # warm-up
+            reset_peak()
+            t0 = time.perf_counter()
+            ppo_update(model, opt, ex, tcv, pad, cfg.seed + 1, accelerator, None, cfg.rollout.sampling.temperature, fuse)
+            sync()
+            secs = time.perf_counter() - t0
+            emit({"what": "update", "variant": name, "micro_batch_size": tcv.micro_batch_size, "fuse_head": fuse,
+                  "gradient_checkpointing": tcv.gradient_checkpointing if gc is None else gc,
+                  "seconds": round(secs, 3), "response_tokens_per_s": round(tokens[1] / secs, 1),
+                  "peak_gpu_gb": peak_gb()}, ctx)
+        except torch.OutOfMemoryError as e:
+            emit({"what": "update", "variant": name, "error": f"out of memory: {e}"[:200]}, ctx)
+        del model, opt
+        release(accelerator)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("".join(json.dumps(x) + "\n" for x in OUT_LINES))
+
+
+if __name__ == "__main__":
+    main()
