@@ -42,7 +42,8 @@
    interval that counts both seed and item noise (``pooled_change_from_round0``: seeds and items
    resampled independently, :func:`pipeline.core.significance.pooled_over_seeds`), and whether
    CAPO beat GRPO (the difference of their means, and paired by seed and item with the same
-   interval: ``capo_minus_grpo_pooled``). A plot ``learning.png`` in the runs dir.
+   interval: ``capo_minus_grpo_pooled``). A plot of this invocation's arms and seeds, ``learning.png``
+   in the runs dir (``--plot`` for another path; its title gives the learning rate and budget).
 
     .venv/bin/python benchmarks/bench_learning.py --eval-samples 4     # the full benchmark, as in docs/benchmarks.md
     .venv/bin/python benchmarks/bench_learning.py --rounds 2 --seeds 0 --eval-size 50   # a smaller look
@@ -491,7 +492,7 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
         if c and g:
             row = {"bench": "learning", "metric": metric, f"{tag}capo_minus_grpo": float(np.mean(c) - np.mean(g)),
                    f"{tag}capo_beat_grpo": bool(np.mean(c) > np.mean(g))}
-            if changes and (head := capo_vs_grpo(a, changes, "sampled" if tag else "greedy")):
+            if changes and (head := arm_minus_other(a, changes, "sampled" if tag else "greedy")):
                 # paired per seed and item, seeds and items resampled: is the difference more than noise?
                 row[f"{tag}capo_minus_grpo_pooled"] = head
             out.append(row)
@@ -499,13 +500,13 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
             t, sh = at(metric, arm, K), at(metric, "shuffled", K)
             if t and sh:
                 row = {"bench": "learning", "metric": metric, f"{tag}{arm}_minus_shuffled": float(np.mean(t) - np.mean(sh))}
-                if changes and (head := capo_vs_grpo(a, changes, "sampled" if tag else "greedy", arm, "shuffled")):
+                if changes and (head := arm_minus_other(a, changes, "sampled" if tag else "greedy", arm, "shuffled")):
                     row[f"{tag}{arm}_minus_shuffled_pooled"] = head
                 out.append(row)
     return out
 
 
-def capo_vs_grpo(a: argparse.Namespace, changes: dict[tuple[str, int], dict | None], metric: str,
+def arm_minus_other(a: argparse.Namespace, changes: dict[tuple[str, int], dict | None], metric: str,
                  arm: str = "capo", other: str = "grpo") -> dict | None:
     """``arm``'s round-K result minus ``other``'s (CAPO minus GRPO by default), paired by seed and
     held-out item (both arms start from the same round-0 eval, so the difference of their changes is
@@ -552,7 +553,7 @@ def plot(a: argparse.Namespace, rows: list[dict], path: Path) -> None:
         ax.legend(fontsize=8)
     extras = [x for x, on in ((f"KL coef {a.kl_coef}", a.kl_coef), ("dynamic sampling", a.dynamic_sampling),
                               (f"overlong buffer {a.overlong_buffer}", a.overlong_buffer)) if on]
-    fig.suptitle(f"bench_learning: mean over seeds {a.seeds}, band = min..max"
+    fig.suptitle(f"bench_learning: mean over seeds {a.seeds}, band = min..max; lr {a.lr:g}, {a.max_tokens} tokens"
                  + (f"; {', '.join(extras)}" if extras else ""))
     fig.savefig(path, dpi=100)
 
@@ -600,6 +601,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--until", type=int, default=None,
                     help="stop every arm after this round (the schedule stays K's; start again to go on)")
     ap.add_argument("--runs-dir", default=str(ROOT / "runs" / "bench_learning"))
+    ap.add_argument("--plot", default=None,
+                    help="where to write the plot of this invocation's arms and seeds (default: <runs-dir>/learning.png, "
+                         "rewritten by every invocation)")
     ap.add_argument("--data-dir", default=str(ROOT / "data"))
     ap.add_argument("--select-only", action="store_true", help=argparse.SUPPRESS)  # child mode
     return ap
@@ -633,7 +637,7 @@ def main() -> None:
     changes = {(arm, seed): item_changes(a, arm, seed, train_file) for arm in a.arms for seed in a.seeds}
     for s in summarize(a, rows, paired, changes):
         print(json.dumps({**s, **ctx}), flush=True)
-    out = Path(a.runs_dir) / "learning.png"
+    out = Path(a.plot) if a.plot else Path(a.runs_dir) / "learning.png"
     plot(a, rows, out)
     print(json.dumps({"bench": "learning", "plot": str(out), "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1),
                       "stages_run_this_invocation": len(ran), "rounds": a.rounds, "seeds": a.seeds, "lr": a.lr,

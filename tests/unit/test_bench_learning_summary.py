@@ -77,8 +77,8 @@ def test_capo_minus_grpo_is_paired_by_seed_and_item(bench):
     # 0.05 +- 0.03 (the replicate means are multiples of 1/200)
     assert 0.015 < pooled["lo"] < 0.03 and 0.07 < pooled["hi"] <= 0.09 and pooled["significant"]
     # a seed only one arm finished is left out; no seed both finished: no pooled comparison
-    assert bench.capo_vs_grpo(a, {**changes, ("grpo", 1): None}, "greedy")["seeds"] == 1
-    assert bench.capo_vs_grpo(a, {("capo", 0): changes[("capo", 0)], ("grpo", 1): changes[("grpo", 1)]}, "greedy") is None
+    assert bench.arm_minus_other(a, {**changes, ("grpo", 1): None}, "greedy")["seeds"] == 1
+    assert bench.arm_minus_other(a, {("capo", 0): changes[("capo", 0)], ("grpo", 1): changes[("grpo", 1)]}, "greedy") is None
 
 
 def test_each_training_arm_is_compared_with_the_shuffled_outcome_control(bench):
