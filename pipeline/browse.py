@@ -112,9 +112,11 @@ def _rows(con: duckdb.DuckDBPyConnection, sql: str) -> list[dict]:
     return [dict(zip(cols, row)) for row in cur.fetchall()]
 
 
-def _token_texts(policy: str | None, token_ids: list[int]) -> list[str]:
-    """Each token's text in the policy's tokenizer (ids as text when the tokenizer cannot be loaded)."""
-    tok = _tokenizer(policy)
+def _token_texts(policy: str | None, token_ids: list[int], fallback: str | None = None) -> list[str]:
+    """Each token's text in the tokenizer of the policy that sampled the round, else (its checkpoint
+    pruned or moved) in that of ``fallback``, the run's starting policy: every round's checkpoint
+    is saved with the starting policy's tokenizer. Ids as text when neither loads."""
+    tok = _tokenizer(policy) or _tokenizer(fallback)
     if tok is None:
         return [f"#{t}" for t in token_ids]
     return [tok.decode([t]) for t in token_ids]
@@ -128,9 +130,20 @@ def _tokenizer(policy: str | None):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(policy, local_files_only=True)  # never the network
-    except Exception as e:  # a checkpoint pruned or moved: the strip shows token ids
-        log.warning("browse: cannot load the tokenizer of %s (%s); the token strip shows ids", policy, e)
+    except Exception as e:  # a checkpoint pruned or moved: the caller falls back, else shows token ids
+        log.warning("browse: cannot load the tokenizer of %s (%s)", policy, e)
         return None
+
+
+def _starting_policy(cfg) -> str | None:
+    """The run's starting policy (``rollout.policy``) as a local folder, without converting an
+    embedded model that is not there yet; None when it is not on disk."""
+    from pipeline.assets.models import EMBEDDED_MODELS
+    from pipeline.stages.base import data_root
+
+    name = cfg.rollout.policy
+    path = data_root(cfg) / "models" / name if name in EMBEDDED_MODELS else Path(name)
+    return str(path) if path.is_dir() else None
 
 
 def _round_config(round_dir: Path, variant: str | None) -> dict:
@@ -172,9 +185,11 @@ def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
         raise ValueError(f"variant {variant!r} is not in {round_dir}; valid: {variants}")
     rc = _round_config(round_dir, variant)
     run_id, rule = rc["run_id"], rc["vote"]["rule"]
-    prompts = None
+    prompts = start = None
     try:
-        prompts = prompts_path(CAPOConfig.model_validate(rc))
+        cfg = CAPOConfig.model_validate(rc)
+        prompts = prompts_path(cfg)
+        start = _starting_policy(cfg)
     except Exception as e:  # data_dir relative to another working directory, or an older config
         log.warning("browse: cannot find the prompt table of %s (%s); problems are not shown", run_dir, e)
     queries = browser_queries(run_id, round_idx, variant, rule)
@@ -219,7 +234,7 @@ def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
             "critiques": [{"idx": c["critique_idx"], "status": c["parse_status"], "wrong": c["wrong_steps"],
                            "judged": c["steps_judged"], "wrong_lines": c["steps_wrong_lines"], "raw": c["raw_text"] or "",
                            "tokens": c["critic_tokens"], "finish_reason": c["finish_reason"]} for c in cs],
-            "tokens": _token_texts(policy, ids) if tr else [],
+            "tokens": _token_texts(policy, ids, start) if tr else [],
             "rewards": tr.get("rewards") or [], "advantages": tr.get("advantages") or [],
         }
         flags = [s["n_flagged"] or 0 for s in st]

@@ -176,3 +176,23 @@ def test_the_same_prompt_in_another_round_is_linked(toy_run):
         tab.wait_for_load_state()
         assert tab.url.endswith("/round_001-capo-intersection/index.html#toy-train-00000")
         assert tab.title().startswith("CAPO critiques: toy round 1 ")
+
+
+def test_a_round_whose_policy_is_gone_shows_tokens_in_the_starting_policys_tokenizer(tmp_path, tiny_model):
+    """The policy that sampled a round can be gone (a pruned or moved checkpoint; here the hand-built
+    rollouts name a policy ``hand`` that never existed): the token strip decodes the ids with the
+    run's starting policy's tokenizer, which every round's checkpoint carries, instead of showing
+    bare ids."""
+    from transformers import AutoTokenizer
+
+    from tests.toy_round import N_TOK
+
+    cfg = toy_config(tmp_path, f"rollout.policy={tiny_model}", "vote.rule=intersection", "variant=capo-intersection")
+    write_round(cfg)
+    vote_stage(cfg, 1)
+    reward_stage(cfg, 1)
+    a = collect(cfg.run_dir(), 1)["prompts"][0]["responses"][0]
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ids = [100 + t for t in range(N_TOK["A"] - 1)] + [2]  # response A's ids in tests/toy_round.py
+    assert a["tokens"] == [tok.decode([t]) for t in ids]
+    assert not any(t.startswith("#") for t in a["tokens"])
