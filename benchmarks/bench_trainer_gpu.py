@@ -35,11 +35,14 @@ formulas), written through :mod:`pipeline.storage` as the reward stage writes th
 5. **Alternatives**, one optimizer round each on the round-1 batch, peak GPU memory and seconds:
    today's defaults (fused head, gradient checkpointing, micro-batch 2) vs the model's full logits,
    vs no gradient checkpointing, vs micro-batches of 8 and 16 (what a GPU user would raise).
+6. With ``--fsdp`` (first; ``--only-fsdp`` alone): the train stage under ``accelerate launch`` with
+   ``configs/accelerate/fsdp.yaml`` on one process against the plain stage (:func:`fsdp_check`).
 
 Every line is JSON with ``bench_context``. Run it where there is a GPU (``--out`` collects the
 lines in a file as well)::
 
     python benchmarks/bench_trainer_gpu.py --out $OUT/trainer_gpu.jsonl
+    python benchmarks/bench_trainer_gpu.py --fsdp --only-fsdp     # the FSDP path on one GPU
 
 and, as a dry run of the script on a CPU, with a 2-layer model::
 
@@ -201,6 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model: a dry run of the script on a CPU")
     ap.add_argument("--work", default=None, help="working folder (default: a temporary one)")
     ap.add_argument("--out", default=None, help="also write the JSON lines to this file")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="also section 6: the train stage under accelerate launch with configs/accelerate/fsdp.yaml on "
+                         "one process against the plain stage (--fsdp-config for another Accelerate config)")
+    ap.add_argument("--fsdp-config", default=str(ROOT / "configs" / "accelerate" / "fsdp.yaml"))
+    ap.add_argument("--only-fsdp", action="store_true", help="section 6 alone (with --fsdp)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
@@ -235,6 +243,11 @@ def main(argv: list[str] | None = None) -> None:
     tokens = {k: write_round(cfg, k, args.responses, args.group, args.prompt_len, args.response_len, vocab,
                              tok.eos_token_id) for k in (1, 2)}
 
+    if args.fsdp:
+        fsdp_check(args, work, policy, ctx)
+        if args.only_fsdp:
+            write_out(args)
+            return
     deterministic_attention(True)
     # 1. the product's train stage, rounds 1 and 2
     for k in (1, 2):
@@ -337,9 +350,79 @@ def main(argv: list[str] | None = None) -> None:
             emit({"what": "update", "variant": name, "error": f"out of memory: {e}"[:200]}, ctx)
         del model, opt
         release(accelerator)
+    write_out(args)
+
+
+def write_out(args) -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("".join(json.dumps(x) + "\n" for x in OUT_LINES))
+
+
+FSDP_LR = 2e-4
+"""Learning rate of section 6: large enough that 4 AdamW steps show in the bf16 checkpoints."""
+
+
+def fsdp_check(args, work: Path, policy: Path, ctx: dict) -> None:
+    """Section 6: rounds 1 and 2 of the train stage as ``python -m train.trainer`` under
+    ``accelerate launch --config_file <fsdp.yaml> --num_processes 1`` (FSDP: the sharded-parameter
+    path, the model's own logits instead of the fused head, the gathered full state dict for the
+    export, FSDP's save_state/load_state between rounds) against the same rounds in the plain
+    stage, both in fp32 (``train.mixed_precision=no``, so the two differ only by FSDP's flat
+    parameters and kernels) at ``FSDP_LR``. Compared: each run's round-2 update (exported
+    checkpoint minus the starting weights), the optimizer steps its state records, its layout."""
+    import subprocess
+
+    from pipeline import storage
+    from pipeline.config import load_config
+    from pipeline.stages.base import round_paths
+    from train.trainer import train_stage
+
+    def overrides(run_id: str) -> list[str]:
+        return [f"runs_dir={work / 'runs'}", f"data_dir={work / 'data'}", f"run_id={run_id}", f"rollout.policy={policy}",
+                "train.measure_kl_to_start=true", f"train.learning_rate={FSDP_LR}", "train.mixed_precision=no"]
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(policy)
+    cfgs = {name: load_config(None, overrides(f"gpu-{name}")) for name in ("plain", "fsdp")}
+    for cfg in cfgs.values():
+        for k in (1, 2):
+            write_round(cfg, k, args.responses, args.group, args.prompt_len, args.response_len, len(tok), tok.eos_token_id)
+    secs = {}
+    for k in (1, 2):
+        t0 = time.perf_counter()
+        train_stage(cfgs["plain"], k)
+        secs[("plain", k)] = time.perf_counter() - t0
+        reset_peak()
+        cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", args.fsdp_config,
+               "--num_processes", "1", "-m", "train.trainer", "--round", str(k), *overrides("gpu-fsdp")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        secs[("fsdp", k)] = time.perf_counter() - t0
+        if done.returncode != 0:
+            emit({"what": "fsdp", "round": k, "ok": False, "returncode": done.returncode,
+                  "stderr_tail": done.stderr[-3000:]}, ctx)
+            return
+    start = load_weights(policy)
+    ck = {name: load_weights(round_paths(cfg, 2)["checkpoint"]) for name, cfg in cfgs.items()}
+    upd = {name: {n: w[n].double() - start[n].double() for n in start} for name, w in ck.items()}
+    num = sum(float((upd["fsdp"][n] - upd["plain"][n]).norm() ** 2) for n in start) ** 0.5
+    den = sum(float(upd["plain"][n].norm() ** 2) for n in start) ** 0.5
+    dot = sum(float((upd["fsdp"][n] * upd["plain"][n]).sum()) for n in start)
+    nf = sum(float(upd["fsdp"][n].norm() ** 2) for n in start) ** 0.5
+    same = sum(int((ck["fsdp"][n] == ck["plain"][n]).sum()) for n in start) / sum(start[n].numel() for n in start)
+    moved = sum(int((ck["plain"][n] != start[n]).sum()) for n in start) / sum(start[n].numel() for n in start)
+    mans = {name: storage.read_manifest(round_paths(cfg, 2)["train_state"]) or {} for name, cfg in cfgs.items()}
+    emit({"what": "fsdp_vs_plain", "lr": FSDP_LR, "mixed_precision": "no",
+          "layout": {name: (m.get("distributed_type"), m.get("num_processes")) for name, m in mans.items()},
+          "optimizer_steps_total": {name: m.get("optimizer_steps_total") for name, m in mans.items()},
+          "round2_update_rel_l2_diff": num / den, "round2_update_cosine": dot / (nf * den),
+          "checkpoint_elements_equal": same, "checkpoint_elements_moved_plain": moved,
+          "seconds": {f"{n}_round{k}": round(v, 1) for (n, k), v in secs.items()},
+          "ok": mans["fsdp"].get("optimizer_steps_total") == mans["plain"].get("optimizer_steps_total") and dot / (nf * den) > 0.99},
+         ctx)
 
 
 if __name__ == "__main__":
