@@ -507,7 +507,7 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
 
 
 def arm_minus_other(a: argparse.Namespace, changes: dict[tuple[str, int], dict | None], metric: str,
-                 arm: str = "capo", other: str = "grpo") -> dict | None:
+                    arm: str = "capo", other: str = "grpo") -> dict | None:
     """``arm``'s round-K result minus ``other``'s (CAPO minus GRPO by default), paired by seed and
     held-out item (both arms start from the same round-0 eval, so the difference of their changes is
     the difference of their round-K results), over the seeds both arms finished, on the items all of
@@ -638,6 +638,7 @@ def main() -> None:
     for s in summarize(a, rows, paired, changes):
         print(json.dumps({**s, **ctx}), flush=True)
     out = Path(a.plot) if a.plot else Path(a.runs_dir) / "learning.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
     plot(a, rows, out)
     print(json.dumps({"bench": "learning", "plot": str(out), "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1),
                       "stages_run_this_invocation": len(ran), "rounds": a.rounds, "seeds": a.seeds, "lr": a.lr,

@@ -30,11 +30,15 @@ formulas), written through :mod:`pipeline.storage` as the reward stage writes th
    round k's master weights; the share of master elements that round 2 moved relative to round 1.
    Sections 3-5 run with the default attention kernels again.
 4. **The fused output head** (:class:`train.logprobs.HeadLogProbs`, whose backward is written by
-   hand) against the model's own logits under the same autocast: max |log-prob difference| and the
-   relative L2 difference of the gradient of ``sum(advantage * log-prob)`` over every parameter.
+   hand) against the model's own logits under the same autocast: max |log-prob difference| (ok
+   below 1e-3) and the relative L2 difference of the gradient of ``sum(advantage * log-prob)`` over
+   every parameter (ok below 5 %: the model's bf16 logits' gradient against the fused head's fp32
+   accumulation).
 5. **Alternatives**, one optimizer round each on the round-1 batch, peak GPU memory and seconds:
    today's defaults (fused head, gradient checkpointing, micro-batch 2) vs the model's full logits,
-   vs no gradient checkpointing, vs micro-batches of 8 and 16 (what a GPU user would raise).
+   vs no gradient checkpointing, vs micro-batches of 8 and 16 (what a GPU user would raise), and
+   micro-batches of 16 without checkpointing. "The model's logits" are those of the response
+   positions only (``logits_to_keep``), chunked, as the FSDP path computes them.
 6. With ``--fsdp`` (first; ``--only-fsdp`` alone): the train stage under ``accelerate launch`` with
    ``configs/accelerate/fsdp.yaml`` on one process against the plain stage (:func:`fsdp_check`).
 
@@ -52,10 +56,10 @@ and, as a dry run of the script on a CPU, with a 2-layer model::
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -212,9 +216,19 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench_trainer_gpu-"))
+    try:
+        run(args, work)
+    finally:
+        if args.work is None:  # states of 7.6 GB each: never leave them behind
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args, work: Path) -> None:
     import accelerate
     import transformers
     from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
 
     from pipeline import storage
     from pipeline.config import load_config
@@ -226,7 +240,6 @@ def main(argv: list[str] | None = None) -> None:
 
     ctx = {**bench_context(), "torch": torch.__version__, "transformers": transformers.__version__,
            "accelerate": accelerate.__version__, "tiny": args.tiny}
-    work = Path(args.work or tempfile.mkdtemp(prefix="bench_trainer_gpu-"))
     policy = work / "policy"
     t0 = time.perf_counter()
     n_params = make_policy(Path(args.model), policy, args.tiny)
@@ -266,12 +279,11 @@ def main(argv: list[str] | None = None) -> None:
               "first_step": {x: first.get(x) for x in ("ratio_mean", "approx_kl", "clip_frac", "kl_ref", "entropy")},
               # old log-probs in the update's own mode: ratio exactly 1 before the first step; the
               # reference is the starting policy, so KL to it is exactly 0 in round 1 only
-              "first_step_exact": abs(first.get("ratio_mean") - 1.0) < 1e-12 and first.get("approx_kl") == 0.0
-              and first.get("clip_frac") == 0.0 and (k > 1 or first.get("kl_ref") == 0.0)}, ctx)
+              "ok": abs(first.get("ratio_mean") - 1.0) < 1e-12 and first.get("approx_kl") == 0.0
+              and first.get("clip_frac") == 0.0 and (first.get("kl_ref") == 0.0 if k == 1 else first.get("kl_ref") > 0.0)},
+             ctx)
 
     # 2. two rounds == one process running both rounds' updates (twice: the replay's own noise floor)
-    from transformers import AutoModelForCausalLM
-
     accelerator = Accelerator(mixed_precision=resolve_mixed_precision(tc.mixed_precision).value)
     replays, n_steps = [], 0
     for _ in range(2):
@@ -291,27 +303,26 @@ def main(argv: list[str] | None = None) -> None:
     man2 = storage.read_manifest(round_paths(cfg, 2)["train_state"])
     emit({"what": "two_rounds_equal_one_process", "max_abs_diff": worst, "replay_vs_replay_max_abs_diff": floor,
           "steps_replayed": n_steps, "steps_in_state": man2.get("optimizer_steps_total"),
-          "ok": worst <= max(floor, 1e-6) and n_steps == man2.get("optimizer_steps_total")}, ctx)
+          # a replay floor above 1e-6 (kernels not deterministic after all) leaves the check inconclusive: not ok
+          "ok": worst <= 1e-6 and floor <= 1e-6 and n_steps == man2.get("optimizer_steps_total")}, ctx)
     del replays
     deterministic_attention(False)
 
     # 3. the export is the save_dtype cast of the master weights; round 2 moved most elements
     for k, s in ((1, s1), (2, s2)):
         ck = load_weights(round_paths(cfg, k)["checkpoint"])
-        exact = all(bool((s[n].to(ck[n].dtype) == ck[n]).all()) for n in ck)
+        exact = set(ck) == set(s) and all(bool((s[n].to(ck[n].dtype) == ck[n]).all()) for n in ck)
         emit({"what": "export_is_cast_of_master", "round": k, "checkpoint_dtype": str(next(iter(ck.values())).dtype),
               "ok": exact}, ctx)
     moved = sum(int((s1[n] != s2[n]).sum()) for n in s2) / sum(s2[n].numel() for n in s2)
     emit({"what": "round2_vs_round1_master", "share_of_elements_moved": moved}, ctx)
 
     # 4. fused output head vs the model's own logits: log-probs and gradients under the same autocast
-    from transformers import AutoModelForCausalLM as AM
-
     ex = load_examples(cfg, 1)
     mb = collate(ex[: tc.micro_batch_size], pad)
     res = {}
     for fuse in (True, False):
-        m = AM.from_pretrained(policy, dtype=torch.float32).to(accelerator.device)
+        m = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).to(accelerator.device)
         with accelerator.autocast():
             lp = token_logprobs(m, mb, cfg.rollout.sampling.temperature, fuse_head=fuse)
             (lp * mb["advantages"].to(lp.device)).sum().backward()
@@ -323,8 +334,10 @@ def main(argv: list[str] | None = None) -> None:
     g1, g0 = res[True][1], res[False][1]
     num = sum(float((g1[n] - g0[n]).norm() ** 2) for n in g0) ** 0.5
     den = sum(float(g0[n].norm() ** 2) for n in g0) ** 0.5
+    # the same bf16 head matmul in both: log-probs equal to float rounding; the gradients differ by the
+    # model's bf16 logits' gradient against the fused head's fp32 accumulation (~1 %)
     emit({"what": "fused_head_vs_model_logits", "max_abs_logprob_diff": d_lp, "grad_rel_l2_diff": num / den,
-          "mixed_precision": accelerator.mixed_precision}, ctx)
+          "mixed_precision": accelerator.mixed_precision, "ok": d_lp < 1e-3 and num / den < 0.05}, ctx)
     del res, g1, g0
     release(accelerator)
 
@@ -359,6 +372,9 @@ def write_out(args) -> None:
         Path(args.out).write_text("".join(json.dumps(x) + "\n" for x in OUT_LINES))
 
 
+FSDP_TIMEOUT_S = 900
+"""Seconds one FSDP round may take before the check reports it hung."""
+
 FSDP_LR = 2e-4
 """Learning rate of section 6: large enough that 4 AdamW steps show in the bf16 checkpoints."""
 
@@ -380,7 +396,8 @@ def fsdp_check(args, work: Path, policy: Path, ctx: dict) -> None:
 
     def overrides(run_id: str) -> list[str]:
         return [f"runs_dir={work / 'runs'}", f"data_dir={work / 'data'}", f"run_id={run_id}", f"rollout.policy={policy}",
-                "train.measure_kl_to_start=true", f"train.learning_rate={FSDP_LR}", "train.mixed_precision=no"]
+                "train.measure_kl_to_start=true", f"train.learning_rate={FSDP_LR}", "train.mixed_precision=no",
+                "train.keep_states=1"]
 
     from transformers import AutoTokenizer
 
@@ -399,7 +416,13 @@ def fsdp_check(args, work: Path, policy: Path, ctx: dict) -> None:
                "--num_processes", "1", "-m", "train.trainer", "--round", str(k), *overrides("gpu-fsdp")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         t0 = time.perf_counter()
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        try:
+            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=FSDP_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            emit({"what": "fsdp", "round": k, "ok": False, "error": f"no result in {FSDP_TIMEOUT_S} s",
+                  "stderr_tail": (e.stderr or b"")[-3000:].decode(errors="replace") if isinstance(e.stderr, bytes)
+                  else (e.stderr or "")[-3000:]}, ctx)
+            return
         secs[("fsdp", k)] = time.perf_counter() - t0
         if done.returncode != 0:
             emit({"what": "fsdp", "round": k, "ok": False, "returncode": done.returncode,
@@ -415,13 +438,17 @@ def fsdp_check(args, work: Path, policy: Path, ctx: dict) -> None:
     same = sum(int((ck["fsdp"][n] == ck["plain"][n]).sum()) for n in start) / sum(start[n].numel() for n in start)
     moved = sum(int((ck["plain"][n] != start[n]).sum()) for n in start) / sum(start[n].numel() for n in start)
     mans = {name: storage.read_manifest(round_paths(cfg, 2)["train_state"]) or {} for name, cfg in cfgs.items()}
+    cosine = dot / (nf * den) if nf > 0 and den > 0 else float("nan")  # nan (not ok) when an update is zero
+    rel = num / den if den > 0 else float("nan")
     emit({"what": "fsdp_vs_plain", "lr": FSDP_LR, "mixed_precision": "no",
           "layout": {name: (m.get("distributed_type"), m.get("num_processes")) for name, m in mans.items()},
           "optimizer_steps_total": {name: m.get("optimizer_steps_total") for name, m in mans.items()},
-          "round2_update_rel_l2_diff": num / den, "round2_update_cosine": dot / (nf * den),
+          "round2_update_rel_l2_diff": rel, "round2_update_cosine": cosine,
           "checkpoint_elements_equal": same, "checkpoint_elements_moved_plain": moved,
           "seconds": {f"{n}_round{k}": round(v, 1) for (n, k), v in secs.items()},
-          "ok": mans["fsdp"].get("optimizer_steps_total") == mans["plain"].get("optimizer_steps_total") and dot / (nf * den) > 0.99},
+          "ok": mans["fsdp"].get("distributed_type") == "FSDP" and mans["plain"].get("distributed_type") == "NO"
+          and mans["fsdp"].get("optimizer_steps_total") == mans["plain"].get("optimizer_steps_total") > 0
+          and cosine > 0.9999 and rel < 0.01},
          ctx)
 
 

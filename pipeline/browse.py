@@ -116,7 +116,9 @@ def _token_texts(policy: str | None, token_ids: list[int], fallback: str | None 
     """Each token's text in the tokenizer of the policy that sampled the round, else (its checkpoint
     pruned or moved) in that of ``fallback``, the run's starting policy: every round's checkpoint
     is saved with the starting policy's tokenizer. Ids as text when neither loads."""
-    tok = _tokenizer(policy) or _tokenizer(fallback)
+    tok = _tokenizer(policy)
+    if tok is None:
+        tok = _tokenizer(fallback)
     if tok is None:
         return [f"#{t}" for t in token_ids]
     return [tok.decode([t]) for t in token_ids]
@@ -188,10 +190,15 @@ def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
     prompts = start = None
     try:
         cfg = CAPOConfig.model_validate(rc)
-        prompts = prompts_path(cfg)
+    except Exception as e:  # a config of an older version
+        cfg = None
+        log.warning("browse: cannot read the resolved config of %s (%s); problems are not shown", run_dir, e)
+    if cfg is not None:
+        try:
+            prompts = prompts_path(cfg)
+        except Exception as e:  # data_dir relative to another working directory
+            log.warning("browse: cannot find the prompt table of %s (%s); problems are not shown", run_dir, e)
         start = _starting_policy(cfg)
-    except Exception as e:  # data_dir relative to another working directory, or an older config
-        log.warning("browse: cannot find the prompt table of %s (%s); problems are not shown", run_dir, e)
     queries = browser_queries(run_id, round_idx, variant, rule)
     con = duckdb.connect()
     missing = _register_views(con, run_dir, prompts)

@@ -196,3 +196,28 @@ def test_a_round_whose_policy_is_gone_shows_tokens_in_the_starting_policys_token
     ids = [100 + t for t in range(N_TOK["A"] - 1)] + [2]  # response A's ids in tests/toy_round.py
     assert a["tokens"] == [tok.decode([t]) for t in ids]
     assert not any(t.startswith("#") for t in a["tokens"])
+
+
+def test_the_tokenizer_fallback_finds_an_embedded_starting_policy_without_converting_it(tmp_path, tiny_model, monkeypatch):
+    """With ``rollout.policy`` an embedded name (as on the defaults) the fallback reads the converted
+    folder under ``data_dir/models`` and never converts or downloads: ``ensure_model`` is made to
+    fail while the browser is built."""
+    import pipeline.assets.models as models
+    from pipeline.browse import _starting_policy
+    from pipeline.config import CAPOConfig
+
+    cfg = toy_config(tmp_path, "rollout.policy=smollm2-135m-instruct", "vote.rule=intersection", "variant=capo-intersection")
+    (tmp_path / "data" / "models").mkdir(parents=True)
+    (tmp_path / "data" / "models" / "smollm2-135m-instruct").symlink_to(tiny_model)
+    write_round(cfg)
+    vote_stage(cfg, 1)
+    reward_stage(cfg, 1)
+
+    def no_conversion(*a, **k):
+        raise AssertionError("the browser must not convert a model")
+
+    monkeypatch.setattr(models, "ensure_model", no_conversion)
+    a = collect(cfg.run_dir(), 1)["prompts"][0]["responses"][0]
+    assert len(a["tokens"]) == 11 and not any(t.startswith("#") for t in a["tokens"])
+    other = CAPOConfig.model_validate({**cfg.model_dump(mode="json"), "data_dir": str(tmp_path / "nowhere")})
+    assert _starting_policy(other) is None  # not on disk: no fallback, nothing fetched
