@@ -392,6 +392,15 @@ class TrainConfig(_Strict):
     lets the newest round be re-trained. Older states are deleted (their manifests stay);
     checkpoints are always kept. Disk per state: about 12 bytes per trained parameter (7.6 GB for
     the 0.5B policy, whose embeddings are untied; 1.6 GB for SmolLM2-135M)."""
+    deterministic: bool = False
+    """Deterministic kernels for the update (:func:`train.trainer.deterministic_kernels`):
+    ``torch.use_deterministic_algorithms``, a fixed cuBLAS workspace and PyTorch's math attention
+    on CUDA (cuDNN's and the flash / memory-efficient attention backwards are not deterministic).
+    On a GPU, a re-trained round then ends at bit-identical weights: measured on an H100 with the
+    0.5B policy, two rounds against one process replaying both, max |diff| of the fp32 master weights
+    0.0 with it and 3.0e-5 (about one update's size) without (docs/benchmarks.md, "The train stage
+    on a GPU"), at a cost in speed. CPU kernels are deterministic for a fixed thread count already.
+    Part of the train stage's key only when true (runs trained before it existed stay current)."""
     gradient_checkpointing: bool = True
     """Recompute each decoder layer's forward during backward instead of keeping its activations
     (transformers' ``gradient_checkpointing_enable``, non-reentrant). On by default: for the 0.5B

@@ -261,6 +261,43 @@ def make_optimizer(model, tc: TrainConfig, accelerator) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=tc.learning_rate, weight_decay=tc.weight_decay, **({"fused": True} if fused else {}))
 
 
+@contextlib.contextmanager
+def deterministic_kernels(on: bool):
+    """Deterministic kernels inside the block when ``on`` (``train.deterministic``); a no-op otherwise.
+
+    Turns on ``torch.use_deterministic_algorithms`` (``warn_only``: an op without a deterministic
+    implementation warns instead of failing), sets ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless it is
+    set (read when cuBLAS starts: the trainer's own process sets it before its first CUDA op) and,
+    on CUDA, leaves PyTorch's math attention as the only scaled-dot-product backend (the flash,
+    memory-efficient and cuDNN backwards are not deterministic). Everything is restored on exit, so
+    an in-process caller's other work keeps its kernels. Measured on an H100 (docs/benchmarks.md,
+    "The train stage on a GPU"): two trained rounds against one process replaying both, max |diff|
+    of the fp32 master weights 0.0 with these settings, 3.0e-5 with the default attention.
+    """
+    if not on:
+        yield
+        return
+    cuda = torch.backends.cuda
+    sdp = {"flash": cuda.flash_sdp_enabled(), "mem_efficient": cuda.mem_efficient_sdp_enabled(),
+           "cudnn": cuda.cudnn_sdp_enabled()}
+    algos = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    cuda.enable_flash_sdp(False)
+    cuda.enable_mem_efficient_sdp(False)
+    cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(algos[0], warn_only=algos[1])
+        cuda.enable_flash_sdp(sdp["flash"])
+        cuda.enable_mem_efficient_sdp(sdp["mem_efficient"])
+        cuda.enable_cudnn_sdp(sdp["cudnn"])
+        if env is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
 def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
     """Train the round's policy on its token advantages -> ``variants/<v>/checkpoint`` + metrics.
 
@@ -278,7 +315,8 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
     new state (``accelerator.save_state`` into a temporary folder, renamed into place by the main
     process), then the checkpoint for the engines is exported from the master weights in
     ``train.save_dtype`` (``auto``: the rollout engine's resolved dtype), and states older than
-    ``train.keep_states`` rounds are pruned.
+    ``train.keep_states`` rounds are pruned. With ``train.deterministic`` the whole stage runs under
+    :func:`deterministic_kernels`.
 
     Raises:
         ValueError: the round has no non-empty responses; LoRA together with FSDP or ZeRO-3
@@ -286,6 +324,12 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
         FileNotFoundError: the round's rollouts or token rewards were never committed; round k-1's
             training state is missing or was pruned.
     """
+    with deterministic_kernels(cfg.train.deterministic):
+        return _train_stage(cfg, round_idx, force)
+
+
+def _train_stage(cfg: CAPOConfig, round_idx: int, force: bool) -> StageResult:
+    """:func:`train_stage`'s body (its kernels chosen by the caller)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -40,6 +40,14 @@ def previous_state_fp(cfg: CAPOConfig, round_idx: int) -> str | None:
     return f"{man['key_hash']}:{man['fingerprint']}"  # the key chains through every earlier round's state
 
 
+def train_settings_key(cfg: CAPOConfig) -> dict:
+    """The ``train`` settings that the checkpoint depends on: every field but ``launcher`` and
+    ``keep_states`` (how and where it runs, how many states it keeps), and ``deterministic`` only
+    when true (a setting added later must not make the runs trained before it stale)."""
+    return {k: v for k, v in cfg.model_dump(mode="json")["train"].items()
+            if k not in ("launcher", "keep_states") and not (k == "deterministic" and not v)}
+
+
 def train_key(cfg: CAPOConfig, round_idx: int) -> dict:
     """What the checkpoint depends on: rollouts, token rewards, the training state it
     continues from, train settings (not the launcher or retention), resolved precision, policy, seed."""
@@ -49,7 +57,7 @@ def train_key(cfg: CAPOConfig, round_idx: int) -> dict:
     prec = precision_record(cfg)
     return {"rollouts": input_fp(p["rollouts"]), "token_rewards": input_fp(p["token_rewards"]),
             "state": previous_state_fp(cfg, round_idx),
-            "train": {k: v for k, v in cfg.model_dump(mode="json")["train"].items() if k not in ("launcher", "keep_states")},
+            "train": train_settings_key(cfg),
             "mixed_precision": prec["train_mixed_precision"], "save_dtype": prec["train_save_dtype"],
             "policy": model_fingerprint(policy_for_round(cfg, round_idx)), "seed": cfg.seed}
 
