@@ -348,8 +348,10 @@ class TrainConfig(_Strict):
     learning_rate: float = Field(5e-6, ge=0)
     """AdamW learning rate; 0 runs the whole round with no update (the control arm of
     ``benchmarks/bench_learning.py``). 5e-6 is the rate under which the learning benchmark raised
-    held-out sampled accuracy in every run at 8-16 responses per step (docs/benchmarks.md); the
-    paper's 1e-6 goes with batches of hundreds and barely moves a policy in small rounds."""
+    held-out sampled accuracy at 192 tokens (by teaching the policy to finish inside the budget); at
+    320 tokens and 8 responses per step it cost greedy accuracy and 2e-6 did not (one seed so far,
+    docs/benchmarks.md, "A smaller learning rate at 320 tokens"). The paper's 1e-6 goes with batches
+    of hundreds."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW's decoupled weight decay (scaled by the learning rate, so 0 at learning rate 0)."""
     clip_low: float = Field(0.2, gt=0, lt=1)
