@@ -401,7 +401,7 @@ class TrainConfig(_Strict):
     On a GPU, a re-trained round then ends at bit-identical weights: measured on an H100 with the
     0.5B policy, two rounds against one process replaying both, max |diff| of the fp32 master weights
     0.0 with it and 3.0e-5 (about one update's size) without (docs/benchmarks.md, "The train stage
-    on a GPU"), at a cost in speed. CPU kernels are deterministic for a fixed thread count already.
+    on a GPU"), at a cost in speed. On a CPU only the first setting applies.
     Part of the train stage's key only when true (runs trained before it existed stay current)."""
     gradient_checkpointing: bool = True
     """Recompute each decoder layer's forward during backward instead of keeping its activations
