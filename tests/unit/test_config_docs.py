@@ -29,7 +29,7 @@ def test_docs_config_md_is_current(repo):
     text = mod.render()
     assert mod.OUT.read_text() == text, "docs/config.md is stale: run .venv/bin/python scripts/render_config_docs.py"
     # spot checks that the rendering carries the fields and their descriptions
-    assert "| `train.learning_rate` | float | `5e-06` |" in text
+    assert "| `train.learning_rate` | float | `2e-06` |" in text
     assert "| `critique.engine.[type=openai].max_retries` |" in text
     assert "Rule whose step weights train the policy" in text
     # nested defaults are the config's, not the class's: critique.sampling is not SamplingConfig()
