@@ -90,6 +90,10 @@ def base_overrides(a: argparse.Namespace, seed: int) -> list[str]:
             *(["rollout.dynamic_sampling=true", f"rollout.max_gen_batches={a.max_gen_batches}"]
               if a.dynamic_sampling else []),
             *([f"reward.overlong_buffer={a.overlong_buffer}"] if a.overlong_buffer else []),
+            # fp32 end to end for the policy: rollouts, trainer forward/backward, exported checkpoints
+            # and evals (the critic keeps its own dtype); see --precision
+            *(["rollout.engine.dtype=float32", "train.mixed_precision=no", "train.save_dtype=float32"]
+              if getattr(a, "precision", "auto") == "fp32" else []),
             *([f"eval.pass_k={a.eval_samples}", f"eval.pass_k_benchmarks=[{a.dataset}]"] if a.eval_samples > 1 else [])]
 
 
@@ -584,6 +588,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=192, help="rollout and eval")
     ap.add_argument("--save-dtype", default="bfloat16", help="train.save_dtype of the engine checkpoints")
+    ap.add_argument("--precision", default="auto", choices=("auto", "fp32"),
+                    help="fp32: the policy in float32 everywhere (rollout engine, train.mixed_precision=no, "
+                         "train.save_dtype=float32, the evals), overriding --save-dtype. On a CPU with native "
+                         "bf16, auto trains under bf16 autocast and exports bf16 checkpoints, and a bf16-valued "
+                         "start then sees only the updates that pass half a bf16 step "
+                         "(benchmarks/bench_export_drift.py)")
     ap.add_argument("--select-n", type=int, default=64, help="candidate training problems")
     ap.add_argument("--select-k", type=int, default=4, help="samples per candidate")
     ap.add_argument("--pass-lo", type=float, default=0.25)
