@@ -151,6 +151,18 @@ def select_training_items(a: argparse.Namespace) -> Path:
     tag = (f"{a.dataset}-n{a.select_n}-k{a.select_k}-lo{a.pass_lo}-hi{a.pass_hi}-t{a.max_tokens}"
            f"-e{a.eval_size}-{Path(a.policy).name}-{a.verify_answer}-{a.verify_truncated}")
     out = Path(a.data_dir).resolve() / "prompts" / f"learning-{tag}.jsonl"
+    if a.selection is not None:  # an earlier selection (e.g. another machine's): the same training problems
+        given = Path(a.selection).resolve()
+        if not given.is_file():
+            raise SystemExit(f"--selection {a.selection}: no such file (a JSONL of training problems, e.g. "
+                             f"benchmarks/selections/*.jsonl)")
+        if out.exists() and out.read_bytes() != given.read_bytes():
+            raise SystemExit(f"--selection {a.selection} differs from the selection already at {out}; "
+                             f"move that file away to train on the given one (it is not overwritten)")
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(given, out)
+        return out
     if out.exists():
         return out
     items = candidate_rows(a, cfg)
@@ -594,6 +606,11 @@ def parser() -> argparse.ArgumentParser:
                          "bf16, auto trains under bf16 autocast and exports bf16 checkpoints, and a bf16-valued "
                          "start then sees only the updates that pass half a bf16 step "
                          "(benchmarks/bench_export_drift.py)")
+    ap.add_argument("--selection", default=None,
+                    help="train on this JSONL of problems instead of selecting them with this machine's sampler "
+                         "(the pass-rate selection differs between CPUs); copied to the selection's usual path, "
+                         "so run ids stay those of a run that selected it. benchmarks/selections/ holds the "
+                         "nineteenth session's")
     ap.add_argument("--select-n", type=int, default=64, help="candidate training problems")
     ap.add_argument("--select-k", type=int, default=4, help="samples per candidate")
     ap.add_argument("--pass-lo", type=float, default=0.25)
