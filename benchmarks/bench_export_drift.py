@@ -1,12 +1,14 @@
 """How much of a run's fp32 update reaches the engine checkpoint written in ``train.save_dtype``.
 
 The trainer keeps fp32 master weights in the training state (issue 11, item 1) and exports the
-checkpoint that vLLM and the eval load as their ``train.save_dtype`` cast (bf16 by default). A
-small learning rate over few steps moves most weights by less than half a bf16 step, so the
-exported policy changes only where a weight crossed a rounding boundary. Over the weights' positions
-inside their bf16 bins that rounding is unbiased (a weight moved by d crosses with probability
-about d / bin width), so the question is how much of the update survives in direction and size,
-and how much rounding noise rides on it. This script measures it on a finished round:
+checkpoint that vLLM and the eval load as their ``train.save_dtype`` cast (bf16 by default; the
+trainer's own forward under bf16 autocast casts them the same way). Rounding would carry an update
+at full size on average if the weights sat anywhere inside their bf16 bins; but the shipped policy
+is bf16-valued, so every weight starts exactly on the grid and its cast moves only once its update
+passes half a bf16 step (a dead zone): a small learning rate over few steps reaches the engine only
+through the weights of small magnitude. This script measures how much of the update survives, in
+direction and size, on a finished round:
+This script measures it on a finished round:
 
     .venv/bin/python benchmarks/bench_export_drift.py \
         --start data/models/qwen2.5-coder-0.5b-instruct \
@@ -115,7 +117,8 @@ def main() -> None:
     start_f, state_f = _weights_file(args.start), _weights_file(args.state)
     ckpt_f = _weights_file(args.checkpoint) if args.checkpoint else None
     acc: dict[str, dict[str, float]] = {}
-    ckpt_mismatch = 0
+    ckpt_mismatch = ckpt_compared = 0
+    unmatched: list[str] = []
     with safe_open(start_f, "pt") as s, safe_open(state_f, "pt") as m:
         start_names = {_canon(k): k for k in s.keys()}
         ck = safe_open(ckpt_f, "pt") if ckpt_f else None
@@ -123,18 +126,32 @@ def main() -> None:
         for key in m.keys():
             name = _canon(key)
             if name not in start_names:
+                unmatched.append(key)
                 continue
             w0 = s.get_tensor(start_names[name])
             w = m.get_tensor(key)
             if ck is not None and name in ck_names:
                 ckpt_mismatch += int((ck.get_tensor(ck_names[name]).float() != w.to(cast).float()).sum())
+                ckpt_compared += w.numel()
+            one: dict[str, float] = {}
+            accumulate(one, w0, w, cast)
             for k in ("all", _kind(name)):
-                accumulate(acc.setdefault(k, {}), w0, w, cast)
+                tot = acc.setdefault(k, {})
+                for f, v in one.items():
+                    tot[f] = tot.get(f, 0.0) + v
+        del ck
+    if not acc:
+        raise SystemExit(f"no tensor of {state_f} matched one of {start_f} by name (first state names: "
+                         f"{unmatched[:3]}); a LoRA state holds adapters, not the policy's weights")
     for k, a in acc.items():
         print(json.dumps({"bench": "export_drift", "tensors": k, **summarize(a), "save_dtype": args.save_dtype}))
     out = {"bench": "export_drift", "state": str(args.state), "start": str(args.start), "seconds": round(time.time() - t0, 1),
            "machine": platform.processor() or platform.machine()}
+    out["state_tensors_not_in_start"] = len(unmatched)
     if ckpt_f:
+        if ckpt_compared == 0:
+            raise SystemExit(f"no tensor of {ckpt_f} matched the state's by name: nothing to compare")
+        out["checkpoint_elements_compared"] = ckpt_compared
         out["checkpoint_elements_not_the_cast"] = ckpt_mismatch
     print(json.dumps(out))
 

@@ -156,6 +156,9 @@ def select_training_items(a: argparse.Namespace) -> Path:
         if not given.is_file():
             raise SystemExit(f"--selection {a.selection}: no such file (a JSONL of training problems, e.g. "
                              f"benchmarks/selections/*.jsonl)")
+        if given.name != out.name and given.name.startswith("learning-"):
+            raise SystemExit(f"--selection {a.selection} was made for other settings than these ({out.name}); "
+                             f"pass the settings it was made with, or rename a hand-made file outside learning-*")
         if out.exists() and out.read_bytes() != given.read_bytes():
             raise SystemExit(f"--selection {a.selection} differs from the selection already at {out}; "
                              f"move that file away to train on the given one (it is not overwritten)")
@@ -605,7 +608,8 @@ def parser() -> argparse.ArgumentParser:
                          "train.save_dtype=float32, the evals), overriding --save-dtype. On a CPU with native "
                          "bf16, auto trains under bf16 autocast and exports bf16 checkpoints, and a bf16-valued "
                          "start then sees only the updates that pass half a bf16 step "
-                         "(benchmarks/bench_export_drift.py)")
+                         "(benchmarks/bench_export_drift.py). The selection of training problems is shared by both "
+                         "precisions (made once, by whichever runs first)")
     ap.add_argument("--selection", default=None,
                     help="train on this JSONL of problems instead of selecting them with this machine's sampler "
                          "(the pass-rate selection differs between CPUs); copied to the selection's usual path, "
@@ -647,7 +651,8 @@ def main() -> None:
 
     ctx = bench_context()
     t0 = time.perf_counter()
-    train_file = selection_in_child(a)
+    # a given selection needs no engine: read in this process (relative paths stay the caller's)
+    train_file = select_training_items(a) if a.selection else selection_in_child(a)
     round0 = earlier_round0(a)
     # the training arms of every seed first, the control (no update) last
     order = [(arm, seed) for seed in a.seeds for arm in a.arms if arm != "control"]

@@ -58,3 +58,29 @@ def test_small_updates_vanish_and_sums_accumulate(bench):
 def test_shape_mismatch_names_both(bench):
     with pytest.raises(ValueError, match=r"start shape \(2,\) != trained shape \(3,\)"):
         bench.accumulate({}, torch.zeros(2), torch.zeros(3), torch.bfloat16)
+
+
+def test_main_on_files(bench, tmp_path, monkeypatch, capsys):
+    import json
+
+    from safetensors.torch import save_file
+
+    w0 = torch.tensor([1.0, 1.0, 0.5, -2.0])
+    w = w0 + torch.tensor([0.001, 0.005, 0.001, -0.02])
+    for d, tensors in (("start", {"model.layers.0.mlp.up_proj.weight": w0.to(torch.bfloat16)}),
+                       ("state", {"model.layers.0.mlp.up_proj.weight": w}),
+                       ("ckpt", {"model.layers.0.mlp.up_proj.weight": w.to(torch.bfloat16)}),
+                       ("lora", {"model.layers.0.mlp.up_proj.lora_A.weight": w})):
+        (tmp_path / d).mkdir()
+        save_file(tensors, tmp_path / d / "model.safetensors")
+    argv = ["bench_export_drift.py", "--start", str(tmp_path / "start"), "--state", str(tmp_path / "state"),
+            "--checkpoint", str(tmp_path / "ckpt")]
+    monkeypatch.setattr("sys.argv", argv)
+    bench.main()
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    by = {x.get("tensors"): x for x in lines}
+    assert by["all"]["share_moved_cast"] == 0.5 and by["linear"]["slope_cast_on_fp32"] == pytest.approx(0.8233, abs=1e-4)
+    assert lines[-1]["checkpoint_elements_compared"] == 4 and lines[-1]["checkpoint_elements_not_the_cast"] == 0
+    monkeypatch.setattr("sys.argv", [*argv[:4], str(tmp_path / "lora")])
+    with pytest.raises(SystemExit, match="no tensor of .* matched"):
+        bench.main()

@@ -40,3 +40,12 @@ def test_selection_never_overwrites_another(bench, tmp_path):
     assert existing.read_text() == '{"question": "1+1?", "gold_answer": "2"}\n'
     with pytest.raises(SystemExit, match="no such file"):
         bench.select_training_items(_args(bench, tmp_path, tmp_path / "missing.jsonl"))
+
+
+def test_selection_for_other_settings_is_refused(bench, tmp_path):
+    shipped = next((REPO / "benchmarks" / "selections").glob("learning-*.jsonl"))
+    a = bench.parser().parse_args(["--max-tokens", "192", "--data-dir", str(tmp_path / "data"),
+                                   "--selection", str(shipped)])
+    with pytest.raises(SystemExit, match="made for other settings"):
+        bench.select_training_items(a)
+    assert not (tmp_path / "data" / "prompts").exists() or not any((tmp_path / "data" / "prompts").iterdir())
