@@ -381,7 +381,12 @@ class TrainConfig(_Strict):
     """Accelerate mixed precision for forward/backward (autocast; master weights stay in ``dtype``).
     ``auto`` (default): bf16 where the device computes it natively (GPU with bf16, CPU with
     AVX512-BF16/AMX or ARM BF16), "no" on other CPUs, where bf16 autocast is emulated and ~40x
-    slower (:mod:`pipeline.precision`); "no" computes old and new log-probs in full precision."""
+    slower (:mod:`pipeline.precision`); "no" computes old and new log-probs in full precision. Under
+    bf16 every matmul sees the bf16 cast of the master weights, and a bf16-valued start moves there
+    only once a weight's update passes half a bf16 step: 20 steps at lr 2e-6 carried 39 % of the
+    update (docs/benchmarks.md, "the bf16 dead zone"). "no" with ``rollout.engine.dtype=float32`` and
+    ``save_dtype=float32`` trains and samples the whole update (about 1.5x the train stage's time and
+    1.75x the rollout's on a 2-core AMX CPU)."""
     @field_validator("mixed_precision", mode="before")
     @classmethod
     def _yaml_no(cls, v: Any) -> Any:
