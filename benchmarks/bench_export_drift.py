@@ -8,7 +8,6 @@ is bf16-valued, so every weight starts exactly on the grid and its cast moves on
 passes half a bf16 step (a dead zone): a small learning rate over few steps reaches the engine only
 through the weights of small magnitude. This script measures how much of the update survives, in
 direction and size, on a finished round:
-This script measures it on a finished round:
 
     .venv/bin/python benchmarks/bench_export_drift.py \
         --start data/models/qwen2.5-coder-0.5b-instruct \
