@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,14 +28,26 @@ TABLES = ("rollouts", "outcomes", "steps", "critiques", "variants/capo-majority/
           "variants/capo-majority/token_rewards", "variants/capo-majority/eval")
 
 
-def _cmd(repo: Path, runs: Path, data_dir: Path) -> list[str]:
+def _cmd(repo: Path, runs: Path, data_dir: Path, seed: int) -> list[str]:
     return [sys.executable, "-m", "flows.cli", "run", "--rounds", "2", "--config", str(repo / "configs" / "tiny.yaml"),
             f"runs_dir={runs}", f"data_dir={data_dir}", "rollout.engine.type=transformers",
             "critique.engine.type=transformers", "critique.batch_rollouts=1", "eval.benchmarks=[gsm8k]",
-            # SmolLM2 never solves GSM8K, so a round's signal is the tiny critic's step flags, which
-            # some seeds' rounds lack (seeds 0-4 with this engine: 0 none, 1 round 1 only, 3 none);
-            # under seed 2 both rounds train on a non-zero signal, which the round-k-vs-k-1 test needs
-            "seed=2"]
+            "data.prompts_per_round=4", "rollout.sampling.max_tokens=96", f"seed={seed}"]
+
+
+# SmolLM2 never solves GSM8K, so a round's signal is the tiny critic's step flags, and those are rare:
+# it mostly echoes the prompt's example ("Wrong step list: [1]"), which is out of range for a response
+# of one or two steps, and they depend on the CPU's kernels (under tiny.yaml's 2 prompts and 48 tokens,
+# seed 2 gave both rounds a signal on the machines of sessions 1-19, and seeds 1, 2, 5, 6, 7 none on a
+# 2026-11-26 AMX Xeon). So the rounds here sample 4 prompts and 96 tokens (more steps, more chances),
+# and the fixture takes the first of these seeds under which both rounds train on a non-zero signal,
+# which the round-k-vs-k-1 and two-rounds-equal-one-process tests need; the killed run uses the same seed.
+SEEDS = (2, 1, 5, 6, 7, 8, 9, 10, 11, 12)
+
+
+def _has_signal(run: Path, k: int) -> bool:
+    t = pq.read_table(run / f"round_{k:03d}" / "variants" / "capo-majority" / "token_rewards.parquet")
+    return any(abs(x) > 0 for row in t.column("advantages").to_pylist() for x in row)
 
 
 V1, V2 = "round_001/variants/capo-majority", "round_002/variants/capo-majority"
@@ -74,20 +87,32 @@ def two_runs(repo, data_dir, module_tmp):
     """Run ``a`` uninterrupted; run ``b`` SIGKILLed (whole process group) at each of 10 seeded kill
     points spread over every stage of both rounds, started again after each kill, then to the end."""
     base = module_tmp("multi")
-    a, b = base / "a", base / "b"
-    out = subprocess.run(_cmd(repo, a, data_dir), cwd=repo, capture_output=True, text=True, timeout=1800)
-    assert out.returncode == 0, out.stderr[-3000:]
+    tried = []
+    for seed in SEEDS:
+        a = base / f"a-seed{seed}"
+        out = subprocess.run(_cmd(repo, a, data_dir, seed), cwd=repo, capture_output=True, text=True, timeout=1800)
+        assert out.returncode == 0, out.stderr[-3000:]
+        signal_in = [k for k in (1, 2) if _has_signal(a / "tiny", k)]
+        if signal_in == [1, 2]:
+            break
+        tried.append((seed, signal_in))
+        shutil.rmtree(a)
+    else:
+        pytest.fail(f"no seed of {SEEDS} gives both rounds a signal (seed, rounds with one): {tried}")
+    b = base / "b"
     kills = []
     for point in kill_points(int(os.environ.get("CAPO_KILL_SEED", "0"))):
-        proc = subprocess.run(_cmd(repo, b, data_dir), cwd=repo, capture_output=True, text=True, timeout=1800,
+        proc = subprocess.run(_cmd(repo, b, data_dir, seed), cwd=repo, capture_output=True, text=True, timeout=1800,
                               start_new_session=True, env={**os.environ, "CAPO_KILL_AT": point})
         # the whole group died at the point (not before: an earlier failure would exit non-zero; not
         # never: a point the run did not reach would exit 0)
         assert proc.returncode == -signal.SIGKILL, f"{point}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
         kills.append(point)
-    out = subprocess.run(_cmd(repo, b, data_dir), cwd=repo, capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(_cmd(repo, b, data_dir, seed), cwd=repo, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
-    return a / "tiny", b / "tiny", kills, out.stderr
+    if tried:
+        print(f"two_runs: seed {seed} (tried first: {tried})")
+    return a / "tiny", b / "tiny", kills, out.stderr, seed
 
 
 def _table(run: Path, k: int, name: str):
@@ -98,7 +123,7 @@ def _table(run: Path, k: int, name: str):
 
 @pytest.mark.parametrize("name", TABLES)
 def test_killed_and_resumed_run_equals_uninterrupted_run(two_runs, name):
-    a, b, kills, _ = two_runs
+    a, b, kills, *_ = two_runs
     assert len(kills) == len(KILL_GROUPS) >= 8
     for k in (1, 2):
         ta, tb = _table(a, k, name), _table(b, k, name)
@@ -106,12 +131,12 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(two_runs, name):
 
 
 def test_resumed_run_continued_where_it_stopped(two_runs):
-    _, _, _, log = two_runs
+    _, _, _, log, _ = two_runs
     assert "rollouts.parquet is current" in log  # round 1 was not sampled again
 
 
 def test_round_0_eval_and_checkpoints_equal_the_uninterrupted_run(two_runs):
-    a, b, _, _ = two_runs
+    a, b, *_ = two_runs
     ta, tb = (pq.read_table(r / "round_000" / "eval.parquet") for r in (a, b))
     drop = [c for c in ("policy",) if c in ta.column_names]
     assert ta.num_rows > 0 and ta.drop_columns(drop).equals(tb.drop_columns(drop))
@@ -123,9 +148,9 @@ def test_round_0_eval_and_checkpoints_equal_the_uninterrupted_run(two_runs):
 def test_capo_check_finds_the_killed_run_intact_and_current(two_runs, repo, data_dir):
     """After eleven kills and the resume, every output verifies against its manifest (every byte),
     nothing is uncommitted, torn or left over, and every stage is current under the run's config."""
-    b = two_runs[1]
+    b, seed = two_runs[1], two_runs[4]
     out = subprocess.run([sys.executable, "-m", "flows.cli", "check", "tiny", "--json", "--config",
-                          str(repo / "configs" / "tiny.yaml"), *_cmd(repo, b.parent, data_dir)[8:]],
+                          str(repo / "configs" / "tiny.yaml"), *_cmd(repo, b.parent, data_dir, seed)[8:]],
                          cwd=repo, capture_output=True, text=True, timeout=300)
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     bad = [r for r in rows if r["status"] != "ok"]
@@ -162,8 +187,7 @@ def test_round_2_samples_from_round_1_checkpoint(two_runs, data_dir):
     base = _weights(data_dir / "models" / "smollm2-135m-instruct")
 
     def has_signal(k: int) -> bool:
-        t = pq.read_table(_variant(a, k) / "token_rewards.parquet")
-        return any(abs(x) > 0 for row in t.column("advantages").to_pylist() for x in row)
+        return _has_signal(a, k)
 
     # each round's fp32 master weights move by that round's full update: round k against round k-1,
     # in most elements (Adam moves every weight with a gradient), and the engine checkpoint is their cast
@@ -190,46 +214,87 @@ def torch_equal_cast(master, exported) -> bool:
     return bool((master.to(exported.dtype) == exported).all())
 
 
-def test_two_rounds_equal_one_process_training_both(two_runs):
-    """Round 2 continued round 1's optimization: replaying both rounds' updates in one process, with
-    one model and one AdamW, ends at round 2's saved master weights and optimizer step count."""
-    import torch
-    from accelerate import Accelerator
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+_REPLAY = """
+import json, sys
+import torch
+from accelerate import Accelerator
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from pipeline.config import load_config
+from pipeline.precision import resolve_mixed_precision
+from train.examples import load_examples
+from train.trainer import ppo_update
 
-    from pipeline.config import load_config
-    from pipeline.precision import resolve_mixed_precision
-    from train.examples import load_examples
-    from train.trainer import ppo_update
+manifest, out, fresh = sys.argv[1], sys.argv[2], sys.argv[3] == "fresh"
+cfg = load_config(None, json.loads(open(manifest).read())["resolved_config"])
+tc = cfg.train
+start = json.loads(open(sys.argv[4]).read())["policy"]
+model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+tok = AutoTokenizer.from_pretrained(start)
+accelerator = Accelerator(mixed_precision=resolve_mixed_precision(tc.mixed_precision).value, cpu=True)
+pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+steps = 0
+for k in (1, 2):
+    if k == 1 or fresh:  # fresh: the defect of a round that starts a new AdamW
+        opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=tc.learning_rate,
+                                weight_decay=tc.weight_decay)
+        if k == 1:
+            model, opt = accelerator.prepare(model, opt)
+        else:
+            opt = accelerator.prepare(opt)
+    steps += len(ppo_update(model, opt, load_examples(cfg, k), tc, pad, cfg.seed + k, accelerator,
+                            temperature=cfg.rollout.sampling.temperature))
+save_file({n: t.detach().float().clone() for n, t in accelerator.unwrap_model(model).state_dict().items()}, out)
+print(json.dumps({"steps": steps, "mixed_precision": str(accelerator.mixed_precision)}))
+"""
+
+
+def _replay(run: Path, out: Path, *, fresh_optimizer: bool) -> tuple[dict, dict]:
+    """Both rounds' updates replayed in one fresh process (like the stage's own child, so no state of
+    earlier tests in this process, such as an in-process vLLM, changes the kernels): its weights and
+    ``{"steps", "mixed_precision"}``."""
+    from safetensors.torch import load_file
+
+    r = subprocess.run([sys.executable, "-c", _REPLAY, str(_variant(run, 1) / "train_metrics.parquet.manifest.json"),
+                        str(out), "fresh" if fresh_optimizer else "carried",
+                        str(run / "round_001" / "rollouts.parquet.manifest.json")],
+                       capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return load_file(str(out)), json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_two_rounds_equal_one_process_training_both(two_runs, tmp_path):
+    """Round 2 continued round 1's optimization: replaying both rounds' updates in one process, with
+    one model and one AdamW, ends at round 2's saved master weights and optimizer step count.
+
+    Under fp32 (``train.mixed_precision`` resolving to ``no``) the match is elementwise to 1e-6. Under
+    bf16 autocast (CPUs with AMX/AVX512-BF16) the kernels are not bitwise reproducible between
+    processes and AdamW turns a near-zero gradient's noise into a step of up to lr, so the replay is
+    held to a tenth of the distance of the defect it guards against, a round 2 that starts a fresh
+    AdamW (a clean-clone CI run on an AMX Xeon had 7.8 % of the elements off, worst 5.8e-5)."""
+    import torch
 
     a = two_runs[0]
-    cfg = load_config(None, json.loads((_variant(a, 1) / "train_metrics.parquet.manifest.json").read_text())["resolved_config"])
-    tc = cfg.train
-    start = json.loads((a / "round_001" / "rollouts.parquet.manifest.json").read_text())["policy"]
-    model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(start)
-    accelerator = Accelerator(mixed_precision=resolve_mixed_precision(tc.mixed_precision).value, cpu=True)
-    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=tc.learning_rate,
-                            weight_decay=tc.weight_decay)
-    model, opt = accelerator.prepare(model, opt)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    steps = 0
-    for k in (1, 2):
-        steps += len(ppo_update(model, opt, load_examples(cfg, k), tc, pad, cfg.seed + k, accelerator,
-                                temperature=cfg.rollout.sampling.temperature))
     saved = _weights(_variant(a, 2) / "train_state")
-    mine = accelerator.unwrap_model(model).state_dict()
+    mine, info = _replay(a, tmp_path / "carried.safetensors", fresh_optimizer=False)
+    man = json.loads((_variant(a, 2) / "train_state.manifest.json").read_text())
+    assert man["optimizer_steps_total"] == info["steps"]
+
+    def dist(w: dict) -> float:
+        return float(torch.sqrt(sum(((w[n].float() - saved[n].float()) ** 2).sum() for n in saved)))
+
     diffs = [(mine[n].float() - saved[n].float()).abs() for n in saved]
     worst = max(float(d.max()) for d in diffs)
     off = sum(int((d > 1e-6).sum()) for d in diffs) / sum(d.numel() for d in diffs)
-    # fp32 tolerance everywhere under fp32; under bf16 autocast on AMX CPUs the kernels are not bitwise
-    # reproducible between processes, and AdamW turns a near-zero gradient's noise into a step of up to
-    # lr, so a few elements may differ by a few lr. A fresh optimizer or a lost round moves most elements.
-    tol_elems = 0.0 if accelerator.mixed_precision == "no" else 1e-3
-    assert off <= tol_elems, f"two rounds differ from one process in {off:.3%} of the elements (worst {worst:.2e})"
-    assert worst < max(1e-6, 4 * steps * tc.learning_rate), f"two rounds differ from one process by {worst:.2e}"
-    man = json.loads((_variant(a, 2) / "train_state.manifest.json").read_text())
-    assert man["optimizer_steps_total"] == steps
+    if info["mixed_precision"] == "no":
+        assert off == 0.0, f"two rounds differ from one process in {off:.3%} of the elements (worst {worst:.2e})"
+        return
+    fresh, _ = _replay(a, tmp_path / "fresh.safetensors", fresh_optimizer=True)
+    d_mine, d_fresh = dist(mine), dist(fresh)
+    assert d_fresh > 0, "a fresh AdamW in round 2 ends at the saved weights: the test cannot tell the defect"
+    assert d_mine <= 0.1 * d_fresh, (f"two rounds differ from one process by L2 {d_mine:.3e}, not under a tenth of "
+                                     f"a fresh round-2 optimizer's {d_fresh:.3e} ({off:.3%} of elements off, "
+                                     f"worst {worst:.2e})")
 
 
 def test_killed_run_resumed_to_the_same_training_state(two_runs):
