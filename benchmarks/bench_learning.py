@@ -33,8 +33,10 @@
    deletes round k-1's checkpoint (its manifest stays, marked pruned). About 9 GB per run.
 5. **Per round** (JSON lines): mean training outcome reward (the round's rollouts), held-out
    accuracy where evaluated, KL to the starting policy (``kl_ref`` of the round's first step, k3,
-   ``train.measure_kl_to_start``), policy entropy and clip fraction (train metrics), and for CAPO
-   the share of steps its voting rule flagged; each stage's seconds.
+   ``train.measure_kl_to_start``), policy entropy and clip fraction (train metrics), the share of
+   the run's fp32 update its exported checkpoint carries (``checkpoint_carries``, the slope of
+   :mod:`train.drift`: far below 1 in the bf16 dead zone), and for CAPO the share of steps its
+   voting rule flagged; each stage's seconds.
 6. **Final table**: each arm's held-out accuracy at round K (mean and spread = max - min over
    seeds; greedy, and sampled with ``--eval-samples``), its gain over the control and whether that
    gain exceeds twice the spreads, the paired (same items) change from round 0 with its bootstrap
@@ -361,7 +363,8 @@ def round_metrics(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
             for m in tm:
                 per.setdefault(m["name"], []).append(m["value"])
             row.update(kl_to_start=first.get("kl_ref"), entropy=first.get("entropy"),
-                       clip_frac=float(np.mean(per.get("clip_frac", [np.nan]))))
+                       clip_frac=float(np.mean(per.get("clip_frac", [np.nan]))),
+                       checkpoint_carries=(per.get("export_update_share_from_start") or [None])[-1])
         if k >= 1 and arm == "capo" and p["step_verdicts"].exists():
             sv = pq.read_table(p["step_verdicts"]).to_pylist()
             w = [r["weight"] for r in sv if r["rule"] == cfg.vote.rule]

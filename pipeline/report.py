@@ -60,7 +60,9 @@ _SQL = {
                        avg(value) FILTER (WHERE name = 'approx_kl') AS approx_kl,
                        avg(value) FILTER (WHERE name = 'kl_ref') AS kl_ref,
                        avg(value) FILTER (WHERE name = 'engine_logprob_diff_mean') AS logprob_diff_mean,
-                       max(value) FILTER (WHERE name = 'engine_logprob_diff_max') AS logprob_diff_max
+                       max(value) FILTER (WHERE name = 'engine_logprob_diff_max') AS logprob_diff_max,
+                       avg(value) FILTER (WHERE name = 'export_update_share') AS export_share,
+                       avg(value) FILTER (WHERE name = 'export_update_share_from_start') AS export_share_run
                 FROM train_metrics GROUP BY ALL ORDER BY ALL""",
 }
 _DEFAULT_COLUMNS = {"critiques": {"mode": "'process'", "steps_wrong_lines": "NULL::INTEGER[]"}}  # columns older tables lack, and their value
@@ -409,7 +411,9 @@ def _fmt(x: float | None, spec: str, scale: float = 1.0) -> str:
 
 def training_rows(data: dict) -> tuple[list[str], list[list[str]]]:
     """Per (variant, round): training accuracy, groups with signal (outcomes neither all right nor all
-    wrong), response length, token reward, flags, parse failures, PPO."""
+    wrong), response length, token reward, flags, parse failures, PPO, the rollout/trainer mismatch and
+    the share of the fp32 update the exported checkpoint carries (:mod:`train.drift`; the bf16 dead
+    zone shows as a share far below 100)."""
     keys = sorted({(r["variant"], r["round"]) for key in ("rollout", "train") for r in data.get(key, [])})
     by = {key: {(r["variant"], r["round"]): r for r in data.get(key, [])} for key in ("rollout", "train", "groups")}
     flags = {(r["variant"], r["round"]): r["share_flagged"]
@@ -419,7 +423,8 @@ def training_rows(data: dict) -> tuple[list[str], list[list[str]]]:
         mode = "" if r["mode"] == "process" else f" ({r['mode']})"
         parse.setdefault(r["round"], []).append(_fmt(r["failure_rate"], ".1f", 100) + mode)
     headers = ["Variant", "Round", "train acc. (%)", "groups with signal", "resp. tokens", "token reward", "steps flagged (%)",
-               "critic parse fail. (%)", "clip frac.", "approx. KL", "trainer vs engine log-prob diff, mean / max"]
+               "critic parse fail. (%)", "clip frac.", "approx. KL", "trainer vs engine log-prob diff, mean / max",
+               "update carried by the checkpoint, round / run (%)"]
     rows = []
     for v, k in keys:
         ro, tr = by["rollout"].get((v, k), {}), by["train"].get((v, k), {})
@@ -429,7 +434,8 @@ def training_rows(data: dict) -> tuple[list[str], list[list[str]]]:
                      _fmt(ro.get("mean_token_reward"), ".3f"), _fmt(flags.get((v, k)), ".1f", 100),
                      ", ".join(parse.get(k, [])) or "–", _fmt(tr.get("clip_frac"), ".4f"),
                      _fmt(tr.get("approx_kl"), ".2e"),
-                     f"{_fmt(_nan_none(tr.get('logprob_diff_mean')), '.2e')} / {_fmt(_nan_none(tr.get('logprob_diff_max')), '.2e')}"])
+                     f"{_fmt(_nan_none(tr.get('logprob_diff_mean')), '.2e')} / {_fmt(_nan_none(tr.get('logprob_diff_max')), '.2e')}",
+                     f"{_fmt(_nan_none(tr.get('export_share')), '.0f', 100)} / {_fmt(_nan_none(tr.get('export_share_run')), '.0f', 100)}"])
     return headers, rows
 
 

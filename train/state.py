@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -44,6 +45,49 @@ def prune_states(cfg: CAPOConfig, round_idx: int, keep: int) -> list[Path]:
             gone.append(path)
             log.info("[train] pruned round %d's training state (train.keep_states=%d)", r, keep)
     return gone
+
+
+def measures_drift(accelerator, tc) -> bool:
+    """Whether the train stage measures :func:`export_drift`: not for LoRA (the exported weights are
+    merged at save time), FSDP or DeepSpeed (their modules may hold bf16 copies while the fp32
+    master sits in the optimizer, and their states have no ``model.safetensors``)."""
+    from accelerate.utils import DistributedType
+
+    return tc.lora is None and accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+
+
+def export_drift(round_idx: int, weights: dict, save_dtype: str, start: str, prev_state: Path | None,
+                 prev_checkpoint: str) -> dict[str, float]:
+    """:func:`train.drift.checkpoint_drift` for the train stage: round ``round_idx``'s master
+    weights ``weights`` against the start (round 1) or round k-1's training state and checkpoint
+    (``prev_state`` / ``prev_checkpoint``, the checkpoint that sampled the round). Logs a warning
+    when the exported checkpoint carries less than half of the round's update (the bf16 dead zone).
+
+    Returns:
+        The four ``export_*`` / ``master_moved_frac`` figures (train metrics of the round's last
+        step), or ``{}`` with a warning where they cannot be measured (a start that is a hub name,
+        an unreadable file): a diagnostic never fails the round.
+    """
+    from train.drift import checkpoint_drift
+
+    t0 = time.perf_counter()
+    try:
+        out = checkpoint_drift(weights.items(), save_dtype, start, prev_state,
+                               prev_checkpoint if prev_state is not None else None)
+    except Exception as e:  # noqa: BLE001 - a diagnostic: the round's training must still be saved
+        log.warning("[train] the checkpoint's share of the update is not measured: %s: %s", type(e).__name__, e)
+        return {}
+    log.info("[train] the %s checkpoint carries %.0f%% of round %d's fp32 update (%.1f%% of elements moved, %.1f%% of "
+             "the master's) and %.0f%% of the run's (%.1fs)", save_dtype, 100 * out["export_update_share"], round_idx,
+             100 * out["export_moved_frac"], 100 * out["master_moved_frac"],
+             100 * out["export_update_share_from_start"], time.perf_counter() - t0)
+    if out["export_update_share"] < 0.5:
+        log.warning("[train] round %d's %s checkpoint carries only %.0f%% of its fp32 update: most weights moved by "
+                    "less than half a %s step (the dead zone, docs/benchmarks.md); a larger learning rate or more "
+                    "steps per round, or train.save_dtype=float32 with rollout.engine.dtype=float32 and "
+                    "train.mixed_precision=no, carry it", round_idx, save_dtype, 100 * out["export_update_share"],
+                    save_dtype)
+    return out
 
 
 def save_checkpoint(model, tok, ckpt: Path, dtype: str, state_dict: dict | None = None) -> None:

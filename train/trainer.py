@@ -6,7 +6,8 @@ Here: the update (:func:`ppo_update`) and the stage around it (:func:`train_stag
 ``examples.py`` (responses and advantages from the round's tables, padded micro-batches),
 ``logprobs.py`` (token log-probs at the sampling temperature, head applied in chunks),
 ``loss.py`` (the clipped surrogate and KL, pure), ``distributed.py`` (mini-batch plans and each
-process's share) and ``state.py`` (the checkpoint and the training state across rounds).
+process's share), ``state.py`` (the checkpoint and the training state across rounds) and
+``drift.py`` (how much of the fp32 update the checkpoint carries).
 
 Run it as a stage (``capo stage train``), or under Accelerate's launchers for several processes
 (``accelerate launch --config_file configs/accelerate/fsdp.yaml -m train.trainer --config ... --round K``,
@@ -48,7 +49,7 @@ from train.distributed import (
 from train.examples import Example, collate, load_examples
 from train.logprobs import token_logprobs
 from train.loss import ppo_clip_loss
-from train.state import optimizer_steps, prune_states, save_checkpoint
+from train.state import export_drift, measures_drift, optimizer_steps, prune_states, save_checkpoint
 
 log = logging.getLogger("capo.train")
 
@@ -429,6 +430,14 @@ def _train_stage(cfg: CAPOConfig, round_idx: int, force: bool) -> StageResult:
         storage.fsync_tree(state_tmp)  # on disk before it is renamed into place
         kill_point("state.saved", state_dir)
     state_dict = accelerator.get_state_dict(model) if sharded else None  # collective: every process gathers
+    if accelerator.is_main_process and metrics and measures_drift(accelerator, tc):
+        # how much of the update the checkpoint will carry: read before anything is replaced, and
+        # before save_checkpoint casts the model in place
+        drift = export_drift(round_idx, accelerator.unwrap_model(model).state_dict(), save_dtype, start, prev_state,
+                             policy)
+        metrics[-1].update(drift)
+        if tc.report_to and drift:
+            accelerator.log({f"train/{k}": v for k, v in drift.items()}, step=round_idx * len(metrics) - 1)
     if accelerator.is_main_process:
         # replace in an order a crash cannot confuse: the old checkpoint (with its manifest) goes to
         # superseded/ and the old state is uncommitted before anything new is in place; the manifests

@@ -161,6 +161,8 @@ def test_two_cpu_processes_equal_one(tmp_path, tiny_model, repo, mode):
         assert m1[(step, "tokens")] == m2[(step, "tokens")] > 0
         for name in ("loss", "pg_loss", "clip_frac", "approx_kl", "ratio_mean", "grad_norm"):
             assert m2[(step, name)] == pytest.approx(m1[(step, name)], rel=1e-4, abs=1e-6), (step, name)
+    for m in (m1, m2):  # the export diagnostic, on the main process: a float32 checkpoint carries it all
+        assert m[(1, "export_update_share")] == 1.0 and m[(1, "master_moved_frac")] > 0
 
 
 # ----------------------------------------------------------------------- fast: schedule and saving

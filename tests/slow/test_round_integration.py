@@ -125,9 +125,13 @@ def test_training_wrote_a_new_policy(tiny_round, data_dir):
     old = load_file(str(data_dir / "models" / "smollm2-135m-instruct" / "model.safetensors"))
     changed = [k for k in new if k in old and not np.array_equal(new[k].float().numpy(), old[k].float().numpy())]
     names = {m["name"] for m in _t(cfg, "train_metrics")}
-    assert {"loss", "clip_frac", "approx_kl", "grad_norm"} <= names
+    assert {"loss", "clip_frac", "approx_kl", "grad_norm", "export_update_share", "export_moved_frac"} <= names
     if any(abs(a) > 0 for r in _t(cfg, "token_rewards") for a in r["advantages"]):
         assert changed, "a non-zero advantage must move the weights"
+        # tiny.yaml saves float32: the checkpoint is the master weights, it carries the whole update
+        drift = {m["name"]: m["value"] for m in _t(cfg, "train_metrics") if m["name"].startswith(("export", "master"))}
+        assert drift["export_update_share"] == 1.0 == drift["export_update_share_from_start"]
+        assert drift["export_moved_frac"] == drift["master_moved_frac"] > 0
 
 
 def test_manifests_record_the_resolved_precision_and_the_cpu(tiny_round):

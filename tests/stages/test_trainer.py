@@ -143,12 +143,13 @@ def test_temperature_is_applied_to_the_trainer_logprobs(tiny):
     assert float((lp - token_logprobs(tiny, mb, temperature=1.0).detach()).abs().max()) > 0.1
 
 
-def test_exported_bf16_checkpoint_reloaded_from_disk_moves_logprobs_with_the_advantage(tiny, tmp_path, data_dir):
+def test_exported_bf16_checkpoint_reloaded_from_disk_moves_logprobs_with_the_advantage(tiny, tmp_path, tiny_model):
     """A real update, exported as the engines get it (bf16 cast of the fp32 master weights), reloaded
-    from disk: tokens with a positive advantage gained log-prob, tokens with a negative one lost it."""
+    from disk: tokens with a positive advantage gained log-prob, tokens with a negative one lost it.
+    The train stage's export diagnostic (train/drift.py) counts the moved elements the file has."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.assets.models import ensure_model
+    from train.drift import checkpoint_drift
     from train.examples import collate
     from train.logprobs import token_logprobs
     from train.state import save_checkpoint
@@ -164,13 +165,19 @@ def test_exported_bf16_checkpoint_reloaded_from_disk_moves_logprobs_with_the_adv
     m, opt = acc.prepare(m, opt)
     ppo_update(m, opt, ex, TrainConfig(micro_batch_size=4, num_mini_batches=1, ppo_epochs=2), pad_id=0, seed=0,
                accelerator=acc)
-    tok = AutoTokenizer.from_pretrained(ensure_model("smollm2-135m-instruct", root=data_dir / "models"))
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    drift = checkpoint_drift(acc.unwrap_model(m).state_dict().items(), "bfloat16", tiny_model)
     save_checkpoint(acc.unwrap_model(m), tok, tmp_path / "ckpt", "bfloat16")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32).eval()
     start = tiny.eval()
     from safetensors.torch import load_file
 
-    assert {t.dtype for t in load_file(str(tmp_path / "ckpt" / "model.safetensors")).values()} == {torch.bfloat16}
+    saved, start_file = load_file(str(tmp_path / "ckpt" / "model.safetensors")), load_file(f"{tiny_model}/model.safetensors")
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    moved = sum(int((saved[k] != start_file[k]).sum()) for k in saved)
+    assert drift["export_moved_frac"] == moved / sum(saved[k].numel() for k in saved) > 0
+    assert drift["master_moved_frac"] > drift["export_moved_frac"]  # lr 1e-4, 2 epochs: the dead zone holds some back
+    assert 0 < drift["export_update_share"] == drift["export_update_share_from_start"]
     mb = collate(ex, pad_id=0)
     with torch.no_grad():
         delta = (token_logprobs(reloaded, mb) - token_logprobs(start, mb))[mb["mask"]]

@@ -179,7 +179,8 @@ def test_round_changes_are_paired_and_noise_is_called_noise(tmp_path):
     _write(rd / "round_001" / "variants" / CAPO / "train_metrics.parquet",
            [{"run_id": RUN, "round": 1, "variant": CAPO, "step": 0, "name": n, "value": v}
             for n, v in (("clip_frac", 0.0), ("approx_kl", 0.0), ("engine_logprob_diff_mean", 0.0125),
-                         ("engine_logprob_diff_max", 0.5))], TRAIN_METRICS_SCHEMA)
+                         ("engine_logprob_diff_max", 0.5), ("export_update_share", 0.14),
+                         ("export_update_share_from_start", 0.386))], TRAIN_METRICS_SCHEMA)
     rep = write_report(tmp_path / "runs", RUN)
     md = rep["report_md"].read_text()
     section = md.split("### Changes between rounds")[1].split("###")[0]
@@ -188,6 +189,7 @@ def test_round_changes_are_paired_and_noise_is_called_noise(tmp_path):
     assert "+12.5" in gsm and "within noise" in gsm and "2 / 4" in gsm
     assert "+100.0" in svamp and "significant" in svamp and "within noise" not in svamp
     assert "1.25e-02 / 5.00e-01" in md  # the rollout/trainer log-prob mismatch of the round
+    assert "| 14 / 39 |" in md  # the share of the fp32 update the bf16 checkpoint carries: round / run
     assert rep["accuracy"].read_bytes()[:8] == PNG_MAGIC
 
 
