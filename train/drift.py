@@ -21,13 +21,10 @@ engine's update ``cast(w) - ref_engine``, sums over all elements):
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-
-log = logging.getLogger("capo.train")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _SUMS = ("n", "moved", "moved_cast", "dd", "cc", "dc")
