@@ -39,14 +39,20 @@ formulas), written through :mod:`pipeline.storage` as the reward stage writes th
    vs no gradient checkpointing, vs micro-batches of 8 and 16 (what a GPU user would raise), and
    micro-batches of 16 without checkpointing. "The model's logits" are those of the response
    positions only (``logits_to_keep``), chunked, as the FSDP path computes them.
-6. With ``--fsdp`` (first; ``--only-fsdp`` alone): the train stage under ``accelerate launch`` with
-   ``configs/accelerate/fsdp.yaml`` on one process against the plain stage (:func:`fsdp_check`).
+6. With ``--fsdp`` and/or ``--deepspeed`` (first; ``--only-distributed`` alone): the train stage under
+   ``accelerate launch`` with ``configs/accelerate/fsdp.yaml`` / ``deepspeed_zero2.yaml`` on one process
+   against the plain stage (:func:`distributed_check`).
+
+Section 1 also reports what the stage's export diagnostic (:mod:`train.drift`) recorded on each
+round's last step: ``export_update_share`` (round / since the start) and the moved fractions, and
+``--no-alternatives`` skips section 5.
 
 Every line is JSON with ``bench_context``. Run it where there is a GPU (``--out`` collects the
 lines in a file as well)::
 
     python benchmarks/bench_trainer_gpu.py --out $OUT/trainer_gpu.jsonl
-    python benchmarks/bench_trainer_gpu.py --fsdp --only-fsdp     # the FSDP path on one GPU
+    python benchmarks/bench_trainer_gpu.py --fsdp --only-distributed     # the FSDP path on one GPU
+    python benchmarks/bench_trainer_gpu.py --deepspeed --only-distributed   # DeepSpeed ZeRO-2 (pip install deepspeed)
 
 and, as a dry run of the script on a CPU, with a 2-layer model::
 
@@ -212,7 +218,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="also section 6: the train stage under accelerate launch with configs/accelerate/fsdp.yaml on "
                          "one process against the plain stage (--fsdp-config for another Accelerate config)")
     ap.add_argument("--fsdp-config", default=str(ROOT / "configs" / "accelerate" / "fsdp.yaml"))
-    ap.add_argument("--only-fsdp", action="store_true", help="section 6 alone (with --fsdp)")
+    ap.add_argument("--deepspeed", action="store_true",
+                    help="also section 6 with configs/accelerate/deepspeed_zero2.yaml (ZeRO-2; needs `pip install "
+                         "deepspeed`) on one process against the plain stage")
+    ap.add_argument("--deepspeed-config", default=str(ROOT / "configs" / "accelerate" / "deepspeed_zero2.yaml"))
+    ap.add_argument("--only-distributed", "--only-fsdp", dest="only_distributed", action="store_true",
+                    help="section 6 alone (with --fsdp and/or --deepspeed)")
+    ap.add_argument("--no-alternatives", action="store_true", help="skip section 5 (one update per variant)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
@@ -256,11 +268,13 @@ def run(args, work: Path) -> None:
     tokens = {k: write_round(cfg, k, args.responses, args.group, args.prompt_len, args.response_len, vocab,
                              tok.eos_token_id) for k in (1, 2)}
 
-    if args.fsdp:
-        fsdp_check(args, work, policy, ctx)
-        if args.only_fsdp:
-            write_out(args)
-            return
+    checks = [("fsdp", args.fsdp_config, "FSDP")] if args.fsdp else []
+    checks += [("deepspeed", args.deepspeed_config, "DEEPSPEED")] if args.deepspeed else []
+    for name, config_file, layout in checks:
+        distributed_check(args, work, policy, ctx, name, config_file, layout)
+    if checks and args.only_distributed:
+        write_out(args)
+        return
     deterministic_attention(True)
     # 1. the product's train stage, rounds 1 and 2
     for k in (1, 2):
@@ -272,11 +286,15 @@ def run(args, work: Path) -> None:
         m = storage.read_table(round_paths(cfg, k)["train_metrics"], "train_metrics").to_pylist()
         first = {r["name"]: r["value"] for r in m if r["step"] == 0}
         steps = 1 + max(r["step"] for r in m)
+        last = {r["name"]: r["value"] for r in m if r["step"] == steps - 1}
         emit({"what": "train_stage", "round": k, "seconds": round(secs, 2), "peak_gpu_gb": peak_gb(),
               "optimizer_steps": steps, "response_tokens": tokens[k],
               "tokens_per_s_update": float(np.mean([r["value"] for r in m if r["name"] == "tokens_per_s"])),
               "mixed_precision": resolve_mixed_precision(tc.mixed_precision).value,
               "first_step": {x: first.get(x) for x in ("ratio_mean", "approx_kl", "clip_frac", "kl_ref", "entropy")},
+              # train.drift's export diagnostic, recorded on the round's last step (absent: it did not run)
+              "export": {x: last.get(x) for x in ("export_update_share", "export_update_share_from_start",
+                                                  "master_moved_frac", "export_moved_frac")},
               # old log-probs in the update's own mode: ratio exactly 1 before the first step; the
               # reference is the starting policy, so KL to it is exactly 0 in round 1 only
               "ok": abs(first.get("ratio_mean") - 1.0) < 1e-12 and first.get("approx_kl") == 0.0
@@ -341,6 +359,9 @@ def run(args, work: Path) -> None:
     del res, g1, g0
     release(accelerator)
 
+    if args.no_alternatives:
+        write_out(args)
+        return
     # 5. alternatives: one optimizer round on the round-1 batch each, time and peak memory
     variants = [("defaults", {}, True, None), ("model_logits", {}, False, None), ("no_grad_ckpt", {}, True, False),
                 ("micro_batch_8", {"micro_batch_size": 8}, True, None), ("micro_batch_16", {"micro_batch_size": 16}, True, None),
@@ -372,21 +393,25 @@ def write_out(args) -> None:
         Path(args.out).write_text("".join(json.dumps(x) + "\n" for x in OUT_LINES))
 
 
-FSDP_TIMEOUT_S = 900
-"""Seconds one FSDP round may take before the check reports it hung."""
+DISTRIBUTED_TIMEOUT_S = 900
+"""Seconds one round under ``accelerate launch`` may take before the check reports it hung."""
 
-FSDP_LR = 2e-4
+DISTRIBUTED_LR = 2e-4
 """Learning rate of section 6: large enough that 4 AdamW steps show in the bf16 checkpoints."""
 
 
-def fsdp_check(args, work: Path, policy: Path, ctx: dict) -> None:
+def distributed_check(args, work: Path, policy: Path, ctx: dict, name: str, config_file: str, layout: str) -> None:
     """Section 6: rounds 1 and 2 of the train stage as ``python -m train.trainer`` under
-    ``accelerate launch --config_file <fsdp.yaml> --num_processes 1`` (FSDP: the sharded-parameter
-    path, the model's own logits instead of the fused head, the gathered full state dict for the
-    export, FSDP's save_state/load_state between rounds) against the same rounds in the plain
-    stage, both in fp32 (``train.mixed_precision=no``, so the two differ only by FSDP's flat
-    parameters and kernels) at ``FSDP_LR``. Compared: each run's round-2 update (exported
-    checkpoint minus the starting weights), the optimizer steps its state records, its layout."""
+    ``accelerate launch --config_file <config_file> --num_processes 1`` against the same rounds in
+    the plain stage, both in fp32 (``train.mixed_precision=no``, so the two differ only by the
+    wrapper's parameter handling and kernels) at ``DISTRIBUTED_LR``. For FSDP that is the
+    sharded-parameter path, the model's own logits instead of the fused head, the gathered full
+    state dict for the export and FSDP's save_state/load_state between rounds; for DeepSpeed ZeRO-2
+    the engine's own backward/step and gradient clipping, ``train_micro_batch_size_per_gpu`` set by
+    the trainer and DeepSpeed's checkpoint between rounds. Compared: each run's round-2 update
+    (exported checkpoint minus the starting weights), the optimizer steps its state records, and
+    its layout (``layout``: the ``distributed_type`` the state must record). Emits one line
+    ``{name}_vs_plain`` (or ``{name}`` with the error when a round fails or hangs)."""
     import subprocess
 
     from pipeline import storage
@@ -396,58 +421,58 @@ def fsdp_check(args, work: Path, policy: Path, ctx: dict) -> None:
 
     def overrides(run_id: str) -> list[str]:
         return [f"runs_dir={work / 'runs'}", f"data_dir={work / 'data'}", f"run_id={run_id}", f"rollout.policy={policy}",
-                "train.measure_kl_to_start=true", f"train.learning_rate={FSDP_LR}", "train.mixed_precision=no",
+                "train.measure_kl_to_start=true", f"train.learning_rate={DISTRIBUTED_LR}", "train.mixed_precision=no",
                 "train.keep_states=1"]
 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(policy)
-    cfgs = {name: load_config(None, overrides(f"gpu-{name}")) for name in ("plain", "fsdp")}
-    for cfg in cfgs.values():
+    cfgs = {run: load_config(None, overrides(f"gpu-{name}-{run}")) for run in ("plain", name)}
+    for c in cfgs.values():
         for k in (1, 2):
-            write_round(cfg, k, args.responses, args.group, args.prompt_len, args.response_len, len(tok), tok.eos_token_id)
+            write_round(c, k, args.responses, args.group, args.prompt_len, args.response_len, len(tok), tok.eos_token_id)
     secs = {}
     for k in (1, 2):
         t0 = time.perf_counter()
         train_stage(cfgs["plain"], k)
         secs[("plain", k)] = time.perf_counter() - t0
         reset_peak()
-        cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", args.fsdp_config,
-               "--num_processes", "1", "-m", "train.trainer", "--round", str(k), *overrides("gpu-fsdp")]
+        cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", config_file,
+               "--num_processes", "1", "-m", "train.trainer", "--round", str(k), *overrides(f"gpu-{name}-{name}")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         t0 = time.perf_counter()
         try:
-            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=FSDP_TIMEOUT_S)
+            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=DISTRIBUTED_TIMEOUT_S)
         except subprocess.TimeoutExpired as e:
-            emit({"what": "fsdp", "round": k, "ok": False, "error": f"no result in {FSDP_TIMEOUT_S} s",
+            emit({"what": name, "round": k, "ok": False, "error": f"no result in {DISTRIBUTED_TIMEOUT_S} s",
                   "stderr_tail": (e.stderr or b"")[-3000:].decode(errors="replace") if isinstance(e.stderr, bytes)
                   else (e.stderr or "")[-3000:]}, ctx)
             return
-        secs[("fsdp", k)] = time.perf_counter() - t0
+        secs[(name, k)] = time.perf_counter() - t0
         if done.returncode != 0:
-            emit({"what": "fsdp", "round": k, "ok": False, "returncode": done.returncode,
+            emit({"what": name, "round": k, "ok": False, "returncode": done.returncode,
                   "stderr_tail": done.stderr[-3000:]}, ctx)
             return
     start = load_weights(policy)
-    ck = {name: load_weights(round_paths(cfg, 2)["checkpoint"]) for name, cfg in cfgs.items()}
-    upd = {name: {n: w[n].double() - start[n].double() for n in start} for name, w in ck.items()}
-    num = sum(float((upd["fsdp"][n] - upd["plain"][n]).norm() ** 2) for n in start) ** 0.5
+    ck = {run: load_weights(round_paths(c, 2)["checkpoint"]) for run, c in cfgs.items()}
+    upd = {run: {n: w[n].double() - start[n].double() for n in start} for run, w in ck.items()}
+    num = sum(float((upd[name][n] - upd["plain"][n]).norm() ** 2) for n in start) ** 0.5
     den = sum(float(upd["plain"][n].norm() ** 2) for n in start) ** 0.5
-    dot = sum(float((upd["fsdp"][n] * upd["plain"][n]).sum()) for n in start)
-    nf = sum(float(upd["fsdp"][n].norm() ** 2) for n in start) ** 0.5
-    same = sum(int((ck["fsdp"][n] == ck["plain"][n]).sum()) for n in start) / sum(start[n].numel() for n in start)
+    dot = sum(float((upd[name][n] * upd["plain"][n]).sum()) for n in start)
+    nf = sum(float(upd[name][n].norm() ** 2) for n in start) ** 0.5
+    same = sum(int((ck[name][n] == ck["plain"][n]).sum()) for n in start) / sum(start[n].numel() for n in start)
     moved = sum(int((ck["plain"][n] != start[n]).sum()) for n in start) / sum(start[n].numel() for n in start)
-    mans = {name: storage.read_manifest(round_paths(cfg, 2)["train_state"]) or {} for name, cfg in cfgs.items()}
+    mans = {run: storage.read_manifest(round_paths(c, 2)["train_state"]) or {} for run, c in cfgs.items()}
     cosine = dot / (nf * den) if nf > 0 and den > 0 else float("nan")  # nan (not ok) when an update is zero
     rel = num / den if den > 0 else float("nan")
-    emit({"what": "fsdp_vs_plain", "lr": FSDP_LR, "mixed_precision": "no",
-          "layout": {name: (m.get("distributed_type"), m.get("num_processes")) for name, m in mans.items()},
-          "optimizer_steps_total": {name: m.get("optimizer_steps_total") for name, m in mans.items()},
+    emit({"what": f"{name}_vs_plain", "lr": DISTRIBUTED_LR, "mixed_precision": "no",
+          "layout": {run: (m.get("distributed_type"), m.get("num_processes")) for run, m in mans.items()},
+          "optimizer_steps_total": {run: m.get("optimizer_steps_total") for run, m in mans.items()},
           "round2_update_rel_l2_diff": rel, "round2_update_cosine": cosine,
           "checkpoint_elements_equal": same, "checkpoint_elements_moved_plain": moved,
           "seconds": {f"{n}_round{k}": round(v, 1) for (n, k), v in secs.items()},
-          "ok": mans["fsdp"].get("distributed_type") == "FSDP" and mans["plain"].get("distributed_type") == "NO"
-          and mans["fsdp"].get("optimizer_steps_total") == mans["plain"].get("optimizer_steps_total") > 0
+          "ok": mans[name].get("distributed_type") == layout and mans["plain"].get("distributed_type") == "NO"
+          and mans[name].get("optimizer_steps_total") == mans["plain"].get("optimizer_steps_total") > 0
           and cosine > 0.9999 and rel < 0.01},
          ctx)
 

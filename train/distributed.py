@@ -71,6 +71,31 @@ def force_cpu() -> bool:
     return not (has_accel.is_available() if has_accel is not None else torch.cuda.is_available())
 
 
+def allow_precision_change(mixed_precision: str) -> None:
+    """Let a train stage in a single, unlaunched process use another ``mixed_precision`` than an
+    earlier Accelerator of the same process did.
+
+    Accelerate keeps one ``AcceleratorState`` per process and refuses a second ``Accelerator`` with
+    another mixed precision ("AcceleratorState has already been initialized and cannot be
+    changed"): a script or notebook that calls :func:`train.trainer.train_stage` for a bf16 run and
+    then for an fp32 one failed at the second. When the state holds another precision and this
+    process is alone (``WORLD_SIZE`` unset or 1: not started by ``accelerate launch`` or ``torchrun``
+    with several processes), the accelerator part of the state is cleared (Accelerate's own
+    ``AcceleratorState._reset_state``; the process part, which holds the device and any process
+    group, is kept) so the next Accelerator is built afresh. Launched processes are left alone:
+    every round there runs in its own process anyway.
+    """
+    from accelerate.state import AcceleratorState
+
+    shared = AcceleratorState._shared_state
+    if not shared or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return
+    held = shared.get("_mixed_precision")
+    if held is not None and str(held) != str(mixed_precision):
+        log.info("[train] mixed precision %s in this process after %s: Accelerate's state is rebuilt", mixed_precision, held)
+        AcceleratorState._reset_state()
+
+
 def shards_parameters(accelerator) -> bool:
     """Whether the prepared model holds only a shard of each weight (FSDP, DeepSpeed ZeRO-3)."""
     from accelerate.utils import DistributedType

@@ -39,6 +39,7 @@ from pipeline.schemas import TRAIN_METRICS_SCHEMA
 from pipeline.stages import stage_key
 from pipeline.stages.base import StageResult, policy_for_round, provenance, round_paths
 from train.distributed import (
+    allow_precision_change,
     dummy_micro_batch,
     force_cpu,
     loss_normalizer,
@@ -349,6 +350,7 @@ def _train_stage(cfg: CAPOConfig, round_idx: int, force: bool) -> StageResult:
     prec = precision_record(cfg)
     mixed = announce("train.mixed_precision", resolve_mixed_precision(tc.mixed_precision), log)
     save_dtype = prec["train_save_dtype"]
+    allow_precision_change(mixed)
     accelerator = Accelerator(mixed_precision=mixed, log_with=tc.report_to or None,
                               project_dir=str(cfg.run_dir() / "tracking"), cpu=force_cpu())
     if accelerator.is_main_process:

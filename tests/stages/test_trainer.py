@@ -242,3 +242,27 @@ def test_train_deterministic_enters_the_stage_key_only_when_on():
     assert train_settings_key(default) == old_rule
     on = train_settings_key(load_config(DEFAULT, ["train.deterministic=true"]))
     assert on == {**old_rule, "deterministic": True}
+
+
+def test_a_second_in_process_train_stage_may_use_another_mixed_precision(monkeypatch):
+    """Accelerate keeps one state per process and refuses an Accelerator of another precision; the
+    train stage clears it first when the process is alone (a notebook running a bf16 run, then an
+    fp32 one, failed at the second before), and leaves a launched process's state alone."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from train.distributed import allow_precision_change
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    _accelerator("no")
+    with pytest.raises(ValueError, match="already been initialized"):
+        Accelerator(cpu=True, mixed_precision="bf16")  # the defect, without the helper
+    allow_precision_change("no")  # same precision: the state is kept
+    assert AcceleratorState._shared_state
+    allow_precision_change("bf16")
+    assert Accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"
+    monkeypatch.setenv("WORLD_SIZE", "2")  # launched: never touched
+    allow_precision_change("no")
+    assert AcceleratorState._shared_state["_mixed_precision"] == "bf16"
+    monkeypatch.delenv("WORLD_SIZE")
+    _accelerator("no")
