@@ -272,6 +272,9 @@ def run(args, work: Path) -> None:
     checks += [("deepspeed", args.deepspeed_config, "DEEPSPEED")] if args.deepspeed else []
     for name, config_file, layout in checks:
         distributed_check(args, work, policy, ctx, name, config_file, layout)
+    if args.only_distributed and not checks:
+        ap_error = "--only-distributed needs --fsdp and/or --deepspeed"
+        raise SystemExit(ap_error)
     if checks and args.only_distributed:
         write_out(args)
         return
@@ -465,7 +468,13 @@ def distributed_check(args, work: Path, policy: Path, ctx: dict, name: str, conf
     mans = {run: storage.read_manifest(round_paths(c, 2)["train_state"]) or {} for run, c in cfgs.items()}
     cosine = dot / (nf * den) if nf > 0 and den > 0 else float("nan")  # nan (not ok) when an update is zero
     rel = num / den if den > 0 else float("nan")
-    emit({"what": f"{name}_vs_plain", "lr": DISTRIBUTED_LR, "mixed_precision": "no",
+    try:
+        import deepspeed
+
+        versions = {"deepspeed": deepspeed.__version__}
+    except ImportError:
+        versions = {}
+    emit({"what": f"{name}_vs_plain", "lr": DISTRIBUTED_LR, "mixed_precision": "no", **versions,
           "layout": {run: (m.get("distributed_type"), m.get("num_processes")) for run, m in mans.items()},
           "optimizer_steps_total": {run: m.get("optimizer_steps_total") for run, m in mans.items()},
           "round2_update_rel_l2_diff": rel, "round2_update_cosine": cosine,

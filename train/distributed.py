@@ -82,16 +82,18 @@ def allow_precision_change(mixed_precision: str) -> None:
     process is alone (``WORLD_SIZE`` unset or 1: not started by ``accelerate launch`` or ``torchrun``
     with several processes), the accelerator part of the state is cleared (Accelerate's own
     ``AcceleratorState._reset_state``; the process part, which holds the device and any process
-    group, is kept) so the next Accelerator is built afresh. Launched processes are left alone:
-    every round there runs in its own process anyway.
+    group, is kept) so the next Accelerator is built afresh. Under DeepSpeed the state records
+    ``"no"`` whatever the precision (DeepSpeed's own config holds it), so there it is always
+    rebuilt. Launched processes are left alone: every round there runs in its own process anyway.
     """
     from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
 
     shared = AcceleratorState._shared_state
     if not shared or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return
     held = shared.get("_mixed_precision")
-    if held is not None and str(held) != str(mixed_precision):
+    if shared.get("distributed_type") == DistributedType.DEEPSPEED or (held is not None and str(held) != str(mixed_precision)):
         log.info("[train] mixed precision %s in this process after %s: Accelerate's state is rebuilt", mixed_precision, held)
         AcceleratorState._reset_state()
 

@@ -254,15 +254,42 @@ def test_a_second_in_process_train_stage_may_use_another_mixed_precision(monkeyp
     from train.distributed import allow_precision_change
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    _accelerator("no")
-    with pytest.raises(ValueError, match="already been initialized"):
-        Accelerator(cpu=True, mixed_precision="bf16")  # the defect, without the helper
-    allow_precision_change("no")  # same precision: the state is kept
-    assert AcceleratorState._shared_state
-    allow_precision_change("bf16")
-    assert Accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"
-    monkeypatch.setenv("WORLD_SIZE", "2")  # launched: never touched
-    allow_precision_change("no")
-    assert AcceleratorState._shared_state["_mixed_precision"] == "bf16"
-    monkeypatch.delenv("WORLD_SIZE")
-    _accelerator("no")
+    try:
+        _accelerator("no")
+        with pytest.raises(ValueError, match="already been initialized"):
+            Accelerator(cpu=True, mixed_precision="bf16")  # the defect, without the helper
+        allow_precision_change("no")  # same precision: the state is kept
+        assert AcceleratorState._shared_state
+        allow_precision_change("bf16")
+        assert Accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"
+        monkeypatch.setenv("WORLD_SIZE", "2")  # launched: never touched
+        allow_precision_change("no")
+        assert AcceleratorState._shared_state["_mixed_precision"] == "bf16"
+    finally:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+        _accelerator("no")
+
+
+def test_train_stage_lets_the_precision_change_before_it_builds_its_accelerator(monkeypatch, tmp_path):
+    """The stage calls :func:`allow_precision_change` with its resolved precision, before the
+    Accelerator is built (the build is stopped there: what is tested is the order)."""
+    import accelerate
+
+    import train.trainer as T
+    from pipeline.config import load_config
+
+    calls = []
+
+    class Built(Exception):
+        pass
+
+    def accelerator(*a, **k):
+        calls.append(("Accelerator", k.get("mixed_precision")))
+        raise Built
+
+    monkeypatch.setattr(T, "stage_key", lambda *a: {"probe": 1})  # no round on disk: nothing to fingerprint
+    monkeypatch.setattr(T, "allow_precision_change", lambda m: calls.append(("allow", m)))
+    monkeypatch.setattr(accelerate, "Accelerator", accelerator)
+    with pytest.raises(Built):
+        T.train_stage(load_config(DEFAULT, [f"runs_dir={tmp_path}", "train.mixed_precision=no"]), 1)
+    assert calls == [("allow", "no"), ("Accelerator", "no")]
