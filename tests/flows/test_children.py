@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 import sys
 import time
 
@@ -85,7 +86,8 @@ def test_a_silent_child_and_its_grandchild_are_stopped():
     took = time.monotonic() - t0
     err = e.value
     assert 2 <= err.silent_s < 4 and took < 10, (err.silent_s, took)
-    assert str(err).startswith("stage 'train' of round 1 was stopped: no output for 2 s (scale.child_silence_s)")
+    # the message rounds the measured silence (2.6 s under load reads "3 s"): the bound above checks it
+    assert re.match(r"stage 'train' of round 1 was stopped: no output for [23] s \(scale\.child_silence_s\)", str(err)), str(err)
     assert err.tail == [err.tail[0]] and str(err).endswith(err.tail[0])
     grandchild = int(err.tail[0].split()[1])
     assert _gone(grandchild), "the grandchild outlived the stop"
