@@ -226,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="section 6 alone (with --fsdp and/or --deepspeed)")
     ap.add_argument("--no-alternatives", action="store_true", help="skip section 5 (one update per variant)")
     args = ap.parse_args(argv)
+    if args.only_distributed and not (args.fsdp or args.deepspeed):
+        ap.error("--only-distributed needs --fsdp and/or --deepspeed")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_trainer_gpu-"))
@@ -272,9 +274,6 @@ def run(args, work: Path) -> None:
     checks += [("deepspeed", args.deepspeed_config, "DEEPSPEED")] if args.deepspeed else []
     for name, config_file, layout in checks:
         distributed_check(args, work, policy, ctx, name, config_file, layout)
-    if args.only_distributed and not checks:
-        ap_error = "--only-distributed needs --fsdp and/or --deepspeed"
-        raise SystemExit(ap_error)
     if checks and args.only_distributed:
         write_out(args)
         return
