@@ -47,14 +47,24 @@
    interval: ``capo_minus_grpo_pooled``). A plot of this invocation's arms and seeds, ``learning.png``
    in the runs dir (``--plot`` for another path; its title gives the learning rate and budget).
 
-    .venv/bin/python benchmarks/bench_learning.py --eval-samples 4     # the full benchmark, as in docs/benchmarks.md
+    .venv/bin/python benchmarks/bench_learning.py                       # the full benchmark, as in docs/benchmarks.md
+    .venv/bin/python benchmarks/bench_learning.py --arms grpo --seeds 0   # one run
     .venv/bin/python benchmarks/bench_learning.py --rounds 2 --seeds 0 --eval-size 50   # a smaller look
 
+Defaults: the configuration under which learning was shown (docs/benchmarks.md, "Learning
+benchmark"): lr 2e-6, 320 tokens, 8 problems x 4 responses per round (16 per AdamW step), DAPO's
+dynamic sampling, the policy in fp32 (the shipped defaults), 4 samples per held-out problem besides
+the greedy answer, and the training problems of ``benchmarks/selections/`` (``--select-here`` to
+select on this machine). Before the twenty-third session the defaults were lr 5e-6, 192 tokens,
+4 problems, no dynamic sampling, 1 eval sample and ``auto`` precision: the docs' earlier commands
+name every flag they used.
+
 Cost: every round of every arm is a real round (rollouts, verification, for CAPO the critic, PPO
-update). On a 2-core CPU with AVX512-BF16: a GRPO round about 2.3 minutes, a CAPO round 3, a
-control round 1.3, the selection 2 and an eval of 200 problems 1.5 (6 with ``--eval-samples 4``):
-the whole benchmark about 2.5 hours (3 with ``--eval-samples 4``). On a 2-core AVX2-only CPU
-(fp32): GRPO 4.8 minutes, CAPO 8.8, an eval 10-25: about 6.5 hours (docs/benchmarks.md).
+update). On a 2-core CPU with AMX (fp32 policy, the critic in bf16): a GRPO round about 7 minutes,
+a CAPO round 8-9.5 (2 critiques per response), a control round less (its rollouts and forward
+passes, no update; not timed in fp32), an eval of 200 problems with 4 samples 17-29 minutes: the
+whole benchmark (3 arms x 2 seeds x 10 rounds) roughly 9 hours, an estimate from those figures;
+started again, it resumes. On a 2-core AVX2-only CPU it is slower (not measured at these settings).
 """
 
 from __future__ import annotations
@@ -95,8 +105,15 @@ def base_overrides(a: argparse.Namespace, seed: int) -> list[str]:
             # fp32 end to end for the policy: rollouts, trainer forward/backward, exported checkpoints
             # and evals (the critic keeps its own dtype); see --precision
             *(["rollout.engine.dtype=float32", "train.mixed_precision=no", "train.save_dtype=float32"]
-              if getattr(a, "precision", "auto") == "fp32" else []),
+              if a.precision == "fp32" else []),
             *([f"eval.pass_k={a.eval_samples}", f"eval.pass_k_benchmarks=[{a.dataset}]"] if a.eval_samples > 1 else [])]
+
+
+def auto_overrides(a: argparse.Namespace) -> list[str]:
+    """``--precision auto``: the policy's dtypes on ``auto`` (bf16 where native), as the shipped
+    defaults had them before they became fp32. Kept out of :func:`base_overrides` (and so out of the
+    run ids): runs made under ``auto`` before the defaults changed keep their ids and resume."""
+    return ["rollout.engine.dtype=auto", "train.mixed_precision=auto"] if a.precision == "auto" else []
 
 
 def run_id(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> str:
@@ -115,7 +132,7 @@ def run_id(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> str:
 def arm_config(a: argparse.Namespace, arm: str, seed: int, train_file: Path):
     from pipeline.config import load_config
 
-    over = base_overrides(a, seed) + [f"run_id={run_id(a, arm, seed, train_file)}", f"data.train_prompts={train_file}",
+    over = base_overrides(a, seed) + auto_overrides(a) + [f"run_id={run_id(a, arm, seed, train_file)}", f"data.train_prompts={train_file}",
                                       f"variant={arm}"]
     if arm == "control":
         over.append("train.learning_rate=0")
@@ -142,6 +159,22 @@ def candidate_rows(a: argparse.Namespace, cfg) -> list[dict]:
     return [table[i] for i in idx]
 
 
+def selection_name(a: argparse.Namespace) -> str:
+    """File name of the training selection these settings make: ``learning-<settings>.jsonl``."""
+    return (f"learning-{a.dataset}-n{a.select_n}-k{a.select_k}-lo{a.pass_lo}-hi{a.pass_hi}-t{a.max_tokens}"
+            f"-e{a.eval_size}-{Path(a.policy).name}-{a.verify_answer}-{a.verify_truncated}.jsonl")
+
+
+def shipped_selection(a: argparse.Namespace) -> str | None:
+    """The selection shipped in ``benchmarks/selections/`` for these settings, unless ``--selection``
+    names one or ``--select-here`` asks for this machine's own: the same training problems on every
+    machine (a pass-rate selection made here can differ, since sampling differs between CPUs)."""
+    if a.selection is not None or a.select_here:
+        return a.selection
+    shipped = ROOT / "benchmarks" / "selections" / selection_name(a)
+    return str(shipped) if shipped.is_file() else None
+
+
 def select_training_items(a: argparse.Namespace) -> Path:
     """The training problems the starting policy solves in [pass_lo, pass_hi] of its samples (cached)."""
     from pipeline.config import load_config
@@ -149,10 +182,8 @@ def select_training_items(a: argparse.Namespace) -> Path:
     from pipeline.grading import grade
     from pipeline.stages.base import policy_messages, resolve_model
 
-    cfg = load_config(ROOT / "configs" / "default.yaml", base_overrides(a, 0))
-    tag = (f"{a.dataset}-n{a.select_n}-k{a.select_k}-lo{a.pass_lo}-hi{a.pass_hi}-t{a.max_tokens}"
-           f"-e{a.eval_size}-{Path(a.policy).name}-{a.verify_answer}-{a.verify_truncated}")
-    out = Path(a.data_dir).resolve() / "prompts" / f"learning-{tag}.jsonl"
+    cfg = load_config(ROOT / "configs" / "default.yaml", base_overrides(a, 0) + auto_overrides(a))
+    out = Path(a.data_dir).resolve() / "prompts" / selection_name(a)
     if a.selection is not None:  # an earlier selection (e.g. another machine's): the same training problems
         given = Path(a.selection).resolve()
         if not given.is_file():
@@ -591,25 +622,26 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--policy", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--critic", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--n", type=int, default=2, help="critiques per response (CAPO arm)")
-    ap.add_argument("--lr", type=float, default=5e-6,
-                    help="2e-6 moved the 0.5B policy by a k3 KL of only 0.015 nats per token in 10 GRPO rounds "
+    ap.add_argument("--lr", type=float, default=2e-6,
+                    help="train.learning_rate (the shipped default); 2e-6 moved the 0.5B policy by a k3 KL of only 0.015 nats per token in 10 GRPO rounds "
                          "(docs/benchmarks.md); KL grows about as lr squared")
     ap.add_argument("--kl-coef", type=float, default=0.0,
                     help="train.kl_coef: a k3 KL penalty to the starting policy in the loss (0: measured, not penalized)")
-    ap.add_argument("--dynamic-sampling", action="store_true",
-                    help="rollout.dynamic_sampling: keep only groups whose outcomes differ (DAPO)")
+    ap.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=True,
+                    help="rollout.dynamic_sampling: keep only groups whose outcomes differ (DAPO); on by default")
     ap.add_argument("--max-gen-batches", type=int, default=3, help="rollout.max_gen_batches with --dynamic-sampling")
     ap.add_argument("--overlong-buffer", type=int, default=0,
                     help="reward.overlong_buffer: DAPO's soft overlong penalty over the budget's last N tokens (0: off)")
     ap.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per round")
-    ap.add_argument("--prompts-per-round", type=int, default=4)
+    ap.add_argument("--prompts-per-round", type=int, default=8, help="problems per round (data.prompts_per_round, the shipped default)")
     ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=192, help="rollout and eval")
+    ap.add_argument("--max-tokens", type=int, default=320, help="rollout and eval (rollout.sampling.max_tokens, the shipped default)")
     ap.add_argument("--save-dtype", default="bfloat16", help="train.save_dtype of the engine checkpoints")
-    ap.add_argument("--precision", default="auto", choices=("auto", "fp32"),
-                    help="fp32: the policy in float32 everywhere (rollout engine, train.mixed_precision=no, "
-                         "train.save_dtype=float32, the evals), overriding --save-dtype. On a CPU with native "
-                         "bf16, auto trains under bf16 autocast and exports bf16 checkpoints, and a bf16-valued "
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "auto"),
+                    help="fp32 (default, as the shipped defaults): the policy in float32 everywhere (rollout "
+                         "engine, train.mixed_precision=no, train.save_dtype=float32, the evals), overriding "
+                         "--save-dtype. auto: the policy's engine and autocast on auto, checkpoints in --save-dtype; "
+                         "on a CPU with native bf16 it trains under bf16 autocast and exports bf16 checkpoints, and a bf16-valued "
                          "start then sees only the updates that pass half a bf16 step "
                          "(benchmarks/bench_export_drift.py). The selection of training problems is shared by both "
                          "precisions (made once, by whichever runs first)")
@@ -617,7 +649,10 @@ def parser() -> argparse.ArgumentParser:
                     help="train on this JSONL of problems instead of selecting them with this machine's sampler "
                          "(the pass-rate selection differs between CPUs); copied to the selection's usual path, "
                          "so run ids stay those of a run that selected it. benchmarks/selections/ holds the "
-                         "nineteenth session's")
+                         "nineteenth session's, used by default when the settings match (--select-here: select anew)")
+    ap.add_argument("--select-here", action="store_true",
+                    help="select the training problems with this machine's sampler even where a shipped selection "
+                         "matches the settings")
     ap.add_argument("--select-n", type=int, default=64, help="candidate training problems")
     ap.add_argument("--select-k", type=int, default=4, help="samples per candidate")
     ap.add_argument("--pass-lo", type=float, default=0.25)
@@ -627,7 +662,7 @@ def parser() -> argparse.ArgumentParser:
                     help="verify.answer of the selection, the outcome reward and the eval")
     ap.add_argument("--verify-truncated", default="zero", choices=("zero", "grade"),
                     help="verify.truncated: a response cut at --max-tokens is wrong (zero) or graded")
-    ap.add_argument("--eval-samples", type=int, default=1,
+    ap.add_argument("--eval-samples", type=int, default=4,
                     help="k > 1: the held-out evals also draw k samples per problem at T = 1 (eval.pass_k) and the "
                          "summary compares sampled accuracy too; not part of the run ids (finished runs are "
                          "evaluated again)")
@@ -655,6 +690,7 @@ def main() -> None:
     ctx = bench_context()
     t0 = time.perf_counter()
     # a given selection needs no engine: read in this process (relative paths stay the caller's)
+    a.selection = shipped_selection(a)
     train_file = select_training_items(a) if a.selection else selection_in_child(a)
     round0 = earlier_round0(a)
     # the training arms of every seed first, the control (no update) last

@@ -49,3 +49,56 @@ def test_selection_for_other_settings_is_refused(bench, tmp_path):
     with pytest.raises(SystemExit, match="made for other settings"):
         bench.select_training_items(a)
     assert not (tmp_path / "data" / "prompts").exists() or not any((tmp_path / "data" / "prompts").iterdir())
+
+
+def test_precision_fp32_is_the_default_and_auto_keeps_its_run_ids(bench, tmp_path):
+    """The benchmark's default is the shipped defaults' fp32 policy (the same run ids as an explicit
+    ``--precision fp32``); ``--precision auto`` puts the policy's dtypes back on ``auto`` without the
+    dtype settings entering its run ids, so runs made under ``auto`` before the defaults became fp32
+    resume instead of starting over."""
+    shipped = next((REPO / "benchmarks" / "selections").glob("learning-*.jsonl"))
+    base = _args(bench, tmp_path, shipped)
+    train_file = bench.select_training_items(base)
+    explicit = bench.parser().parse_args(["--max-tokens", "320", "--data-dir", str(tmp_path / "data"),
+                                          "--runs-dir", str(tmp_path / "runs"), "--precision", "fp32"])
+    assert base.precision == "fp32"
+    assert bench.run_id(base, "capo", 0, train_file) == bench.run_id(explicit, "capo", 0, train_file)
+    cfg = bench.arm_config(base, "capo", 0, train_file)
+    assert (cfg.rollout.engine.dtype, cfg.train.mixed_precision, cfg.train.save_dtype) == ("float32", "no", "float32")
+
+    auto = bench.parser().parse_args(["--max-tokens", "320", "--data-dir", str(tmp_path / "data"),
+                                      "--runs-dir", str(tmp_path / "runs"), "--precision", "auto"])
+    assert not [o for o in bench.base_overrides(auto, 0) if "dtype" in o and "save_dtype" not in o
+                or "mixed_precision" in o]
+    assert bench.run_id(auto, "capo", 0, train_file) != bench.run_id(base, "capo", 0, train_file)
+    cfg = bench.arm_config(auto, "capo", 0, train_file)
+    assert (cfg.rollout.engine.dtype, cfg.train.mixed_precision, cfg.train.save_dtype) == ("auto", "auto", "bfloat16")
+
+
+def test_the_shipped_selection_is_the_default_where_the_settings_match(bench, tmp_path):
+    """Run with no ``--selection``, the benchmark trains on the problems shipped for its settings (the
+    same on every machine); ``--select-here`` and settings without a shipped file select anew."""
+    shipped = next((REPO / "benchmarks" / "selections").glob("learning-*.jsonl"))
+    a = bench.parser().parse_args(["--data-dir", str(tmp_path / "data")])
+    assert bench.selection_name(a) == shipped.name
+    assert bench.shipped_selection(a) == str(shipped)
+    assert bench.shipped_selection(bench.parser().parse_args(["--select-here"])) is None
+    assert bench.shipped_selection(bench.parser().parse_args(["--max-tokens", "192"])) is None
+    given = str(tmp_path / "mine.jsonl")
+    assert bench.shipped_selection(bench.parser().parse_args(["--selection", given])) == given
+
+
+def test_the_bare_command_continues_the_documented_fp32_runs(bench, tmp_path):
+    """``bench_learning.py`` with no flags has the run ids of the runs docs/benchmarks.md reports for
+    fp32 at 16 per step (made with every flag spelled out), so it resumes or re-summarizes them."""
+    shipped = next((REPO / "benchmarks" / "selections").glob("learning-*.jsonl"))
+    where = ["--data-dir", str(tmp_path / "data"), "--runs-dir", str(tmp_path / "runs")]
+    documented = bench.parser().parse_args(
+        ["--lr", "2e-6", "--dynamic-sampling", "--eval-samples", "4", "--max-tokens", "320",
+         "--prompts-per-round", "8", "--precision", "fp32", "--selection", str(shipped)] + where)
+    bare = bench.parser().parse_args(where)
+    bare.selection = bench.shipped_selection(bare)
+    train_file = bench.select_training_items(documented)
+    assert bench.select_training_items(bare) == train_file
+    for arm in ("grpo", "capo", "control"):
+        assert bench.run_id(bare, arm, 1, train_file) == bench.run_id(documented, arm, 1, train_file)

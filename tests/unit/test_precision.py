@@ -96,7 +96,9 @@ def test_explicit_slow_choice_warns_once(caplog):
     assert infos == ["test.other: float32 (auto: CPU (AVX2) has no AVX512-BF16 or AMX: bf16 would be emulated)"]
 
 
-def test_default_config_resolves_to_float32_everywhere_on_avx2_and_bf16_on_amx():
+def test_default_config_keeps_the_policy_in_float32_and_the_critic_on_auto():
+    """The policy is sampled, trained and exported in fp32 on every device (the precision under which
+    the learning benchmark showed learning); only the critic follows ``auto``."""
     cfg = load_config("configs/default.yaml")
     rec = precision_record(cfg, AVX2)
     assert (rec["rollout_dtype"], rec["critique_dtype"], rec["eval_dtype"], rec["train_mixed_precision"],
@@ -104,9 +106,14 @@ def test_default_config_resolves_to_float32_everywhere_on_avx2_and_bf16_on_amx()
     assert rec["device"]["torch_cpu_capability"] == "AVX2" and rec["device"]["cores"] == 2
     assert rec["device"]["cpu_model"] == "AMD EPYC 7B13"
     rec = precision_record(cfg, AMX)
+    assert (rec["rollout_dtype"], rec["critique_dtype"], rec["eval_dtype"], rec["train_mixed_precision"],
+            rec["train_save_dtype"]) == ("float32", "bfloat16", "float32", "no", "float32")
+    assert "precision on CPU Intel Xeon Platinum 8488C" in describe(rec)
+    # auto for the policy too: bf16 where native, the checkpoint following the rollout engine
+    rec = precision_record(load_config("configs/default.yaml", ["rollout.engine.dtype=auto",
+                                                                "train.mixed_precision=auto"]), AMX)
     assert (rec["rollout_dtype"], rec["critique_dtype"], rec["train_mixed_precision"], rec["train_save_dtype"]) == \
         ("bfloat16", "bfloat16", "bf16", "bfloat16")
-    assert "precision on CPU Intel Xeon Platinum 8488C" in describe(rec)
     # an OpenAI critic: the server picks its dtype
     cfg = load_config("configs/default.yaml", ["critique.engine.type=openai"])
     assert precision_record(cfg, AVX2)["critique_dtype"] == "server"
