@@ -193,8 +193,11 @@ def select_training_items(a: argparse.Namespace) -> Path:
             raise SystemExit(f"--selection {a.selection} was made for other settings than these ({out.name}); "
                              f"pass the settings it was made with, or rename a hand-made file outside learning-*")
         if out.exists() and out.read_bytes() != given.read_bytes():
+            shipped = given.parent == (ROOT / "benchmarks" / "selections").resolve()
             raise SystemExit(f"--selection {a.selection} differs from the selection already at {out}; "
-                             f"move that file away to train on the given one (it is not overwritten)")
+                             f"move that file away to train on the given one (it is not overwritten)"
+                             + ("; the given one is the shipped selection, used by default: --select-here trains "
+                                "on the one already there" if shipped else ""))
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(given, out)
@@ -652,7 +655,8 @@ def parser() -> argparse.ArgumentParser:
                          "nineteenth session's, used by default when the settings match (--select-here: select anew)")
     ap.add_argument("--select-here", action="store_true",
                     help="select the training problems with this machine's sampler even where a shipped selection "
-                         "matches the settings")
+                         "matches the settings (a selection already in <data-dir>/prompts/ for these settings is "
+                         "reused: move it away to select again)")
     ap.add_argument("--select-n", type=int, default=64, help="candidate training problems")
     ap.add_argument("--select-k", type=int, default=4, help="samples per candidate")
     ap.add_argument("--pass-lo", type=float, default=0.25)

@@ -14,7 +14,8 @@ by :func:`pipeline.core.rewards.token_rewards` / :func:`group_token_advantages`,
 formulas), written through :mod:`pipeline.storage` as the reward stage writes them. On them:
 
 1. ``train_stage`` (the product's code, in process, on the **defaults** except
-   ``train.measure_kl_to_start=true`` so the reference path runs) trains round 1, then round 2
+   ``train.measure_kl_to_start=true`` so the reference path runs, and the policy's precision of
+   ``--precision``: ``auto`` by default, bf16 on a bf16 GPU) trains round 1, then round 2
    from round 1's training state. Per round: seconds, peak GPU memory, tokens/s, and the first
    step's ``ratio_mean`` / ``approx_kl`` / ``clip_frac``, which must be 1 / 0 / 0 (exactly, up to
    the float64 sum that aggregates micro-batches; old
@@ -225,6 +226,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only-distributed", "--only-fsdp", dest="only_distributed", action="store_true",
                     help="section 6 alone (with --fsdp and/or --deepspeed)")
     ap.add_argument("--no-alternatives", action="store_true", help="skip section 5 (one update per variant)")
+    ap.add_argument("--precision", default="auto", choices=("auto", "fp32"),
+                    help="the policy's precision in sections 1-5: auto (default: bf16 autocast and bf16 export on a "
+                         "bf16 GPU, the GPU choice and the setting of the H100 lines in docs/benchmarks.md) or fp32 "
+                         "(the shipped defaults since the twenty-third session: no autocast, fp32 export)")
     args = ap.parse_args(argv)
     if args.only_distributed and not (args.fsdp or args.deepspeed):
         ap.error("--only-distributed needs --fsdp and/or --deepspeed")
@@ -253,14 +258,16 @@ def run(args, work: Path) -> None:
     from train.trainer import ppo_update, train_stage
 
     ctx = {**bench_context(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "accelerate": accelerate.__version__, "tiny": args.tiny}
+           "accelerate": accelerate.__version__, "tiny": args.tiny, "policy_precision": args.precision}
     policy = work / "policy"
     t0 = time.perf_counter()
     n_params = make_policy(Path(args.model), policy, args.tiny)
     emit({"what": "policy", "params": n_params, "random_weights": True, "seconds": round(time.perf_counter() - t0, 1)}, ctx)
 
+    precision = (["rollout.engine.dtype=auto", "train.mixed_precision=auto"] if args.precision == "auto"
+                 else ["rollout.engine.dtype=float32", "train.mixed_precision=no"])
     cfg = load_config(None, [f"runs_dir={work / 'runs'}", f"data_dir={work / 'data'}", "run_id=gpu",
-                             f"rollout.policy={policy}", "train.measure_kl_to_start=true"])
+                             f"rollout.policy={policy}", "train.measure_kl_to_start=true", *precision])
     tc = cfg.train
     from transformers import AutoTokenizer
 

@@ -53,9 +53,11 @@ class VLLMEngineConfig(_Strict):
     type: Literal["vllm"] = "vllm"
     """Selects this engine (``engine.type: vllm``)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """Weights/activations dtype. ``auto`` (default): bfloat16 where the device computes it natively
-    (GPU with bf16, x86 CPU with AVX512-BF16/AMX, ARM with BF16), float32 on other CPUs, where bf16 is
-    emulated and several times slower (:mod:`pipeline.precision`). An explicit slow choice warns."""
+    """Weights/activations dtype. ``auto``: bfloat16 where the device computes it natively (GPU with
+    bf16, x86 CPU with AVX512-BF16/AMX, ARM with BF16), float32 on other CPUs, where bf16 is emulated
+    and several times slower (:mod:`pipeline.precision`). The default of the critic's (and a separate
+    eval) engine; the policy's engine defaults to float32 (``rollout.engine``). An explicit slow
+    choice warns."""
     max_model_len: int = Field(2048, ge=128)
     """Context length (prompt + generated tokens) the engine reserves KV cache for."""
     kv_cache_gib: float = Field(2.0, gt=0)
@@ -137,7 +139,17 @@ class RolloutConfig(_Strict):
     sampled, trained and exported in float32, the precision under which the learning benchmark showed
     learning over two seeds. ``auto`` (bf16 where native) samples from the bf16 cast of the trained
     weights, which on short runs holds back most of the update (docs/benchmarks.md, "the bf16 dead
-    zone"); it is the faster choice for long runs on a GPU."""
+    zone"); it is the faster choice for long runs on a GPU. An engine block that names no dtype
+    (``rollout.engine.type=transformers``, a YAML ``engine:`` without ``dtype``) gets float32 too."""
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _policy_engine_fp32(cls, v: Any) -> Any:
+        # the engine classes default to auto (right for the critic); the policy's stays fp32 unless named
+        if isinstance(v, dict) and "dtype" not in v and v.get("type", "vllm") in ("vllm", "transformers"):
+            return {**v, "dtype": "float32"}
+        return v
+
     instruction: str | None = None
     """Appended to every problem. None picks the instruction that matches ``steps.mode``
     (:data:`DEFAULT_INSTRUCTIONS`); it always asks for exactly one ``\\boxed{}`` answer."""
@@ -393,9 +405,10 @@ class TrainConfig(_Strict):
     bf16 every matmul sees the bf16 cast of the master weights, and a bf16-valued start moves there
     only once a weight's update passes half a bf16 step: 20 steps at lr 2e-6 carried 39 % of the
     update (docs/benchmarks.md, "the bf16 dead zone"), and the same seed's sampled gain was +8.9
-    points against +17.0 in fp32. fp32 costs about 1.5x the train stage's time and 1.75x the
-    rollout's on a 2-core AMX CPU (nothing on CPUs without native bf16, where ``auto`` is fp32
-    anyway); on a GPU, long runs cross the dead zone early and ``auto`` is the faster choice."""
+    points against +17.0 in fp32. fp32 costs 1.65x the default round on a 2-core AMX CPU (rollout
+    2.1x, train 1.8x; README "What a round costs here"), nothing on CPUs without native bf16, where
+    ``auto`` is fp32 anyway; on a GPU, long runs cross the dead zone early and ``auto`` is the
+    faster choice."""
     @field_validator("mixed_precision", mode="before")
     @classmethod
     def _yaml_no(cls, v: Any) -> Any:

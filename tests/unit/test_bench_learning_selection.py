@@ -35,7 +35,7 @@ def test_selection_never_overwrites_another(bench, tmp_path):
     existing = tmp_path / "data" / "prompts" / shipped.name
     existing.parent.mkdir(parents=True)
     existing.write_text('{"question": "1+1?", "gold_answer": "2"}\n')
-    with pytest.raises(SystemExit, match="differs from the selection already at"):
+    with pytest.raises(SystemExit, match="differs from the selection already at.*--select-here"):
         bench.select_training_items(_args(bench, tmp_path, shipped))
     assert existing.read_text() == '{"question": "1+1?", "gold_answer": "2"}\n'
     with pytest.raises(SystemExit, match="no such file"):
@@ -102,3 +102,18 @@ def test_the_bare_command_continues_the_documented_fp32_runs(bench, tmp_path):
     assert bench.select_training_items(bare) == train_file
     for arm in ("grpo", "capo", "control"):
         assert bench.run_id(bare, arm, 1, train_file) == bench.run_id(documented, arm, 1, train_file)
+
+
+@pytest.mark.parametrize("flags, want", [
+    # run ids as the benchmark computed them before its defaults changed (6dd67b5), on fixed paths
+    (["--lr", "2e-6", "--max-tokens", "320", "--prompts-per-round", "8", "--dynamic-sampling", "--precision", "auto"],
+     "learn-capo-s0-7cd48174"),
+    (["--lr", "2e-6", "--max-tokens", "320", "--prompts-per-round", "8", "--dynamic-sampling", "--precision", "fp32"],
+     "learn-capo-s0-71821b68"),
+    (["--lr", "5e-6", "--max-tokens", "192", "--prompts-per-round", "4", "--no-dynamic-sampling", "--precision", "auto"],
+     "learn-capo-s0-00fd9add"),
+])
+def test_run_ids_of_earlier_runs_are_kept(bench, flags, want):
+    """Runs made before the defaults changed resume under the flags that spell their settings out."""
+    a = bench.parser().parse_args(["--runs-dir", "/r", "--data-dir", "/d"] + flags)
+    assert bench.run_id(a, "capo", 0, Path("/d/prompts/learning.jsonl")) == want

@@ -109,6 +109,10 @@ def test_default_config_keeps_the_policy_in_float32_and_the_critic_on_auto():
     assert (rec["rollout_dtype"], rec["critique_dtype"], rec["eval_dtype"], rec["train_mixed_precision"],
             rec["train_save_dtype"]) == ("float32", "bfloat16", "float32", "no", "float32")
     assert "precision on CPU Intel Xeon Platinum 8488C" in describe(rec)
+    # an engine named without a dtype keeps the policy in fp32 (the engine classes default to auto)
+    for over in (["rollout.engine.type=transformers"], ["rollout.engine={type: vllm, max_model_len: 1024}"]):
+        assert precision_record(load_config("configs/default.yaml", over), AMX)["rollout_dtype"] == "float32"
+        assert precision_record(load_config(None, over), AMX)["rollout_dtype"] == "float32"
     # auto for the policy too: bf16 where native, the checkpoint following the rollout engine
     rec = precision_record(load_config("configs/default.yaml", ["rollout.engine.dtype=auto",
                                                                 "train.mixed_precision=auto"]), AMX)
