@@ -56,8 +56,9 @@ benchmark"): lr 2e-6, 320 tokens, 8 problems x 4 responses per round (16 per Ada
 dynamic sampling, the policy in fp32 (the shipped defaults), 4 samples per held-out problem besides
 the greedy answer, and the training problems of ``benchmarks/selections/`` (``--select-here`` to
 select on this machine). Before the twenty-third session the defaults were lr 5e-6, 192 tokens,
-4 problems, no dynamic sampling, 1 eval sample and ``auto`` precision: the docs' earlier commands
-name every flag they used.
+4 problems, no dynamic sampling, 1 eval sample and ``auto`` precision, and the docs' earlier
+commands ran with those: docs/benchmarks.md ("Learning benchmark") lists the flags to add to
+repeat one (its run ids stay the same).
 
 Cost: every round of every arm is a real round (rollouts, verification, for CAPO the critic, PPO
 update). On a 2-core CPU with AMX (fp32 policy, the critic in bf16): a GRPO round about 7 minutes,
