@@ -43,8 +43,9 @@
    interval and the items that changed by verify status, the change pooled over seeds with an
    interval that counts both seed and item noise (``pooled_change_from_round0``: seeds and items
    resampled independently, :func:`pipeline.core.significance.pooled_over_seeds`), and whether
-   CAPO beat GRPO (the difference of their means, and paired by seed and item with the same
-   interval: ``capo_minus_grpo_pooled``). A plot of this invocation's arms and seeds, ``learning.png``
+   CAPO beat GRPO: ``capo_minus_grpo`` (the difference of their means; ``capo_ahead_of_grpo`` when
+   it is above 0), ``capo_minus_grpo_pooled`` (paired by seed and item, with the same interval) and
+   ``capo_beat_grpo``, true only where that interval lies above 0 (None without the eval tables). A plot of this invocation's arms and seeds, ``learning.png``
    in the runs dir (``--plot`` for another path; its title gives the learning rate and budget).
 
     .venv/bin/python benchmarks/bench_learning.py                       # the full benchmark, as in docs/benchmarks.md
@@ -548,10 +549,12 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
         c, g = at(metric, "capo", K), at(metric, "grpo", K)
         if c and g:
             row = {"bench": "learning", "metric": metric, f"{tag}capo_minus_grpo": float(np.mean(c) - np.mean(g)),
-                   f"{tag}capo_beat_grpo": bool(np.mean(c) > np.mean(g))}
+                   f"{tag}capo_ahead_of_grpo": bool(np.mean(c) > np.mean(g)), f"{tag}capo_beat_grpo": None}
             if changes and (head := arm_minus_other(a, changes, "sampled" if tag else "greedy")):
                 # paired per seed and item, seeds and items resampled: is the difference more than noise?
+                # CAPO beat GRPO only where that interval lies above 0; ahead by less is not a win
                 row[f"{tag}capo_minus_grpo_pooled"] = head
+                row[f"{tag}capo_beat_grpo"] = bool(head["significant"] and head["diff"] > 0)
             out.append(row)
         for arm in ("grpo", "capo"):  # a training arm against the update that carries no reward information
             t, sh = at(metric, arm, K), at(metric, "shuffled", K)

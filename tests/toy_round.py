@@ -1,16 +1,20 @@
-"""A hand-built round for the stage tests (no model): one prompt group of two responses with
-their steps, critiques and outcomes, and the step weights worked out by hand under every voting
-rule. Shared by tests/stages/test_stage_score.py and tests/stages/test_genorm.py."""
+"""Hand-built rounds for the stage tests. :func:`write_round` (no model): one prompt group of two
+responses with their steps, critiques and outcomes, and the step weights worked out by hand under
+every voting rule (tests/stages/test_stage_score.py, tests/stages/test_genorm.py).
+:func:`write_train_round`: rollouts and token rewards of the tiny model for the train stage
+(tests/flows/test_trainer_distributed.py, tests/stages/test_trainer.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 from pipeline import storage
 from pipeline.config import load_config
+from pipeline.core.rewards import group_token_advantages, token_rewards
 from pipeline.schemas import SCHEMAS
 from pipeline.stages.base import round_paths
 
@@ -92,3 +96,54 @@ def write_round(cfg, extra_group: bool = False) -> None:
     write_rows(cfg, "outcomes", outc, "verify")
     write_rows(cfg, "steps", steps, "segment")
     write_rows(cfg, "critiques", crit, "critique")
+
+
+# --------------------------------------------------------------------------- a round to train on
+#
+# (group, question, response, outcome r_v, penalized share of tokens at the end of the response)
+TRAIN_ROLLOUTS = [
+    (0, "Sam has 6 apples, eats half, then buys 2. How many now?",
+     "Half of 6 is 3. Then 3 + 2 = 5. The answer is \\boxed{5}.", 1.0, 0.0),
+    (0, "Sam has 6 apples, eats half, then buys 2. How many now?",
+     "6 - 2 = 4 apples, so \\boxed{4}.", 0.0, 0.5),
+    (0, "Sam has 6 apples, eats half, then buys 2. How many now?",
+     "Half of six is three, and two more makes five: \\boxed{5}", 1.0, 0.4),
+    (1, "How many grams are in a kilogram?", "A kilogram is 1000 grams. \\boxed{1000}", 1.0, 0.0),
+    (1, "How many grams are in a kilogram?", "There are 100 grams in a kilogram, so the answer is \\boxed{100}.", 0.0, 0.3),
+]
+
+
+def write_train_round(cfg, tiny_model) -> None:
+    """Round 1's rollouts + token_rewards of :data:`TRAIN_ROLLOUTS` for the train-stage tests: tokenized
+    with the tiny model's chat template, CAPO token rewards with C=2, P=1 and advantages normalized
+    over all tokens of each group (some positive, some negative)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ro, lengths, outcome, weights = [], [], [], []
+    for i, (g, q, text, r_v, bad) in enumerate(TRAIN_ROLLOUTS):
+        chat = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        prompt = tok(chat, add_special_tokens=False)["input_ids"]
+        resp = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ro.append({"run_id": cfg.run_id, "round": 1, "rollout_id": f"r{i}", "prompt_id": f"p{g}", "sample_idx": i,
+                   "policy": str(tiny_model), "prompt_token_ids": prompt, "response_text": text,
+                   "response_token_ids": resp, "rollout_logprobs": [-1.0] * len(resp), "finish_reason": "stop",
+                   "num_tokens": len(resp)})
+        n_bad = int(round(bad * len(resp)))
+        lengths.append(len(resp))
+        outcome.append(r_v)
+        weights.append(np.r_[np.zeros(len(resp) - n_bad), np.ones(n_bad)])
+    off = np.r_[0, np.cumsum(lengths)]
+    rewards = token_rewards(np.array(outcome), np.concatenate(weights), off, C=2.0, P=1.0)
+    adv = group_token_advantages(rewards, off, np.array([g for g, *_ in TRAIN_ROLLOUTS]))
+    assert (adv > 0).any() and (adv < 0).any()
+    tr = [{"run_id": cfg.run_id, "round": 1, "variant": cfg.variant, "rollout_id": f"r{i}", "prompt_id": f"p{g}",
+           "outcome_correct": bool(r_v), "outcome_reward": r_v, "rule": "intersection", "n_valid_critiques": 1,
+           "n_penalized_tokens": int(weights[i].sum()), "rewards": rewards[off[i]:off[i + 1]].tolist(),
+           "advantages": adv[off[i]:off[i + 1]].tolist(), "reward_config_hash": "hand"}
+          for i, (g, _, _, r_v, _) in enumerate(TRAIN_ROLLOUTS)]
+    p = round_paths(cfg, 1)
+    storage.write_table(pa.Table.from_pylist(ro, schema=SCHEMAS["rollouts"]), p["rollouts"], "rollouts",
+                        stage="rollout", key={"hand": "rollouts"})
+    storage.write_table(pa.Table.from_pylist(tr, schema=SCHEMAS["token_rewards"]), p["token_rewards"], "token_rewards",
+                        stage="reward", key={"hand": "token_rewards"})

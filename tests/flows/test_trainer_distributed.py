@@ -22,67 +22,17 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 
 from flows.runner import run_stage
 from pipeline import storage
 from pipeline.config import load_config
-from pipeline.core.rewards import group_token_advantages, token_rewards
-from pipeline.schemas import SCHEMAS
 from pipeline.stages.base import round_paths
+from tests.toy_round import TRAIN_ROLLOUTS, write_train_round
 
 LR = 2e-4
 TOL = 2e-6  # max |w_1proc - w_2proc| allowed; AdamW moves weights by ~LR per step, 100x more
-
-# (group, question, response, outcome r_v, penalized share of tokens at the end of the response)
-ROLLOUTS = [
-    (0, "Sam has 6 apples, eats half, then buys 2. How many now?",
-     "Half of 6 is 3. Then 3 + 2 = 5. The answer is \\boxed{5}.", 1.0, 0.0),
-    (0, "Sam has 6 apples, eats half, then buys 2. How many now?",
-     "6 - 2 = 4 apples, so \\boxed{4}.", 0.0, 0.5),
-    (0, "Sam has 6 apples, eats half, then buys 2. How many now?",
-     "Half of six is three, and two more makes five: \\boxed{5}", 1.0, 0.4),
-    (1, "How many grams are in a kilogram?", "A kilogram is 1000 grams. \\boxed{1000}", 1.0, 0.0),
-    (1, "How many grams are in a kilogram?", "There are 100 grams in a kilogram, so the answer is \\boxed{100}.", 0.0, 0.3),
-]
-
-
-def _write_round(cfg, tiny_model) -> None:
-    """rollouts + token_rewards of round 1 (C=2, P=1, advantages over all tokens of each group)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    ro, lengths, outcome, weights = [], [], [], []
-    for i, (g, q, text, r_v, bad) in enumerate(ROLLOUTS):
-        chat = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-        prompt = tok(chat, add_special_tokens=False)["input_ids"]
-        resp = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        ro.append({"run_id": cfg.run_id, "round": 1, "rollout_id": f"r{i}", "prompt_id": f"p{g}", "sample_idx": i,
-                   "policy": str(tiny_model), "prompt_token_ids": prompt, "response_text": text,
-                   "response_token_ids": resp, "rollout_logprobs": [-1.0] * len(resp), "finish_reason": "stop",
-                   "num_tokens": len(resp)})
-        n_bad = int(round(bad * len(resp)))
-        lengths.append(len(resp))
-        outcome.append(r_v)
-        weights.append(np.r_[np.zeros(len(resp) - n_bad), np.ones(n_bad)])
-    off = np.r_[0, np.cumsum(lengths)]
-    rewards = token_rewards(np.array(outcome), np.concatenate(weights), off, C=2.0, P=1.0)
-    adv = group_token_advantages(rewards, off, np.array([g for g, *_ in ROLLOUTS]))
-    assert (adv > 0).any() and (adv < 0).any()
-    tr = [{"run_id": cfg.run_id, "round": 1, "variant": cfg.variant, "rollout_id": f"r{i}", "prompt_id": f"p{g}",
-           "outcome_correct": bool(r_v), "outcome_reward": r_v, "rule": "intersection", "n_valid_critiques": 1,
-           "n_penalized_tokens": int(weights[i].sum()), "rewards": rewards[off[i]:off[i + 1]].tolist(),
-           "advantages": adv[off[i]:off[i + 1]].tolist(), "reward_config_hash": "hand"}
-          for i, (g, _, _, r_v, _) in enumerate(ROLLOUTS)]
-    p = round_paths(cfg, 1)
-    storage.write_table(pa.Table.from_pylist(ro, schema=SCHEMAS["rollouts"]), p["rollouts"], "rollouts",
-                        stage="rollout", key={"hand": "rollouts"})
-    storage.write_table(pa.Table.from_pylist(tr, schema=SCHEMAS["token_rewards"]), p["token_rewards"], "token_rewards",
-                        stage="reward", key={"hand": "token_rewards"})
-
 
 class _Lines(logging.Handler):
     def __init__(self):
@@ -102,7 +52,7 @@ def _train(tmp_path, tiny_model, repo, mode: str, launcher: list[str]):
                              "train.dtype=float32", "train.mixed_precision='no'", "train.save_dtype=float32",
                              f"train.launcher={launcher!r}".replace("'", "")])
     assert cfg.train.launcher == launcher
-    _write_round(cfg, tiny_model)
+    write_train_round(cfg, tiny_model)
     logger = logging.getLogger(f"capo.test.dist.{name}.{mode}")
     logger.setLevel(logging.INFO)
     h = _Lines()
@@ -128,7 +78,14 @@ def _metrics(cfg) -> dict[tuple[int, str], float]:
 # mode's weighting in one process; what two processes add (shares, x world, dummies) is mode-independent.
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
-def test_two_cpu_processes_equal_one(tmp_path, tiny_model, repo, mode):
+def test_two_cpu_processes_equal_one(tmp_path, tiny_model, repo, mode, monkeypatch):
+    # One intra-op thread per process in both runs: a matmul's float sums depend on the thread count,
+    # and AdamW's first step (lr * g / (|g| + eps)) turns their last-bit differences into sign flips of
+    # near-zero gradients. Measured on a 2-core AMX Xeon: the lone process on torch's default 2 threads
+    # against `accelerate launch`'s 1 per process (cores / processes) differed by 2.8e-4, 0.0 with
+    # OMP_NUM_THREADS=1 for both. Without this, the result depended on whether an earlier test had
+    # started a vLLM engine in-process (which sets OMP_NUM_THREADS to the core count for both runs).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     launcher = ["accelerate", "launch", "--config_file", str(repo / "configs/accelerate/cpu_2proc.yaml")]
     cfg1, res1, _, s1 = _train(tmp_path, tiny_model, repo, mode, [])
     cfg2, res2, lines2, s2 = _train(tmp_path, tiny_model, repo, mode, launcher)
@@ -142,7 +99,7 @@ def test_two_cpu_processes_equal_one(tmp_path, tiny_model, repo, mode):
         print(out)
     assert not res1.skipped and not res2.skipped and res1.rows == res2.rows == 2
     man = storage.read_manifest(round_paths(cfg2, 1)["checkpoint"])
-    assert man["num_processes"] == 2 and man["examples"] == len(ROLLOUTS)
+    assert man["num_processes"] == 2 and man["examples"] == len(TRAIN_ROLLOUTS)
     assert storage.read_manifest(round_paths(cfg1, 1)["checkpoint"])["num_processes"] == 1
 
     w0 = _weights(tiny_model)

@@ -76,6 +76,16 @@ def test_capo_minus_grpo_is_paired_by_seed_and_item(bench):
     # only the item factor varies: 10 of 200 items at +1, se = sqrt(0.05 * 0.95 / 200) = 0.0154, so about
     # 0.05 +- 0.03 (the replicate means are multiples of 1/200)
     assert 0.015 < pooled["lo"] < 0.03 and 0.07 < pooled["hi"] <= 0.09 and pooled["significant"]
+    assert head["capo_ahead_of_grpo"] is True and head["capo_beat_grpo"] is True
+    # ahead by half a point on the means, inside the interval (the fp32 two-seed sampled result): no win
+    near = {("grpo", 0): _changes([10, 0]), ("grpo", 1): _changes([10, 0]),
+            ("capo", 0): _changes([11, 0]), ("capo", 1): _changes([11, 0])}
+    rows_near = [{**r, "heldout_accuracy": 0.555 if r["arm"] == "capo" else 0.55} for r in rows]
+    *_, tie = bench.summarize(a, rows_near, {}, near)
+    assert tie["capo_minus_grpo"] == pytest.approx(0.005) and tie["capo_ahead_of_grpo"] is True
+    assert not tie["capo_minus_grpo_pooled"]["significant"] and tie["capo_beat_grpo"] is False
+    *_, bare = bench.summarize(a, rows, {}, {})  # no eval tables: no interval, no verdict
+    assert bare["capo_ahead_of_grpo"] is True and bare["capo_beat_grpo"] is None
     # a seed only one arm finished is left out; no seed both finished: no pooled comparison
     assert bench.arm_minus_other(a, {**changes, ("grpo", 1): None}, "greedy")["seeds"] == 1
     assert bench.arm_minus_other(a, {("capo", 0): changes[("capo", 0)], ("grpo", 1): changes[("grpo", 1)]}, "greedy") is None
