@@ -43,10 +43,12 @@
    interval and the items that changed by verify status, the change pooled over seeds with an
    interval that counts both seed and item noise (``pooled_change_from_round0``: seeds and items
    resampled independently, :func:`pipeline.core.significance.pooled_over_seeds`), and whether
-   CAPO beat GRPO: ``capo_minus_grpo`` (the difference of their means; ``capo_ahead_of_grpo`` when
-   it is above 0), ``capo_minus_grpo_pooled`` (paired by seed and item, with the same interval) and
-   ``capo_beat_grpo``, true only where that interval lies above 0 (None without the eval tables). A plot of this invocation's arms and seeds, ``learning.png``
-   in the runs dir (``--plot`` for another path; its title gives the learning rate and budget).
+   CAPO beat GRPO: ``capo_minus_grpo`` (the difference of their means over each arm's own seeds,
+   unpaired; ``capo_ahead_of_grpo`` when it is above 0), ``capo_minus_grpo_pooled`` (paired by seed
+   and item over the seeds both arms finished, with the same interval) and ``capo_beat_grpo``, true
+   only where that interval lies above 0, None without the eval tables or with fewer than 2 seeds
+   both arms finished. A plot of this invocation's arms and seeds, ``learning.png`` in the runs dir
+   (``--plot`` for another path; its title gives the learning rate and budget).
 
     .venv/bin/python benchmarks/bench_learning.py                       # the full benchmark, as in docs/benchmarks.md
     .venv/bin/python benchmarks/bench_learning.py --arms grpo --seeds 0   # one run
@@ -552,9 +554,11 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
                    f"{tag}capo_ahead_of_grpo": bool(np.mean(c) > np.mean(g)), f"{tag}capo_beat_grpo": None}
             if changes and (head := arm_minus_other(a, changes, "sampled" if tag else "greedy")):
                 # paired per seed and item, seeds and items resampled: is the difference more than noise?
-                # CAPO beat GRPO only where that interval lies above 0; ahead by less is not a win
+                # CAPO beat GRPO only where that interval lies above 0 (ahead by less is not a win), over
+                # >= 2 seeds both arms finished (one seed's interval holds item noise only: no verdict,
+                # as beats_control gives none below 2 seeds)
                 row[f"{tag}capo_minus_grpo_pooled"] = head
-                row[f"{tag}capo_beat_grpo"] = bool(head["significant"] and head["diff"] > 0)
+                row[f"{tag}capo_beat_grpo"] = bool(head["lo"] > 0) if head["seeds"] >= 2 else None
             out.append(row)
         for arm in ("grpo", "capo"):  # a training arm against the update that carries no reward information
             t, sh = at(metric, arm, K), at(metric, "shuffled", K)

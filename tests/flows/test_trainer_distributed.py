@@ -34,6 +34,7 @@ from tests.toy_round import TRAIN_ROLLOUTS, write_train_round
 LR = 2e-4
 TOL = 2e-6  # max |w_1proc - w_2proc| allowed; AdamW moves weights by ~LR per step, 100x more
 
+
 class _Lines(logging.Handler):
     def __init__(self):
         super().__init__()

@@ -91,6 +91,29 @@ def test_capo_minus_grpo_is_paired_by_seed_and_item(bench):
     assert bench.arm_minus_other(a, {("capo", 0): changes[("capo", 0)], ("grpo", 1): changes[("grpo", 1)]}, "greedy") is None
 
 
+
+def test_capo_beat_grpo_needs_the_paired_interval_above_zero_on_each_metric(bench):
+    """Greedy: CAPO gained items 0-19 and GRPO 0-9 (+5 points, interval above 0: a win). Sampled: the
+    other way round (-5 points, interval below 0: not a win, not ahead). One seed: no verdict."""
+    def run(greedy_up: int, sampled_up: int) -> dict:
+        return {"greedy": _changes([greedy_up, 0])["greedy"], "sampled": _changes([sampled_up, 0])["greedy"]}
+
+    rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": g, "heldout_sampled_accuracy": smp}
+            for arm, g, smp in [("grpo", 0.55, 0.60), ("capo", 0.60, 0.55)] for s in (0, 1)]
+    changes = {(arm, s): run(*ups) for arm, ups in [("grpo", (10, 20)), ("capo", (20, 10))] for s in (0, 1)}
+    a = bench.parser().parse_args(["--arms", "grpo", "capo", "--seeds", "0", "1", "--rounds", "2"])
+    out = bench.summarize(a, rows, {}, changes)
+    (greedy,) = [r for r in out if "capo_minus_grpo" in r]
+    (sampled,) = [r for r in out if "sampled_capo_minus_grpo" in r]
+    assert greedy["capo_minus_grpo_pooled"]["lo"] > 0 and greedy["capo_beat_grpo"] is True
+    assert sampled["sampled_capo_minus_grpo"] == pytest.approx(-0.05)
+    assert sampled["sampled_capo_minus_grpo_pooled"]["hi"] < 0
+    assert sampled["sampled_capo_ahead_of_grpo"] is False and sampled["sampled_capo_beat_grpo"] is False
+    one = bench.parser().parse_args(["--arms", "grpo", "capo", "--seeds", "0", "--rounds", "2"])
+    out1 = bench.summarize(one, [r for r in rows if r["seed"] == 0], {}, {k: v for k, v in changes.items() if k[1] == 0})
+    (greedy1,) = [r for r in out1 if "capo_minus_grpo" in r]
+    assert greedy1["capo_minus_grpo_pooled"]["seeds"] == 1 and greedy1["capo_beat_grpo"] is None
+
 def test_each_training_arm_is_compared_with_the_shuffled_outcome_control(bench):
     a = bench.parser().parse_args(["--arms", "grpo", "shuffled", "--seeds", "0", "1", "--rounds", "2"])
     assert bench.parser().parse_args([]).arms == ["grpo", "capo", "control"]  # the control is asked for by name
