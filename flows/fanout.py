@@ -217,13 +217,76 @@ def critique_fanout(config_path: str, round_idx: int, force: bool = False) -> di
     return dataclasses.asdict(critique_stage(cfg, round_idx, force=force, run_shards=run_shards))
 
 
+EPHEMERAL_STARTUP_TIMEOUT_S = 180
+"""Seconds the fan-out waits for the ephemeral Prefect server it starts, unless the user set
+Prefect's own ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``. Prefect's default (20 s) was
+missed on a 2-core CPU busy with the rest of a round (the server imports Prefect's whole API and
+migrates its SQLite database before it answers)."""
+
+EPHEMERAL_STARTUP_ATTEMPTS = 2
+"""How many times the fan-out starts the ephemeral server before it gives up."""
+
+
+class PrefectServerStartError(RuntimeError):
+    """The ephemeral Prefect API server the fan-out needs did not answer in time."""
+
+
+def ephemeral_startup_timeout() -> tuple[int, str]:
+    """The start-up timeout for the fan-out's ephemeral Prefect server, in seconds, and where it
+    came from: Prefect's setting ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` when the user
+    set it (environment or profile), otherwise :data:`EPHEMERAL_STARTUP_TIMEOUT_S`."""
+    from prefect.settings import get_current_settings
+
+    eph = get_current_settings().server.ephemeral
+    if "startup_timeout_seconds" in eph.model_fields_set:
+        return int(eph.startup_timeout_seconds), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+    return EPHEMERAL_STARTUP_TIMEOUT_S, "the fan-out's default (flows.fanout.EPHEMERAL_STARTUP_TIMEOUT_S)"
+
+
+def start_ephemeral_server(attempts: int = EPHEMERAL_STARTUP_ATTEMPTS):
+    """Start this process's ephemeral Prefect API server (Prefect's ``SubprocessASGIServer``, the one
+    Prefect itself would start) with the timeout of :func:`ephemeral_startup_timeout`, trying up to
+    ``attempts`` times; a server that missed its timeout is stopped before the next try.
+
+    Returns:
+        The running server (``.api_url`` is its API).
+    Raises:
+        PrefectServerStartError: no try answered in time; the message names the timeout, where it
+            came from, the setting that raises it, and ``PREFECT_API_URL`` for a server of one's own.
+    """
+    from prefect.server.api.server import SubprocessASGIServer
+
+    timeout, source = ephemeral_startup_timeout()
+    errors = []
+    for attempt in range(1, attempts + 1):
+        server = SubprocessASGIServer()  # one per process: the one Prefect itself would use
+        try:
+            server.start(timeout=timeout)
+            return server
+        except RuntimeError as e:
+            errors.append(f"try {attempt}: {str(e)[:300]}")
+            server.stop()  # Prefect leaves the late process running; the next try starts afresh
+            log.warning("[critique] the ephemeral Prefect server did not answer within %d s (try %d of %d)",
+                        timeout, attempt, attempts)
+    raise PrefectServerStartError(
+        f"the ephemeral Prefect API server the critique fan-out needs did not answer within {timeout} s "
+        f"({source}) in {attempts} tries. On a busy machine raise the timeout, e.g. "
+        f"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS={max(4 * timeout, 600)}, or start a server once "
+        "(`prefect server start`) and point the run at it with PREFECT_API_URL=http://127.0.0.1:4200/api. "
+        + "; ".join(errors))
+
+
 @contextmanager
 def _prefect_api():
     """Make the Dask / Ray workers report to the Prefect API this process uses.
 
-    With no ``PREFECT_API_URL`` Prefect runs an ephemeral server per process; start (or reuse)
-    this process's and pass its URL on in the settings the task runner ships to the workers, so
-    that each worker does not start a server of its own.
+    A server the user runs (``PREFECT_API_URL``) is used as it is. With none, Prefect runs an
+    ephemeral server per process; start this process's (:func:`start_ephemeral_server`: a timeout
+    that fits a busy 2-core CPU, a second try) and pass its URL on in the settings the task runner
+    ships to the workers, so that each worker does not start a server of its own.
+
+    Raises:
+        PrefectServerStartError: the ephemeral server did not start.
     """
     from prefect.settings import (
         PREFECT_API_URL,
@@ -234,10 +297,7 @@ def _prefect_api():
     if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value():
         yield
         return
-    from prefect.server.api.server import SubprocessASGIServer
-
-    server = SubprocessASGIServer()  # one per process: the one Prefect itself would use
-    server.start()
+    server = start_ephemeral_server()
     with temporary_settings({PREFECT_API_URL: server.api_url}):
         yield
 
@@ -251,6 +311,8 @@ def run_critique_fanout(cfg: CAPOConfig, round_idx: int, logger: logging.Logger 
     Raises:
         MissingExtraError: ``prefect-dask`` / ``prefect-ray`` is not installed.
         ValueError: ``scale.critique.runner`` is ``local``.
+        PrefectServerStartError: no ``PREFECT_API_URL`` is set and the ephemeral Prefect server
+            did not start (a RuntimeError naming the setting to raise).
         RuntimeError: a chunk failed, or a shard was still missing afterwards.
     """
     from flows.children import write_resolved_config

@@ -291,6 +291,63 @@ def test_missing_extra_names_what_to_install(toy, monkeypatch, runner, package):
     assert not round_paths(cfg, 1)["critiques"].exists() and not FakeCritic.calls
 
 
+# ------------------------------------------------------------- the fan-out's Prefect server under load
+
+
+@pytest.fixture
+def busy_cpu():
+    """Every core saturated by a busy-loop child (as the rest of a round, or a test suite, loads a
+    2-core machine) until the test ends."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    yield len(hogs)
+    for h in hogs:
+        h.kill()
+        h.wait()
+
+
+def test_ephemeral_server_starts_on_a_saturated_cpu(busy_cpu):
+    """The server the fan-out starts (with no PREFECT_API_URL) answers /health while every core runs a
+    busy loop; Prefect's own default of 20 s was missed under such load on a 2-core AVX2 CPU. Bounded:
+    at most the two tries of the fan-out's own timeout."""
+    import time
+
+    import httpx
+
+    from flows.fanout import EPHEMERAL_STARTUP_ATTEMPTS, ephemeral_startup_timeout, start_ephemeral_server
+
+    timeout, source = ephemeral_startup_timeout()
+    assert timeout >= 120 and "EPHEMERAL_STARTUP_TIMEOUT_S" in source  # conftest sets no Prefect timeout
+    t0 = time.monotonic()
+    server = start_ephemeral_server()
+    try:
+        took = time.monotonic() - t0
+        assert httpx.get(f"{server.api_url}/health", timeout=30).status_code == 200
+        assert took < EPHEMERAL_STARTUP_ATTEMPTS * timeout + 30
+        print(f"ephemeral Prefect server answered after {took:.1f} s with {busy_cpu} busy-loop children")
+    finally:
+        server.stop()
+
+
+def test_ephemeral_server_timeout_names_the_setting():
+    """A user's own PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS is honoured; when the server
+    misses it, the error says which setting to raise and how to use a server of one's own, after
+    a second try (and the late server processes are stopped)."""
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
+
+    from flows.fanout import PrefectServerStartError, ephemeral_startup_timeout, start_ephemeral_server
+
+    with temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 1}):
+        assert ephemeral_startup_timeout() == (1, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
+        with pytest.raises(PrefectServerStartError) as e:  # the server imports Prefect's API for seconds
+            start_ephemeral_server()
+    msg = str(e.value)
+    assert "within 1 s" in msg and "in 2 tries" in msg and "try 2:" in msg
+    assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=600" in msg and "PREFECT_API_URL" in msg
+    from prefect.server.api.server import SubprocessASGIServer
+
+    assert None not in SubprocessASGIServer._instances  # the failed tries left no server behind
+
+
 # ---------------------------------------------------------------------------- real fan-out (slow)
 #
 # configs/tiny.yaml with 3 prompts x 2 rollouts and batch_rollouts 2: 3 shards, chunks [[0, 1], [2]]

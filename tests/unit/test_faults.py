@@ -51,3 +51,26 @@ def test_the_nth_hit_kills_the_whole_process_group():
         assert psutil.Process(child).wait(timeout=10) == -signal.SIGKILL or not psutil.pid_exists(child)
     except psutil.NoSuchProcess:
         pass  # already reaped: it died with the group
+
+
+def test_the_suite_kill_subset_covers_every_group_over_commits():
+    """tests/slow/test_multi_round.py kills a default run at a seeded subset of its kill groups: four
+    distinct groups in run order per seed, every group within a few dozen seeds (commits), the
+    whole matrix on request, and a group's point independent of which other groups were drawn."""
+    from tests.slow.test_multi_round import DEFAULT_KILL_GROUPS, KILL_GROUPS, kill_groups, kill_points
+
+    assert DEFAULT_KILL_GROUPS == 4
+    covered = set()
+    for seed in range(40):
+        g = kill_groups(seed, DEFAULT_KILL_GROUPS)
+        assert len(g) == 4 == len(set(g)) and g == sorted(g)
+        covered |= set(g)
+        full = kill_points(seed)
+        assert kill_points(seed, g) == [full[i] for i in g]
+        assert all(p in KILL_GROUPS[i][1] for i, p in zip(g, kill_points(seed, g)))
+    assert covered == set(range(len(KILL_GROUPS)))
+    assert kill_groups(7, "all") == kill_groups(7, "99") == list(range(len(KILL_GROUPS)))
+    assert kill_groups(1, 4) != kill_groups(2, 4) or kill_groups(1, 4) != kill_groups(3, 4)
+    for bad in ("0", "-1", "some"):
+        with pytest.raises(ValueError, match=f"CAPO_KILL_GROUPS='{bad}'"):
+            kill_groups(0, bad)
