@@ -10,6 +10,7 @@
     capo sql "SELECT ..."            query the DuckDB catalog read-only
     capo browse RUN --round 1        the critique browser of a round (HTML; --serve on 127.0.0.1)
     capo check RUN                   verify a run's tables, shards and checkpoints against their manifests
+    capo signal RUN                  does the process signal tell wrong responses from right ones (AUROC)
     capo critic-eval run|bench|critique   measure a critic (ProcessBench F1 per voting rule and N)
 """
 
@@ -312,6 +313,30 @@ def browse(
             pass
         finally:
             server.server_close()
+
+
+@app.command("signal")
+def signal_cmd(
+    run: str = typer.Argument(..., help="run id (a folder of --runs-dir) or the path of a run folder"),
+    runs_dir: str = typer.Option("runs", help="directory holding the runs"),
+    rounds: Optional[list[int]] = typer.Option(None, "--round", "-r", help="rounds to measure (default: every one)"),
+    n_boot: int = typer.Option(2000, help="bootstrap resamples for the AUROC's 95 % interval"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per row"),
+) -> None:
+    """Measure a finished run's process signal where it is used: per round, variant, signal source
+    (the variant's vote, an exact check of the steps' written arithmetic, both) and scope (all
+    steps; the steps before the one stating the final answer), the share of right and of wrong
+    responses with a penalized step and the AUROC of the penalized-token share against a wrong
+    outcome with its bootstrap interval, and the groups that train on the outcome or on the process
+    signal alone. Reads the tables only."""
+    from pipeline.signal import format_rows, measure_run
+
+    run_dir = Path(run) if Path(run).is_dir() and not (Path(runs_dir) / run).is_dir() else Path(runs_dir) / run
+    try:
+        rows = measure_run(run_dir, rounds or None, n_boot=n_boot)
+    except FileNotFoundError as e:
+        raise typer.BadParameter(str(e)) from None
+    typer.echo("\n".join(json.dumps(r) for r in rows) if as_json else format_rows(rows))
 
 
 def _lock_down(con, catalog_path: Path) -> None:

@@ -192,6 +192,19 @@ def critic_signal(cfg: CAPOConfig, round_idx: int) -> dict | None:
     return health
 
 
+def process_signal(cfg: CAPOConfig, round_idx: int) -> list[dict] | None:
+    """:func:`pipeline.signal.measure_round` of this round and variant (each signal source and scope:
+    right / wrong responses penalized, AUROC against a wrong outcome with a 1000-resample interval,
+    groups that train on the outcome or on the process signal alone); None before the round has
+    outcomes, steps and token rewards."""
+    from pipeline.signal import measure_round
+
+    p = round_paths(cfg, round_idx)
+    if not all(p[n].exists() for n in ("outcomes", "steps", "token_rewards")):
+        return None
+    return measure_round(p["round_dir"], n_boot=1000, seed=cfg.seed, variant=cfg.variant)
+
+
 def write_round_summary(cfg: CAPOConfig, round_idx: int, results: list[dict], wall_s: float | None = None) -> Path:
     """``variants/<variant>/round_summary.json``: what each stage of this invocation did.
 
@@ -211,6 +224,7 @@ def write_round_summary(cfg: CAPOConfig, round_idx: int, results: list[dict], wa
         "wall_seconds": None if wall_s is None else round(wall_s, 3),
         "precision": precision_record(cfg),  # what each auto setting resolved to here, and the device
         "critic_signal": critic_signal(cfg, round_idx),
+        "process_signal": process_signal(cfg, round_idx),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -74,6 +74,14 @@ def test_every_table_has_the_expected_rows(tiny_round):
         assert set(c["steps_wrong_lines"] or []) <= set(c["steps_judged"] or []) <= set(range(c["n_steps"]))
         assert all(0 <= s < c["n_steps"] for s in c["wrong_steps"] or [])
         assert c["template_version"] and c["critic_model"].endswith("smollm2-135m-instruct")
+    # the round's summary measures its process signal where it is used (pipeline/signal.py)
+    import json
+
+    sig = json.loads(round_paths(cfg, 1)["run_summary"].read_text())["process_signal"]
+    assert {(r["source"], r["scope"]) for r in sig} == {(s, c) for s in ("vote", "arithmetic", "vote+arithmetic")
+                                                        for c in ("all_steps", "before_answer")}
+    assert all(r["variant"] == cfg.variant and r["n_responses"] == P * G for r in sig)
+    assert all(r["groups"] == P == r["groups_outcome"] + r["groups_process_only"] + r["groups_no_signal"] for r in sig)
 
 
 def test_steps_partition_every_response(tiny_round):

@@ -1,0 +1,267 @@
+"""Does a round's process signal tell wrong responses from right ones? Measured where it is used.
+
+CAPO's process penalty only helps when it lands on wrong reasoning more often than on right
+reasoning. :func:`measure_run` reads a finished run's tables as written (``outcomes``, ``steps``,
+each variant's ``step_verdicts`` and ``token_rewards``) and reports, per round, variant, signal
+source and scope:
+
+- the share of right and of wrong responses with at least one penalized step;
+- the AUROC of the response's *penalized-token share* (``sum_s w_s * tokens(s) / tokens``, the
+  mass of the process penalty, in [0, 1]) against a wrong outcome, with a stratified bootstrap 95 %
+  interval (:func:`auroc_interval`); 0.5 is a signal that carries no information about the outcome;
+- per variant, how many groups train on the outcome (mixed right and wrong responses) and how many
+  on the process signal alone (one outcome for the whole group, yet non-zero advantages).
+
+Sources: ``vote`` (the variant's own voting rule over its critiques, as its token rewards used
+it), ``arithmetic`` (:func:`pipeline.core.arithmetic.step_verdict`: a step whose written arithmetic
+is wrong, computed here from the step texts) and ``vote+arithmetic`` (a step is penalized by the
+larger of the two weights). Scopes: ``all_steps``, and ``before_answer``, the steps before the one
+that states the final answer (the last step with ``\\boxed``, else the last step): a critic that
+sees the gold answer can flag a wrong final answer without judging any reasoning, which adds
+nothing to the outcome reward.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from pipeline.core.arithmetic import count_checkable, step_verdict
+
+SOURCES = ("vote", "arithmetic", "vote+arithmetic")
+SCOPES = ("all_steps", "before_answer")
+
+
+def auroc(scores, wrong) -> float | None:
+    """Area under the ROC curve of ``scores`` for telling ``wrong`` items from right ones: the
+    probability that a random wrong item scores higher than a random right one, ties counting one
+    half (the Mann-Whitney U statistic over ``n_wrong * n_right``; Hanley & McNeil 1982).
+
+    Args:
+        scores: shape ``(n,)``, any real numbers (here: penalized-token shares).
+        wrong: shape ``(n,)``, booleans (True: the response's outcome is wrong).
+    Returns:
+        The AUROC in [0, 1], or None when one of the two classes is empty.
+    Raises:
+        ValueError: the two vectors differ in length or are not 1-D.
+    """
+    s, w = np.asarray(scores, dtype=float), np.asarray(wrong, dtype=bool)
+    if s.ndim != 1 or s.shape != w.shape:
+        raise ValueError(f"scores and wrong must be 1-D of one length, got shapes {s.shape} and {w.shape}")
+    n_w, n_r = int(w.sum()), int((~w).sum())
+    if n_w == 0 or n_r == 0:
+        return None
+    order = np.argsort(s, kind="mergesort")
+    ranks = np.empty(len(s))
+    sorted_s = s[order]
+    i = 0
+    while i < len(s):  # average ranks over ties (1-based)
+        j = i
+        while j + 1 < len(s) and sorted_s[j + 1] == sorted_s[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    u = ranks[w].sum() - n_w * (n_w + 1) / 2
+    return float(u / (n_w * n_r))
+
+
+def auroc_interval(scores, wrong, n_boot: int = 2000, level: float = 0.95,
+                   seed: int = 0) -> tuple[float | None, float | None, float | None]:
+    """:func:`auroc` and its percentile bootstrap interval, resampling the wrong and the right items
+    separately with replacement (the stratified bootstrap of pROC; Carpenter & Bithell 2000), so
+    every resample has both classes.
+
+    Returns:
+        ``(auroc, low, high)``; all None when a class is empty.
+    Raises:
+        ValueError: as :func:`auroc`, or ``level`` outside (0, 1), or ``n_boot`` < 1.
+    """
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
+    point = auroc(scores, wrong)
+    if point is None:
+        return None, None, None
+    s, w = np.asarray(scores, dtype=float), np.asarray(wrong, dtype=bool)
+    sw, sr = s[w], s[~w]
+    rng = np.random.default_rng(seed)
+    stats = np.empty(n_boot)
+    for b in range(n_boot):
+        bw = sw[rng.integers(0, len(sw), len(sw))]
+        br = sr[rng.integers(0, len(sr), len(sr))]
+        # P(wrong > right) + 0.5 P(tie), from the sorted right scores
+        br.sort()
+        lt = np.searchsorted(br, bw, side="left")
+        le = np.searchsorted(br, bw, side="right")
+        stats[b] = (lt.sum() + 0.5 * (le - lt).sum()) / (len(bw) * len(br))
+    alpha = (1 - level) / 2
+    return point, float(np.quantile(stats, alpha)), float(np.quantile(stats, 1 - alpha))
+
+
+def final_answer_step(step_texts: list[str]) -> int:
+    """Index of the step that states the final answer: the last step containing ``\\boxed``, else
+    the last step (0 for an empty list)."""
+    for i in range(len(step_texts) - 1, -1, -1):
+        if "\\boxed" in (step_texts[i] or ""):
+            return i
+    return max(len(step_texts) - 1, 0)
+
+
+def penalty_share(weights: list[float], n_tokens: list[int]) -> float:
+    """The mass of the process penalty on one response: ``sum_s w_s * n_tokens[s] / sum_s n_tokens[s]``
+    (0 when the steps hold no tokens).
+
+    Raises:
+        ValueError: the two lists differ in length.
+    """
+    if len(weights) != len(n_tokens):
+        raise ValueError(f"{len(weights)} step weights for {len(n_tokens)} steps")
+    total = sum(n_tokens)
+    return float(sum(w * n for w, n in zip(weights, n_tokens)) / total) if total else 0.0
+
+
+def _variant_rule(variant_dir: Path) -> str | None:
+    man = variant_dir / "token_rewards.parquet.manifest.json"
+    if not man.exists():
+        return None
+    key = json.loads(man.read_text()).get("key", {})
+    if not key.get("critique_enabled") or key.get("critique_mode") != "process":
+        return None
+    return key["vote"]["rule"]
+
+
+def _groups(variant_dir: Path, correct: dict[str, bool]) -> dict:
+    """Groups that train on the outcome (mixed), on the process signal alone, or on nothing."""
+    tr = pq.read_table(variant_dir / "token_rewards.parquet", columns=["rollout_id", "prompt_id", "advantages"])
+    by: dict[str, list] = {}
+    for rid, pid, adv in zip(*(tr.column(c).to_pylist() for c in ("rollout_id", "prompt_id", "advantages"))):
+        by.setdefault(pid, []).append((correct.get(rid, False), any(abs(a) > 0 for a in adv or [])))
+    mixed = sum(len({c for c, _ in g}) > 1 for g in by.values())
+    process_only = sum(len({c for c, _ in g}) == 1 and any(m for _, m in g) for g in by.values())
+    return {"groups": len(by), "groups_outcome": mixed, "groups_process_only": process_only,
+            "groups_no_signal": len(by) - mixed - process_only}
+
+
+def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: str | None = None) -> list[dict]:
+    """The rows of :func:`measure_run` for one round folder (``runs/<run>/round_<k>``); with
+    ``variant``, for that variant only.
+
+    Raises:
+        FileNotFoundError: the round has no ``outcomes`` or ``steps`` table.
+    """
+    for name in ("outcomes", "steps"):
+        if not (round_dir / f"{name}.parquet").exists():
+            raise FileNotFoundError(f"{round_dir / (name + '.parquet')} is missing: the round's verify and segment "
+                                    "stages have not run")
+    out = pq.read_table(round_dir / "outcomes.parquet", columns=["rollout_id", "outcome_correct"]).to_pylist()
+    correct = {r["rollout_id"]: bool(r["outcome_correct"]) for r in out}
+    steps: dict[str, list[dict]] = {}
+    for s in pq.read_table(round_dir / "steps.parquet",
+                           columns=["rollout_id", "step_idx", "token_start", "token_end", "step_text"]).to_pylist():
+        steps.setdefault(s["rollout_id"], []).append(s)
+    rids = sorted(correct)
+    arith: dict[str, list[float]] = {}
+    n_tok: dict[str, list[int]] = {}
+    answer_at: dict[str, int] = {}
+    flagged_steps = 0
+    for rid in rids:
+        ss = sorted(steps.get(rid, []), key=lambda s: s["step_idx"])
+        verdicts = [step_verdict(s["step_text"] or "")[0] for s in ss]
+        arith[rid] = [1.0 if v else 0.0 for v in verdicts]
+        n_tok[rid] = [s["token_end"] - s["token_start"] for s in ss]
+        answer_at[rid] = final_answer_step([s["step_text"] or "" for s in ss])
+        flagged_steps += sum(verdicts)
+    checkable = sum(count_checkable(s["step_text"] or "") > 0 for ss in steps.values() for s in ss)
+    variants = sorted(p for p in (round_dir / "variants").glob(variant or "*")
+                      if (p / "token_rewards.parquet").exists()) if (round_dir / "variants").is_dir() else []
+    round_idx = int(round_dir.name.split("_")[-1])
+    common = {"round": round_idx, "n_responses": len(rids), "n_wrong": sum(not correct[r] for r in rids),
+              "steps": sum(len(v) for v in n_tok.values()), "steps_with_checkable_arithmetic": checkable,
+              "steps_flagged_by_arithmetic": flagged_steps}
+    rows = []
+    for vdir in variants or [None]:
+        rule = _variant_rule(vdir) if vdir is not None else None
+        vote: dict[str, list[float]] = {}
+        if rule is not None:
+            sv = pq.read_table(vdir / "step_verdicts.parquet", columns=["rollout_id", "step_idx", "rule", "weight"])
+            for rid, idx, r, w in zip(*(sv.column(c).to_pylist() for c in ("rollout_id", "step_idx", "rule", "weight"))):
+                if r == rule:
+                    vote.setdefault(rid, {})[idx] = w
+            vote = {rid: [float(vote.get(rid, {}).get(i, 0.0)) for i in range(len(n_tok[rid]))] for rid in rids}
+        groups = _groups(vdir, correct) if vdir is not None else {}
+        sources = {"arithmetic": arith}
+        if rule is not None:
+            sources["vote"] = vote
+            sources["vote+arithmetic"] = {rid: [max(a, b) for a, b in zip(vote[rid], arith[rid])] for rid in rids}
+        for source in (s for s in SOURCES if s in sources):
+            w_all = sources[source]
+            for scope in SCOPES:
+                scores, pen = [], []
+                for rid in rids:
+                    k = len(n_tok[rid]) if scope == "all_steps" else answer_at[rid]
+                    scores.append(penalty_share(w_all[rid][:k], n_tok[rid][:k]))
+                    pen.append(any(x > 0 for x in w_all[rid][:k]))
+                wrong = [not correct[r] for r in rids]
+                auc, lo, hi = auroc_interval(scores, wrong, n_boot=n_boot, seed=seed)
+                n_w = sum(wrong)
+                n_r = len(rids) - n_w
+                rows.append({
+                    **common, "variant": vdir.name if vdir is not None else None, "rule": rule,
+                    "source": source, "scope": scope,
+                    "right_penalized": _share(sum(p and not w for p, w in zip(pen, wrong)), n_r),
+                    "wrong_penalized": _share(sum(p and w for p, w in zip(pen, wrong)), n_w),
+                    "auroc": auc, "auroc_low": lo, "auroc_high": hi, **groups})
+    return rows
+
+
+def _share(k: int, n: int) -> float | None:
+    return k / n if n else None
+
+
+def measure_run(run_dir: Path, rounds: list[int] | None = None, n_boot: int = 2000, seed: int = 0) -> list[dict]:
+    """Process-signal quality of every round (or ``rounds``) of a run, from its tables as written.
+
+    Returns:
+        One dict per round x variant x source x scope (module docstring), with ``right_penalized``
+        and ``wrong_penalized`` (shares of right / wrong responses with a penalized step, None when
+        there are none), ``auroc`` with ``auroc_low`` / ``auroc_high`` (None when a class is empty)
+        and the variant's group counts.
+    Raises:
+        FileNotFoundError: ``run_dir`` has no finished round (names what is there), or a round asked
+            for is missing.
+    """
+    run_dir = Path(run_dir)
+    have = sorted(p for p in run_dir.glob("round_*") if (p / "outcomes.parquet").exists())
+    if not have:
+        raise FileNotFoundError(f"{run_dir} has no round with an outcomes table "
+                                f"(folders there: {sorted(p.name for p in run_dir.glob('*'))[:10]})")
+    if rounds is not None:
+        want = {f"round_{k:03d}" for k in rounds}
+        missing = want - {p.name for p in have}
+        if missing:
+            raise FileNotFoundError(f"{run_dir}: no outcomes for {sorted(missing)}; rounds there: "
+                                    f"{[p.name for p in have]}")
+        have = [p for p in have if p.name in want]
+    return [row for p in have for row in measure_round(p, n_boot=n_boot, seed=seed)]
+
+
+def format_rows(rows: list[dict]) -> str:
+    """A plain-text table of :func:`measure_run`'s rows (shares in %, AUROC with its interval)."""
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.1f}"
+
+    def auc(r):
+        return "-" if r["auroc"] is None else f"{r['auroc']:.3f} [{r['auroc_low']:.3f}, {r['auroc_high']:.3f}]"
+
+    head = f"{'round':>5} {'variant':<18} {'source':<16} {'scope':<13} {'n':>4} {'wrong':>5} " \
+           f"{'right pen %':>11} {'wrong pen %':>11}  AUROC [95% CI]"
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['round']:>5} {str(r['variant'] or '-'):<18} {r['source']:<16} {r['scope']:<13} "
+                     f"{r['n_responses']:>4} {r['n_wrong']:>5} {pct(r['right_penalized']):>11} "
+                     f"{pct(r['wrong_penalized']):>11}  {auc(r)}")
+    return "\n".join(lines)
