@@ -329,7 +329,7 @@ def signal_cmd(
     responses with a penalized step and the AUROC of the penalized-token share against a wrong
     outcome with its bootstrap interval, and the groups that train on the outcome or on the process
     signal alone. Reads the tables only."""
-    from pipeline.signal import format_rows, measure_run
+    from pipeline.process_signal import format_rows, measure_run
 
     run_dir = Path(run) if Path(run).is_dir() and not (Path(runs_dir) / run).is_dir() else Path(runs_dir) / run
     try:

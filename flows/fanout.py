@@ -263,8 +263,8 @@ def start_ephemeral_server(attempts: int = EPHEMERAL_STARTUP_ATTEMPTS):
         try:
             server.start(timeout=timeout)
             return server
-        except RuntimeError as e:
-            errors.append(f"try {attempt}: {str(e)[:300]}")
+        except Exception as e:  # noqa: BLE001 - Prefect raises RuntimeError on a timeout, httpx errors on a bad answer
+            errors.append(f"try {attempt}: {type(e).__name__}: {str(e)[:300]}")
             server.stop()  # Prefect leaves the late process running; the next try starts afresh
             log.warning("[critique] the ephemeral Prefect server did not answer within %d s (try %d of %d)",
                         timeout, attempt, attempts)

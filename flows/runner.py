@@ -193,16 +193,22 @@ def critic_signal(cfg: CAPOConfig, round_idx: int) -> dict | None:
 
 
 def process_signal(cfg: CAPOConfig, round_idx: int) -> list[dict] | None:
-    """:func:`pipeline.signal.measure_round` of this round and variant (each signal source and scope:
+    """:func:`pipeline.process_signal.measure_round` of this round and variant (each signal source and scope:
     right / wrong responses penalized, AUROC against a wrong outcome with a 1000-resample interval,
     groups that train on the outcome or on the process signal alone); None before the round has
-    outcomes, steps and token rewards."""
-    from pipeline.signal import measure_round
+    committed outcomes, steps and token rewards, or when the measurement fails (logged: it never
+    fails the round)."""
+    from pipeline.process_signal import measure_round
 
     p = round_paths(cfg, round_idx)
-    if not all(p[n].exists() for n in ("outcomes", "steps", "token_rewards")):
+    if any(storage.read_manifest(p[n]) is None for n in ("outcomes", "steps", "token_rewards")):
         return None
-    return measure_round(p["round_dir"], n_boot=1000, seed=cfg.seed, variant=cfg.variant)
+    try:
+        return measure_round(p["round_dir"], n_boot=1000, seed=cfg.seed, variant=cfg.variant)
+    except Exception as e:  # noqa: BLE001 - a measurement must not fail a round that has trained
+        logging.getLogger("capo.flows").warning("[signal] round %d: not measured (%s: %s)", round_idx,
+                                                type(e).__name__, e)
+        return None
 
 
 def write_round_summary(cfg: CAPOConfig, round_idx: int, results: list[dict], wall_s: float | None = None) -> Path:

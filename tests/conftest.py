@@ -69,9 +69,10 @@ def tiny_model(data_dir) -> str:
     return str(ensure_model("smollm2-135m-instruct", root=data_dir / "models"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def harness():
-    """A temporary Prefect server for the module's flow runs (Prefect's own test harness)."""
+    """A temporary Prefect server for the flow runs of the whole session (Prefect's own test
+    harness), started once where it is first needed: each start costs 15-30 s on 2 cores."""
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):

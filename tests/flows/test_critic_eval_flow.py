@@ -167,18 +167,15 @@ def test_config_errors_name_the_fix(tmp_path):
 
 
 @pytest.mark.slow
-def test_flow_with_the_tiny_model(tmp_path, data_dir, repo):
+def test_flow_with_the_tiny_model(tmp_path, data_dir, repo, harness):
     """The Prefect flow on 4 items (2 problems, no adversarial copies), SmolLM2-135M as critic with
     the gold answer on and off, N_max = 2; then again, which must skip every critic."""
-    from prefect.testing.utilities import prefect_test_harness
-
     from flows.critic_eval import critic_eval
 
     config = _cfg(tmp_path, critics=[TINY], benchmark={"n_problems": 2, "adversarial": False}, n_values=[1, 2])
     over = [f"data_dir={data_dir}"]
-    with prefect_test_harness(server_startup_timeout=120):
-        first = critic_eval(config=str(config), name="e2e", overrides=over)
-        second = critic_eval(config=str(config), name="e2e", overrides=over)
+    first = critic_eval(config=str(config), name="e2e", overrides=over)
+    second = critic_eval(config=str(config), name="e2e", overrides=over)
     assert [s["stage"] for s in first["stages"]] == ["benchmark", "critique", "critique", "score", "report"]
     assert not any(s["skipped"] for s in first["stages"])
     assert all(s["skipped"] for s in second["stages"][:4])

@@ -4,7 +4,8 @@ Slow: it starts vLLM twice. It checks that one host engine serves several stages
 new checkpoint reloads the weights in place instead of restarting, and that what the reloaded
 engine generates equals what a fresh engine of the new checkpoint generates (greedy), which also
 proves the prefix cache of the old weights was dropped (the same prompt is sent before and after).
-Then ``capo run --rounds 2`` on the tiny config: one engine start serves both rounds.
+Then the ``capo-run`` flow over two rounds of the tiny config: one engine start serves both rounds
+(``capo run`` holds the same session around its rounds).
 """
 
 from __future__ import annotations
@@ -106,20 +107,24 @@ def test_host_reports_a_bad_checkpoint_and_keeps_serving(repo, data_dir, tmp_pat
         assert len(e.generate(CONVS[:1], 2, SamplingConfig(max_tokens=4))[0].samples) == 2
 
 
-def test_two_rounds_share_one_engine_start(repo, data_dir, tmp_path):
-    """``capo run --rounds 2``: round 1 starts the engine; eval of round 1 reloads its checkpoint;
-    round 2's rollouts reuse it (the same policy) and its eval reloads again."""
+def test_capo_run_flow_keeps_one_host_for_its_rounds(repo, data_dir, tmp_path, harness):
+    """The ``capo-run`` Prefect flow over two rounds starts the host once and its nested ``capo-round``
+    flows reuse it: round 1's rollouts start the engine, round 0's eval reuses it, round 1's eval
+    reloads the new checkpoint, round 2's rollouts reuse that (the same policy) and its eval reloads
+    again."""
+    from flows.round import capo_run
     from pipeline.stages.base import round_paths
     from pipeline.storage import read_manifest
 
     runs = tmp_path / "runs"
     over = [f"runs_dir={runs}", f"data_dir={data_dir}", "scale.policy_engine=persistent",
             "data.prompts_per_round=1", "critique.num_critiques=1", "eval.benchmarks=[gsm8k]"]
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--rounds", "2", "--config",
-                           str(repo / "configs" / "tiny.yaml"), *over],
-                          cwd=repo, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    capo_run(rounds=2, config=str(repo / "configs" / "tiny.yaml"), overrides=over)
     cfg = load_config(repo / "configs" / "tiny.yaml", over)
+    log = (runs / "tiny" / "policy_engine.log").read_text()
+    actions = [w for line in log.splitlines() if "capo.engine_host: " in line
+               for w in line.split("capo.engine_host: ")[1].split()[:1] if w in ("started", "reused", "reloaded")]
+    assert actions[:3] == ["started", "reused", "reloaded"] and actions.count("started") == 1, actions
 
     def engine(path):
         return read_manifest(path)["engine"]
@@ -128,25 +133,33 @@ def test_two_rounds_share_one_engine_start(repo, data_dir, tmp_path):
     assert engine(r1["rollouts"])["host_action"] == "started"
     assert engine(r2["rollouts"])["host_action"] == "reused"
     assert engine(r2["rollouts"])["host_engine_starts"] == 1
-    log = (runs / "tiny" / "policy_engine.log").read_text()
     assert log.count("engine starts 1, reloads 2") >= 1 and "engine starts 2" not in log
     summary = json.loads(r2["run_summary"].read_text())
     assert not any(s["skipped"] for s in summary["stages"] if s["stage"] in ("rollout", "train"))
 
 
-def test_capo_run_flow_keeps_one_host_for_its_rounds(repo, data_dir, tmp_path):
-    """The ``capo-run`` Prefect flow starts the host once; its nested ``capo-round`` reuses it
-    (round 0's eval reuses the rollout engine, round 1's eval reloads the new checkpoint)."""
-    from prefect.testing.utilities import prefect_test_harness
+def test_capo_run_command_holds_one_host_session_for_all_its_rounds(repo, tmp_path, monkeypatch):
+    """``capo run --rounds 3`` enters :func:`policy_engine_session` once, around every round (the flow
+    above runs the real host through the same session; here the rounds are recorded, not run)."""
+    from contextlib import contextmanager
 
-    from flows.round import capo_run
+    from typer.testing import CliRunner
 
-    runs = tmp_path / "runs"
-    with prefect_test_harness(server_startup_timeout=120):
-        capo_run(rounds=1, config=str(repo / "configs" / "tiny.yaml"),
-                 overrides=[f"runs_dir={runs}", f"data_dir={data_dir}", "scale.policy_engine=persistent",
-                            "data.prompts_per_round=1", "critique.num_critiques=1", "eval.benchmarks=[gsm8k]"])
-    log = (runs / "tiny" / "policy_engine.log").read_text()
-    actions = [w for line in log.splitlines() if "capo.engine_host: " in line
-               for w in line.split("capo.engine_host: ")[1].split()[:1] if w in ("started", "reused", "reloaded")]
-    assert actions == ["started", "reused", "reloaded"]
+    import flows.cli as cli
+    import pipeline.engines.host as host
+
+    events = []
+
+    @contextmanager
+    def session(cfg, *a, **k):
+        events.append(("enter", cfg.scale.policy_engine))
+        yield None
+        events.append(("exit", None))
+
+    monkeypatch.setattr(host, "policy_engine_session", session)
+    monkeypatch.setattr(cli, "_run_round", lambda cfg, k, force: events.append(("round", k)))
+    monkeypatch.setattr(cli, "_setup_logging", lambda: None)
+    res = CliRunner().invoke(cli.app, ["run", "--rounds", "3", "--config", str(repo / "configs" / "tiny.yaml"),
+                                       f"runs_dir={tmp_path}", "scale.policy_engine=persistent"])
+    assert res.exit_code == 0, res.output
+    assert events == [("enter", "persistent"), ("round", 1), ("round", 2), ("round", 3), ("exit", None)]

@@ -49,12 +49,13 @@ def _cmd(repo: Path, runs: Path, data_dir: Path, seed: int, rounds: int = 2) -> 
 # SmolLM2 never solves GSM8K, so a round's signal is the tiny critic's step flags, and those are rare:
 # it mostly echoes the prompt's example ("Wrong step list: [1]"), which is out of range for a response
 # of one or two steps, and they depend on the CPU's kernels (under tiny.yaml's 2 prompts, 48 tokens and
-# the majority vote, seed 2 had a signal in both rounds on some CPUs and none on others). So the rounds
+# the majority vote, seed 2 had a signal in both rounds on some CPUs and none on others; under the
+# settings below seed 1 had one and seed 2 none on an AVX512-BF16 EPYC). So the rounds
 # here sample 4 prompts and 96 tokens (more steps, more chances) and vote by union (a step any of the
 # two critiques flags is penalized), and the fixture takes the first of these seeds under which both
 # rounds train on a non-zero signal, which the round-k-vs-k-1 and two-rounds-equal-one-process tests
 # need; the killed run uses the same seed.
-SEEDS = (2, 1, 5, 6, 7, 8, 9, 10, 11, 12)
+SEEDS = (1, 2, 5, 6, 7, 8, 9, 10, 11, 12)
 
 
 def _has_signal(run: Path, k: int) -> bool:
@@ -183,7 +184,7 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(two_runs, name):
 
 
 def test_resumed_run_continued_where_it_stopped(two_runs):
-    _, _, _, log, _ = two_runs
+    log = two_runs[3]
     assert "rollouts.parquet is current" in log  # round 1 was not sampled again
 
 

@@ -74,14 +74,15 @@ def test_every_table_has_the_expected_rows(tiny_round):
         assert set(c["steps_wrong_lines"] or []) <= set(c["steps_judged"] or []) <= set(range(c["n_steps"]))
         assert all(0 <= s < c["n_steps"] for s in c["wrong_steps"] or [])
         assert c["template_version"] and c["critic_model"].endswith("smollm2-135m-instruct")
-    # the round's summary measures its process signal where it is used (pipeline/signal.py)
+    # the round's summary measures its process signal where it is used (pipeline/process_signal.py)
     import json
 
     sig = json.loads(round_paths(cfg, 1)["run_summary"].read_text())["process_signal"]
     assert {(r["source"], r["scope"]) for r in sig} == {(s, c) for s in ("vote", "arithmetic", "vote+arithmetic")
                                                         for c in ("all_steps", "before_answer")}
     assert all(r["variant"] == cfg.variant and r["n_responses"] == P * G for r in sig)
-    assert all(r["groups"] == P == r["groups_outcome"] + r["groups_process_only"] + r["groups_no_signal"] for r in sig)
+    assert all(r["groups"] == P == r["groups_outcome"] + r["groups_process_only"] + r["groups_other_signal"]
+               + r["groups_no_signal"] for r in sig)
 
 
 def test_steps_partition_every_response(tiny_round):
@@ -196,6 +197,11 @@ def test_killed_mid_critique_resumes_without_lost_or_doubled_rows(tiny_round, re
     for name in ("rollouts", "outcomes", "steps"):
         for f in (src[name], src[name].with_name(src[name].name + ".manifest.json")):
             shutil.copy2(f, dst[name].parent / f.name)
+    # the starting policy's eval too (its key does not depend on critiques): the resumed round skips it
+    ev0, ev0_dst = round_paths(src_cfg, 0)["eval"], round_paths(cfg, 0)["eval"]
+    ev0_dst.parent.mkdir(parents=True)
+    for f in (ev0, ev0.with_name(ev0.name + ".manifest.json")):
+        shutil.copy2(f, ev0_dst.parent / f.name)
     cmd = [sys.executable, "-m", "flows.cli", "round", "--config", str(repo / "configs" / "tiny.yaml"),
            "--round", "1", f"runs_dir={runs}", f"data_dir={cfg.data_dir}", "critique.batch_rollouts=1"]
     parts = dst["critiques"].with_suffix(".parts")
@@ -211,6 +217,7 @@ def test_killed_mid_critique_resumes_without_lost_or_doubled_rows(tiny_round, re
     out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming" in out.stderr and "rollouts.parquet is current" in out.stderr
+    assert "[eval] skipped: eval.parquet is current" in out.stderr  # round 0's, copied above
     crit = pq.read_table(dst["critiques"]).to_pylist()
     keys = [(c["rollout_id"], c["critique_idx"]) for c in crit]
     assert len(keys) == len(set(keys)) == 4 * cfg.critique.num_critiques

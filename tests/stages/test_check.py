@@ -18,6 +18,9 @@ from pipeline.stages.vote import vote_stage
 from tests.toy_round import critique_row, toy_config, write_round
 
 
+TINY = "smollm2-135m-instruct"
+
+
 def _by_output(findings):
     return {f.output: f for f in findings}
 
@@ -26,7 +29,8 @@ def test_check_finds_each_kind_of_damage_and_names_the_fix(tmp_path, data_dir):
     data = tmp_path / "data"
     data.mkdir()
     (data / "models").symlink_to(data_dir / "models")  # today's keys name the embedded models (prepared there)
-    cfg = toy_config(tmp_path)
+    # the tiny critic: a key that names the default 1.5B critic would convert it (1.5 minutes) for this test alone
+    cfg = toy_config(tmp_path, f"critique.critic={TINY}")
     write_round(cfg)  # rollouts ... critiques under hand-made keys: stale under today's config
     vote_stage(cfg, 1)
     reward_stage(cfg, 1)
@@ -61,13 +65,15 @@ def test_check_finds_each_kind_of_damage_and_names_the_fix(tmp_path, data_dir):
     # the command: exit status 1, one line per finding with its fix
     out = subprocess.run([sys.executable, "-m", "flows.cli", "check", "toy", f"runs_dir={cfg.runs_dir}",
                           f"data_dir={cfg.data_dir}", f"data.train_prompts={cfg.data.train_prompts}",
-                          "critique.enabled=true", "reward.correct_weight=2", "reward.process_weight=1"],
+                          "critique.enabled=true", "reward.correct_weight=2", "reward.process_weight=1",
+                          f"critique.critic={TINY}"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr[-2000:]
     assert "MODIFIED" in out.stdout and "TORN" in out.stdout and "fix: capo round --round 1" in out.stdout
     assert "1 modified" in out.stdout and "1 torn" in out.stdout and "1 leftover" in out.stdout
     js = subprocess.run([sys.executable, "-m", "flows.cli", "check", "toy", "--json", f"runs_dir={cfg.runs_dir}",
-                         f"data_dir={cfg.data_dir}", f"data.train_prompts={cfg.data.train_prompts}"],
+                         f"data_dir={cfg.data_dir}", f"data.train_prompts={cfg.data.train_prompts}",
+                         f"critique.critic={TINY}"],
                         capture_output=True, text=True, timeout=120)
     rows = [json.loads(line) for line in js.stdout.splitlines()]
     assert {r["status"] for r in rows} >= {"modified", "torn", "leftover", "uncommitted", "missing"}

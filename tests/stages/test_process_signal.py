@@ -1,4 +1,4 @@
-"""Process-signal quality (pipeline/signal.py, ``capo signal``): AUROC and its bootstrap interval by
+"""Process-signal quality (pipeline/process_signal.py, ``capo signal``): AUROC and its bootstrap interval by
 hand, and every source and scope on the hand-built round of tests/toy_round.py as written to disk."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pipeline.signal import auroc, auroc_interval, final_answer_step, measure_run, penalty_share
+from pipeline.process_signal import auroc, auroc_interval, final_answer_step, measure_run, penalty_share
 from pipeline.stages.base import round_paths
 from pipeline.stages.reward import reward_stage
 from pipeline.stages.vote import vote_stage
@@ -39,6 +39,26 @@ def test_auroc_interval_covers_the_point_and_narrows_with_items():
     assert auroc_interval([0.1], [True]) == (None, None, None)
     with pytest.raises(ValueError, match="level"):
         auroc_interval(scores, wrong, level=1.5)
+
+
+def test_cluster_bootstrap_over_prompts_is_wider_when_responses_of_a_prompt_agree():
+    """8 responses of each of 30 prompts: a prompt is hard (all wrong, score 0.6 + noise) or easy
+    (all right, 0.4 + noise). Resampling responses treats 240 items as independent; resampling
+    prompts knows there are 30, so its interval is wider."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    hard = np.repeat(rng.random(30) < 0.5, 8)
+    groups = np.repeat(np.arange(30), 8)
+    scores = np.where(hard, 0.6, 0.4) + np.repeat(rng.normal(0, 0.15, 30), 8) + rng.normal(0, 0.02, 240)
+    auc, lo, hi = auroc_interval(scores, hard, n_boot=1000)
+    auc_c, lo_c, hi_c = auroc_interval(scores, hard, n_boot=1000, groups=groups)
+    assert auc_c == auc and lo_c <= auc <= hi_c
+    assert hi_c - lo_c > 1.5 * (hi - lo)
+    # one group of each class: no resample with both classes is possible except the original draw
+    assert auroc_interval([0.9, 0.1], [True, False], n_boot=50, groups=["a", "b"])[0] == 1.0
+    with pytest.raises(ValueError, match="one entry per item"):
+        auroc_interval(scores, hard, groups=groups[:10])
 
 
 def test_penalty_share_and_final_answer_step():
@@ -99,7 +119,8 @@ def test_every_source_and_scope_on_the_toy_round(toy_run):
         assert (r["n_responses"], r["n_wrong"], r["steps"]) == (4, 1, 8)
         assert r["steps_flagged_by_arithmetic"] == 1 and r["steps_with_checkable_arithmetic"] == 2
         # group toy-train-00000 has a right and a wrong response; toy-train-00001 two right ones and no flag
-        assert (r["groups"], r["groups_outcome"], r["groups_process_only"], r["groups_no_signal"]) == (2, 1, 0, 1)
+        assert (r["groups"], r["groups_outcome"], r["groups_process_only"], r["groups_other_signal"],
+                r["groups_no_signal"]) == (2, 1, 0, 0, 1)
         assert r["auroc_low"] <= r["auroc"] <= r["auroc_high"]
 
 

@@ -7,13 +7,15 @@ source and scope:
 
 - the share of right and of wrong responses with at least one penalized step;
 - the AUROC of the response's *penalized-token share* (``sum_s w_s * tokens(s) / tokens``, the
-  mass of the process penalty, in [0, 1]) against a wrong outcome, with a stratified bootstrap 95 %
-  interval (:func:`auroc_interval`); 0.5 is a signal that carries no information about the outcome;
-- per variant, how many groups train on the outcome (mixed right and wrong responses) and how many
-  on the process signal alone (one outcome for the whole group, yet non-zero advantages).
+  mass of the process penalty, in [0, 1]) against a wrong outcome, with a 95 % interval from a
+  bootstrap over prompts (:func:`auroc_interval`: the responses of one prompt are not independent);
+  0.5 is a signal that carries no information about the outcome;
+- per variant, how many groups train on the outcome (the reward that trained differs within the
+  group), on the process signal alone (one outcome for the whole group, yet non-zero advantages),
+  on something else, or on nothing.
 
-Sources: ``vote`` (the variant's own voting rule over its critiques, as its token rewards used
-it), ``arithmetic`` (:func:`pipeline.core.arithmetic.step_verdict`: a step whose written arithmetic
+Sources: ``vote`` (the variant's own voting rule over its critiques, the weights its token
+rewards subtract; absent for a variant without a process penalty), ``arithmetic`` (:func:`pipeline.core.arithmetic.step_verdict`: a step whose written arithmetic
 is wrong, computed here from the step texts) and ``vote+arithmetic`` (a step is penalized by the
 larger of the two weights). Scopes: ``all_steps``, and ``before_answer``, the steps before the one
 that states the final answer (the last step with ``\\boxed``, else the last step): a critic that
@@ -68,16 +70,22 @@ def auroc(scores, wrong) -> float | None:
     return float(u / (n_w * n_r))
 
 
-def auroc_interval(scores, wrong, n_boot: int = 2000, level: float = 0.95,
-                   seed: int = 0) -> tuple[float | None, float | None, float | None]:
-    """:func:`auroc` and its percentile bootstrap interval, resampling the wrong and the right items
-    separately with replacement (the stratified bootstrap of pROC; Carpenter & Bithell 2000), so
-    every resample has both classes.
+def auroc_interval(scores, wrong, n_boot: int = 2000, level: float = 0.95, seed: int = 0,
+                   groups=None) -> tuple[float | None, float | None, float | None]:
+    """:func:`auroc` and its percentile bootstrap interval.
+
+    Without ``groups`` the wrong and the right items are resampled separately with replacement
+    (the stratified bootstrap of pROC; Carpenter & Bithell 2000), so every resample has both
+    classes. With ``groups`` (shape ``(n,)``, e.g. the prompt of each response) whole groups are
+    resampled with replacement (the cluster bootstrap: the G responses of one prompt share its
+    difficulty, so resampling responses alone gives too narrow an interval); a resample that
+    holds one class only is drawn again (at most ``10 * n_boot`` draws in all).
 
     Returns:
         ``(auroc, low, high)``; all None when a class is empty.
     Raises:
-        ValueError: as :func:`auroc`, or ``level`` outside (0, 1), or ``n_boot`` < 1.
+        ValueError: as :func:`auroc`, or ``level`` outside (0, 1), ``n_boot`` < 1, or ``groups``
+            of another length.
     """
     if not 0 < level < 1:
         raise ValueError(f"level must lie in (0, 1), got {level}")
@@ -87,17 +95,34 @@ def auroc_interval(scores, wrong, n_boot: int = 2000, level: float = 0.95,
     if point is None:
         return None, None, None
     s, w = np.asarray(scores, dtype=float), np.asarray(wrong, dtype=bool)
-    sw, sr = s[w], s[~w]
     rng = np.random.default_rng(seed)
-    stats = np.empty(n_boot)
-    for b in range(n_boot):
-        bw = sw[rng.integers(0, len(sw), len(sw))]
-        br = sr[rng.integers(0, len(sr), len(sr))]
-        # P(wrong > right) + 0.5 P(tie), from the sorted right scores
-        br.sort()
+
+    def pairs(bw: np.ndarray, br: np.ndarray) -> float:  # P(wrong > right) + 0.5 P(tie)
+        br = np.sort(br)
         lt = np.searchsorted(br, bw, side="left")
         le = np.searchsorted(br, bw, side="right")
-        stats[b] = (lt.sum() + 0.5 * (le - lt).sum()) / (len(bw) * len(br))
+        return float((lt.sum() + 0.5 * (le - lt).sum()) / (len(bw) * len(br)))
+
+    stats: list[float] = []
+    if groups is None:
+        sw, sr = s[w], s[~w]
+        for _ in range(n_boot):
+            stats.append(pairs(sw[rng.integers(0, len(sw), len(sw))], sr[rng.integers(0, len(sr), len(sr))]))
+    else:
+        g = np.asarray(groups)
+        if g.shape != s.shape:
+            raise ValueError(f"groups must have one entry per item: shape {g.shape} for {s.shape}")
+        members = [np.flatnonzero(g == u) for u in np.unique(g)]
+        for _ in range(10 * n_boot):
+            idx = np.concatenate([members[i] for i in rng.integers(0, len(members), len(members))])
+            ws = w[idx]
+            if ws.all() or not ws.any():
+                continue
+            stats.append(pairs(s[idx][ws], s[idx][~ws]))
+            if len(stats) == n_boot:
+                break
+        if not stats:  # every group holds one class only and there is a single group of each
+            return point, None, None
     alpha = (1 - level) / 2
     return point, float(np.quantile(stats, alpha)), float(np.quantile(stats, 1 - alpha))
 
@@ -124,26 +149,41 @@ def penalty_share(weights: list[float], n_tokens: list[int]) -> float:
     return float(sum(w * n for w, n in zip(weights, n_tokens)) / total) if total else 0.0
 
 
-def _variant_rule(variant_dir: Path) -> str | None:
+def _variant_key(variant_dir: Path) -> dict:
     man = variant_dir / "token_rewards.parquet.manifest.json"
-    if not man.exists():
-        return None
-    key = json.loads(man.read_text()).get("key", {})
+    return json.loads(man.read_text()).get("key", {}) if man.exists() else {}
+
+
+def _variant_rule(key: dict) -> str | None:
+    """The voting rule whose weights the variant's token rewards subtract; None when it has no process
+    penalty (critique off, GenORM outcome mode, or ``reward.process_weight`` = 0)."""
     if not key.get("critique_enabled") or key.get("critique_mode") != "process":
+        return None
+    if not key.get("reward", {}).get("process_weight", 1):
         return None
     return key["vote"]["rule"]
 
 
-def _groups(variant_dir: Path, correct: dict[str, bool]) -> dict:
-    """Groups that train on the outcome (mixed), on the process signal alone, or on nothing."""
-    tr = pq.read_table(variant_dir / "token_rewards.parquet", columns=["rollout_id", "prompt_id", "advantages"])
+def _groups(variant_dir: Path, process: bool) -> dict:
+    """The variant's groups (prompts) by what they train on, from its token rewards as written: the
+    outcome (``outcome_reward``, the r_v that trained, differs within the group), the process signal
+    alone (one outcome for the group, non-zero advantages, and the variant has a process penalty),
+    something else (one outcome, non-zero advantages, no process penalty: e.g. the overlong
+    penalty) or nothing (every advantage 0)."""
+    tr = pq.read_table(variant_dir / "token_rewards.parquet", columns=["prompt_id", "outcome_reward", "advantages"])
     by: dict[str, list] = {}
-    for rid, pid, adv in zip(*(tr.column(c).to_pylist() for c in ("rollout_id", "prompt_id", "advantages"))):
-        by.setdefault(pid, []).append((correct.get(rid, False), any(abs(a) > 0 for a in adv or [])))
-    mixed = sum(len({c for c, _ in g}) > 1 for g in by.values())
-    process_only = sum(len({c for c, _ in g}) == 1 and any(m for _, m in g) for g in by.values())
-    return {"groups": len(by), "groups_outcome": mixed, "groups_process_only": process_only,
-            "groups_no_signal": len(by) - mixed - process_only}
+    for pid, r, adv in zip(*(tr.column(c).to_pylist() for c in ("prompt_id", "outcome_reward", "advantages"))):
+        by.setdefault(pid, []).append((r, any(abs(a) > 0 for a in adv or [])))
+    out = {"groups": len(by), "groups_outcome": 0, "groups_process_only": 0, "groups_other_signal": 0,
+           "groups_no_signal": 0}
+    for g in by.values():
+        if len({r for r, _ in g}) > 1:
+            out["groups_outcome"] += 1
+        elif not any(m for _, m in g):
+            out["groups_no_signal"] += 1
+        else:
+            out["groups_process_only" if process else "groups_other_signal"] += 1
+    return out
 
 
 def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: str | None = None) -> list[dict]:
@@ -157,8 +197,9 @@ def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: s
         if not (round_dir / f"{name}.parquet").exists():
             raise FileNotFoundError(f"{round_dir / (name + '.parquet')} is missing: the round's verify and segment "
                                     "stages have not run")
-    out = pq.read_table(round_dir / "outcomes.parquet", columns=["rollout_id", "outcome_correct"]).to_pylist()
+    out = pq.read_table(round_dir / "outcomes.parquet", columns=["rollout_id", "prompt_id", "outcome_correct"]).to_pylist()
     correct = {r["rollout_id"]: bool(r["outcome_correct"]) for r in out}
+    prompt_of = {r["rollout_id"]: r["prompt_id"] for r in out}
     steps: dict[str, list[dict]] = {}
     for s in pq.read_table(round_dir / "steps.parquet",
                            columns=["rollout_id", "step_idx", "token_start", "token_end", "step_text"]).to_pylist():
@@ -184,7 +225,7 @@ def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: s
               "steps_flagged_by_arithmetic": flagged_steps}
     rows = []
     for vdir in variants or [None]:
-        rule = _variant_rule(vdir) if vdir is not None else None
+        rule = _variant_rule(_variant_key(vdir)) if vdir is not None else None
         vote: dict[str, list[float]] = {}
         if rule is not None:
             sv = pq.read_table(vdir / "step_verdicts.parquet", columns=["rollout_id", "step_idx", "rule", "weight"])
@@ -192,7 +233,7 @@ def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: s
                 if r == rule:
                     vote.setdefault(rid, {})[idx] = w
             vote = {rid: [float(vote.get(rid, {}).get(i, 0.0)) for i in range(len(n_tok[rid]))] for rid in rids}
-        groups = _groups(vdir, correct) if vdir is not None else {}
+        groups = _groups(vdir, rule is not None) if vdir is not None else {}
         sources = {"arithmetic": arith}
         if rule is not None:
             sources["vote"] = vote
@@ -206,7 +247,8 @@ def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: s
                     scores.append(penalty_share(w_all[rid][:k], n_tok[rid][:k]))
                     pen.append(any(x > 0 for x in w_all[rid][:k]))
                 wrong = [not correct[r] for r in rids]
-                auc, lo, hi = auroc_interval(scores, wrong, n_boot=n_boot, seed=seed)
+                auc, lo, hi = auroc_interval(scores, wrong, n_boot=n_boot, seed=seed,
+                                             groups=[prompt_of[r] for r in rids])
                 n_w = sum(wrong)
                 n_r = len(rids) - n_w
                 rows.append({
@@ -226,7 +268,8 @@ def measure_run(run_dir: Path, rounds: list[int] | None = None, n_boot: int = 20
     """Process-signal quality of every round (or ``rounds``) of a run, from its tables as written.
 
     Returns:
-        One dict per round x variant x source x scope (module docstring), with ``right_penalized``
+        One dict per round x variant x source x scope (module docstring): ``round``, ``variant``,
+        ``rule``, ``source``, ``scope``, counts of responses, wrong ones and steps, ``right_penalized``
         and ``wrong_penalized`` (shares of right / wrong responses with a penalized step, None when
         there are none), ``auroc`` with ``auroc_low`` / ``auroc_high`` (None when a class is empty)
         and the variant's group counts.
