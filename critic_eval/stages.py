@@ -102,9 +102,13 @@ class BenchmarkConfig(_Strict):
     """GSM8K split of the built-in benchmark."""
     n_problems: int = Field(8, ge=1)
     """Built-in: GSM8K problems used; each gives an original, a corrupted and (with ``adversarial``)
-    an adversarial item."""
+    an adversarial item, and (with ``reasoning_errors``) up to one item per reasoning-error kind."""
     adversarial: bool = True
     """Built-in: add one adversarial copy of each corrupted item (critic robustness)."""
+    reasoning_errors: bool = True
+    """Built-in: add the errors a calculator cannot see, one item per kind a problem allows
+    (``wrong_operation``, ``wrong_quantity``, ``missing_step``, ``misread_relation``: every written
+    calculation stays right; :func:`critic_eval.items.reasoning_error`)."""
     max_items: int | None = Field(None, ge=1)
     """A file: keep only its first ``max_items`` rows."""
 
@@ -228,6 +232,7 @@ def benchmark_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
         src = ensure_embedded_prompts(Path(cfg.data_dir).resolve() / "prompts")[f"gsm8k_{b.split}"]
         key = {"source": b.source, "generator": critic_bench.GENERATOR_VERSION, "split": b.split,
                "n_problems": b.n_problems, "adversarial": b.adversarial, "seed": cfg.seed,
+               **({} if b.reasoning_errors else {"reasoning_errors": False}),  # on: the v2 generator's key
                "prompts": storage.file_sha256(src)}
     else:
         src = Path(b.source).expanduser().resolve()
@@ -239,7 +244,8 @@ def benchmark_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
         return res
     t0 = time.perf_counter()
     if b.source == BUILTIN_BENCHMARK:
-        rows = critic_bench.build_benchmark(pq.read_table(src).to_pylist(), b.n_problems, cfg.seed, b.adversarial)
+        rows = critic_bench.build_benchmark(pq.read_table(src).to_pylist(), b.n_problems, cfg.seed, b.adversarial,
+                                            critic_bench.KINDS_REASONING if b.reasoning_errors else ())
     else:
         rows = critic_bench.processbench_rows(_read_records(src)[: b.max_items], src.stem)
     table = pa.Table.from_pylist(rows, schema=CRITIC_EVAL_BENCHMARK_SCHEMA)

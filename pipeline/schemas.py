@@ -161,7 +161,7 @@ CRITIC_EVAL_BENCHMARK_SCHEMA = pa.schema([
     pa.field("label", pa.int32(), nullable=False),  # first wrong step, -1 when all are right
     pa.field("gold_answer", pa.string()),
     pa.field("step_labels", pa.list_(pa.int32())),  # 1 = the step is wrong; null when unknown
-    pa.field("kind", pa.string(), nullable=False),  # original | carried | as_was | adv_* | external
+    pa.field("kind", pa.string(), nullable=False),  # original | carried | as_was | wrong_operation | wrong_quantity | missing_step | misread_relation | adv_* | external
     pa.field("source_id", pa.string()),  # prompt_id of the GSM8K problem
     pa.field("annotated_steps", pa.list_(pa.string())),  # steps with <<expr=result>>; audit only
     pa.field("corruption", pa.string()),  # e.g. "step 1: 18 -> 180 (x10)"

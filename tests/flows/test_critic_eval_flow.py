@@ -87,7 +87,8 @@ def test_stages_with_a_scripted_critic(tmp_path, scripted, data_dir):
     assert all(r["parse_status"] in PARSE_STATUSES and r["template_version"] == "capo-genprm-v1" for r in rows)
     assert {r["eval_name"] for r in rows} == {"t"}
     scores = pq.read_table(cfg.run_dir() / "scores.parquet").to_pylist()
-    subsets = {"all", "plain", "adversarial", "original", "carried", "as_was", "adv_verdict", "adv_praise", "adv_ignore"}
+    subsets = {"all", "plain", "adversarial", "original", "carried", "as_was", "adv_verdict", "adv_praise", "adv_ignore",
+               "wrong_operation", "wrong_quantity", "missing_step", "misread_relation"}
     assert {s["subset"] for s in scores} == subsets
     assert len(scores) == 2 * 3 * len(subsets) * 4 * 3  # setups x partial policies x subsets x rules x N
     assert {s["setup"] for s in scores} == {f"fake+{g}/{p}" for g in ("gold", "nogold") for p in ("list", "lines", "drop")}
@@ -147,7 +148,7 @@ def test_cli_exports_the_benchmark_as_processbench_jsonl(tmp_path, data_dir, mon
     res = CliRunner().invoke(app, ["bench", "--config", str(_cfg(tmp_path)), "--out", str(out), f"data_dir={data_dir}"])
     assert res.exit_code == 0, res.output
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(records) == 9 and processbench_rows(records, "bench") == records  # reads back unchanged
+    assert len(records) == 16 and processbench_rows(records, "bench") == records  # reads back unchanged
 
 
 def test_config_errors_name_the_fix(tmp_path):
@@ -172,7 +173,8 @@ def test_flow_with_the_tiny_model(tmp_path, data_dir, repo, harness):
     the gold answer on and off, N_max = 2; then again, which must skip every critic."""
     from flows.critic_eval import critic_eval
 
-    config = _cfg(tmp_path, critics=[TINY], benchmark={"n_problems": 2, "adversarial": False}, n_values=[1, 2])
+    config = _cfg(tmp_path, critics=[TINY], benchmark={"n_problems": 2, "adversarial": False, "reasoning_errors": False},
+                  n_values=[1, 2])
     over = [f"data_dir={data_dir}"]
     first = critic_eval(config=str(config), name="e2e", overrides=over)
     second = critic_eval(config=str(config), name="e2e", overrides=over)
