@@ -173,7 +173,9 @@ def test_flow_with_the_tiny_model(tmp_path, data_dir, repo, harness):
     the gold answer on and off, N_max = 2; then again, which must skip every critic."""
     from flows.critic_eval import critic_eval
 
-    config = _cfg(tmp_path, critics=[TINY], benchmark={"n_problems": 2, "adversarial": False, "reasoning_errors": False},
+    # the transformers engine: the flow's stages and skips are under test; vLLM critiques are tested in
+    # tests/stages/test_engines.py and every real round
+    config = _cfg(tmp_path, critics=[{**TINY, "engine": {"type": "transformers"}}], benchmark={"n_problems": 2, "adversarial": False, "reasoning_errors": False},
                   n_values=[1, 2])
     over = [f"data_dir={data_dir}"]
     first = critic_eval(config=str(config), name="e2e", overrides=over)

@@ -9,7 +9,7 @@ Round 2 must sample from round 1's checkpoint, eval must have a row per benchmar
 the report must be written.
 
 The kill matrix has eleven groups of points (:data:`KILL_GROUPS`). By default the suite kills at
-:data:`DEFAULT_KILL_GROUPS` of them, drawn with a seed taken from the checked-out commit, so each
+the :data:`DEFAULT_KILL_GROUPS` (3) of them, drawn with a seed taken from the checked-out commit, so each
 commit tests another subset and every point is covered over time; each kill costs a restart and the
 killed stage's lost work (about a minute on a 2-core AVX2 CPU). The seed and the points drawn are
 printed and named in every failure. The full matrix, and any one draw again::
@@ -87,7 +87,7 @@ KILL_GROUPS = (
 )
 
 
-DEFAULT_KILL_GROUPS = 4
+DEFAULT_KILL_GROUPS = 3
 """Groups of :data:`KILL_GROUPS` the suite kills in by default (``CAPO_KILL_GROUPS``: a count or ``all``)."""
 
 
