@@ -179,12 +179,12 @@ def critic_signal(cfg: CAPOConfig, round_idx: int) -> dict | None:
         return None
     from pipeline.core.critique import signal_health
 
-    crit = storage.read_table(p["critiques"], "critiques").select(
-        ["rollout_id", "parse_status", "wrong_steps", "steps_wrong_lines"]).to_pylist()
+    crit = [r for r in storage.read_table(p["critiques"], "critiques").select(
+        ["rollout_id", "source", "parse_status", "wrong_steps", "steps_wrong_lines"]).to_pylist() if r["source"] == "llm"]
     rate = None
     if storage.read_manifest(p["step_verdicts"]) is not None:
-        sv = storage.read_table(p["step_verdicts"], "step_verdicts").select(["rule", "weight"]).to_pylist()
-        w = [r["weight"] for r in sv if r["rule"] == cfg.vote.rule]
+        sv = storage.read_table(p["step_verdicts"], "step_verdicts").select(["rule", "llm_weight"]).to_pylist()
+        w = [r["llm_weight"] for r in sv if r["rule"] == cfg.vote.rule]
         rate = sum(x > 0 for x in w) / len(w) if w else None
     health = signal_health(crit, rate, cfg.vote.partial_critiques)
     if health["warning"]:

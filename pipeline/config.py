@@ -304,6 +304,21 @@ class VoteConfig(_Strict):
     own (``incomplete``) or whose lines contradict its list (``inconsistent``) votes: ``list`` its
     final list, ``lines`` the steps its own lines call wrong, ``drop`` not at all (it is then not
     a valid critique). ``complete`` critiques always vote their list."""
+    sources: list[Literal["llm", "arithmetic"]] = ["llm"]
+    """Whose verdicts penalize a step: ``llm``, the critic's N critiques voted under ``rule``;
+    ``arithmetic``, the exact check of the step's written arithmetic (:mod:`pipeline.core.arithmetic`,
+    one verdict per response, in the critiques table as ``source = 'arithmetic'``). With several, a
+    step's weight is the largest of theirs (a step either flags is penalized). Both are always
+    computed and stored (``step_verdicts.llm_weight``, ``arithmetic_flag``), so SQL and ``capo signal``
+    compare them on any round."""
+
+    @field_validator("sources")
+    @classmethod
+    def _sources_set(cls, v: list[str]) -> list[str]:
+        if not v or len(set(v)) != len(v):
+            raise ValueError(f"vote.sources must name each source at most once and at least one, got {v}; "
+                             "valid: [llm], [arithmetic], [llm, arithmetic]")
+        return sorted(v, key=["llm", "arithmetic"].index)
 
 
 class RewardConfig(_Strict):

@@ -14,10 +14,12 @@ source and scope:
   group), on the process signal alone (one outcome for the whole group, yet non-zero advantages),
   on something else, or on nothing.
 
-Sources: ``vote`` (the variant's own voting rule over its critiques, the weights its token
-rewards subtract; absent for a variant without a process penalty), ``arithmetic`` (:func:`pipeline.core.arithmetic.step_verdict`: a step whose written arithmetic
-is wrong, computed here from the step texts) and ``vote+arithmetic`` (a step is penalized by the
-larger of the two weights). Scopes: ``all_steps``, and ``before_answer``, the steps before the one
+Sources: ``vote`` (the variant's voting rule over the LLM critic's critiques, ``step_verdicts.llm_weight``;
+absent for a variant without a process penalty), ``arithmetic`` (:func:`pipeline.core.arithmetic.step_verdict`:
+a step whose written arithmetic is wrong, computed here from the step texts) and ``vote+arithmetic``
+(a step is penalized by the larger of the two weights). ``trains`` marks the source whose weights
+the variant's token rewards subtract (``vote.sources``: ``[llm]`` is ``vote``, ``[arithmetic]``
+is ``arithmetic``, both is ``vote+arithmetic``). Scopes: ``all_steps``, and ``before_answer``, the steps before the one
 that states the final answer (the last step with ``\\boxed``, else the last step): a critic that
 sees the gold answer can flag a wrong final answer without judging any reasoning, which adds
 nothing to the outcome reward.
@@ -227,12 +229,17 @@ def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: s
     for vdir in variants or [None]:
         rule = _variant_rule(_variant_key(vdir)) if vdir is not None else None
         vote: dict[str, list[float]] = {}
+        trains = None
         if rule is not None:
-            sv = pq.read_table(vdir / "step_verdicts.parquet", columns=["rollout_id", "step_idx", "rule", "weight"])
-            for rid, idx, r, w in zip(*(sv.column(c).to_pylist() for c in ("rollout_id", "step_idx", "rule", "weight"))):
+            sv = pq.read_table(vdir / "step_verdicts.parquet")
+            # the LLM critiques' own vote (tables from before the arithmetic source: the weight, which was it)
+            col = "llm_weight" if "llm_weight" in sv.column_names else "weight"
+            for rid, idx, r, w in zip(*(sv.column(c).to_pylist() for c in ("rollout_id", "step_idx", "rule", col))):
                 if r == rule:
                     vote.setdefault(rid, {})[idx] = w
-            vote = {rid: [float(vote.get(rid, {}).get(i, 0.0)) for i in range(len(n_tok[rid]))] for rid in rids}
+            vote = {rid: [float(vote.get(rid, {}).get(i, 0.0) or 0.0) for i in range(len(n_tok[rid]))] for rid in rids}
+            used = sv.column("sources")[0].as_py() if "sources" in sv.column_names and sv.num_rows else "llm"
+            trains = {"llm": "vote", "arithmetic": "arithmetic", "llm+arithmetic": "vote+arithmetic"}.get(used or "llm")
         groups = _groups(vdir, rule is not None) if vdir is not None else {}
         sources = {"arithmetic": arith}
         if rule is not None:
@@ -253,7 +260,7 @@ def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: s
                 n_r = len(rids) - n_w
                 rows.append({
                     **common, "variant": vdir.name if vdir is not None else None, "rule": rule,
-                    "source": source, "scope": scope,
+                    "source": source, "scope": scope, "trains": source == trains,
                     "right_penalized": _share(sum(p and not w for p, w in zip(pen, wrong)), n_r),
                     "wrong_penalized": _share(sum(p and w for p, w in zip(pen, wrong)), n_w),
                     "auroc": auc, "auroc_low": lo, "auroc_high": hi, **groups})
@@ -304,7 +311,10 @@ def format_rows(rows: list[dict]) -> str:
            f"{'right pen %':>11} {'wrong pen %':>11}  AUROC [95% CI]"
     lines = [head]
     for r in rows:
-        lines.append(f"{r['round']:>5} {str(r['variant'] or '-'):<18} {r['source']:<16} {r['scope']:<13} "
+        src = r["source"] + ("*" if r.get("trains") else "")
+        lines.append(f"{r['round']:>5} {str(r['variant'] or '-'):<18} {src:<16} {r['scope']:<13} "
                      f"{r['n_responses']:>4} {r['n_wrong']:>5} {pct(r['right_penalized']):>11} "
                      f"{pct(r['wrong_penalized']):>11}  {auc(r)}")
+    if any(r.get("trains") for r in rows):
+        lines.append("* the source whose weights the variant's token rewards subtract (vote.sources)")
     return "\n".join(lines)

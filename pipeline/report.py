@@ -55,7 +55,8 @@ _SQL = {
     "parse": """SELECT round, mode,
                        avg((parse_status NOT IN ('ok', 'complete', 'incomplete', 'inconsistent'))::INT) AS failure_rate,
                        count(*) AS critiques
-                FROM critiques WHERE parse_status <> 'skipped_empty_response' GROUP BY ALL ORDER BY ALL""",
+                FROM critiques WHERE parse_status <> 'skipped_empty_response' AND source = 'llm'
+                GROUP BY ALL ORDER BY ALL""",
     "train": """SELECT round, variant, avg(value) FILTER (WHERE name = 'clip_frac') AS clip_frac,
                        avg(value) FILTER (WHERE name = 'approx_kl') AS approx_kl,
                        avg(value) FILTER (WHERE name = 'kl_ref') AS kl_ref,
@@ -65,7 +66,7 @@ _SQL = {
                        avg(value) FILTER (WHERE name = 'export_update_share_from_start') AS export_share_run
                 FROM train_metrics GROUP BY ALL ORDER BY ALL""",
 }
-_DEFAULT_COLUMNS = {"critiques": {"mode": "'process'", "steps_wrong_lines": "NULL::INTEGER[]"}}  # columns older tables lack, and their value
+_DEFAULT_COLUMNS = {"critiques": {"mode": "'process'", "steps_wrong_lines": "NULL::INTEGER[]", "source": "'llm'"}}  # columns older tables lack, and their value
 _NEEDS = {"rollout": "token_rewards", "groups": "token_rewards", "flagged": "step_verdicts", "parse": "critiques", "train": "train_metrics"}
 
 
@@ -107,7 +108,7 @@ def collect(run_dir: Path) -> tuple[dict[str, list[dict]], list[str]]:
                     log.warning("report of %s: %s", run_dir.name, notes[-1])
         if "critiques" in present:
             out["critique_rows"] = _rows(con, """SELECT round, rollout_id, parse_status, wrong_steps, steps_wrong_lines
-                                                 FROM critiques WHERE mode = 'process'""")
+                                                 FROM critiques WHERE mode = 'process' AND source = 'llm'""")
         if "eval" in present:
             reader = con.sql("SELECT * FROM eval").arrow()
             table = reader.read_all() if isinstance(reader, pa.RecordBatchReader) else reader

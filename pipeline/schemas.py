@@ -9,7 +9,8 @@ Layout of one run (``<runs_dir>/<run_id>/``)::
     round_001/rollouts.parquet        one row per response
     round_001/outcomes.parquet        one row per response (math-verify result)
     round_001/steps.parquet           one row per step
-    round_001/critiques.parquet       one row per step critique (GenPRM, N per response)
+    round_001/critiques.parquet       one row per step critique (GenPRM, N per response; plus one
+                                      arithmetic check per response, source = 'arithmetic')
     round_001/genorm_critiques.parquet  one row per outcome critique (GenORM baseline)
     round_001/variants/<variant>/step_verdicts.parquet   one row per step x voting rule
     round_001/variants/<variant>/token_rewards.parquet   one row per response
@@ -77,6 +78,7 @@ CRITIQUES_SCHEMA = pa.schema(
     + [
         pa.field("rollout_id", pa.string(), nullable=False),
         pa.field("critique_idx", pa.int32(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),  # llm (the critic's N critiques) | arithmetic (one, exact check)
         pa.field("mode", pa.string()),  # process (GenPRM, every step) | outcome (GenORM, final answer)
         pa.field("critic_model", pa.string()),
         pa.field("template_version", pa.string()),
@@ -102,8 +104,11 @@ STEP_VERDICTS_SCHEMA = pa.schema(
         pa.field("rule", pa.string(), nullable=False),
         pa.field("n_valid", pa.int32()),
         pa.field("n_flagged", pa.int32()),
-        pa.field("weight", pa.float32()),  # w_s in [0, 1]
+        pa.field("weight", pa.float32()),  # w_s in [0, 1]: the sources' verdicts combined (the larger)
         pa.field("majority_threshold", pa.float32()),
+        pa.field("sources", pa.string()),  # the sources whose verdicts vote, "+"-joined: llm, arithmetic, llm+arithmetic
+        pa.field("llm_weight", pa.float32()),  # the LLM critiques voted under the rule (whether or not they vote)
+        pa.field("arithmetic_flag", pa.bool_()),  # the arithmetic check flags the step (null: no arithmetic row)
     ]
 )
 

@@ -61,7 +61,7 @@ def write_rows(cfg, name: str, rows: list[dict], stage: str) -> None:
 
 
 def critique_row(rid: str, k: int, wrong: list[int] | None, n_steps: int) -> dict:
-    return {"rollout_id": rid, "critique_idx": k, "critic_model": "hand", "template_version": "t", "include_gold_answer": True,
+    return {"rollout_id": rid, "critique_idx": k, "source": "llm", "critic_model": "hand", "template_version": "t", "include_gold_answer": True,
             "n_steps": n_steps, "raw_text": "...", "wrong_steps": wrong, "parse_status": "ok" if wrong is not None else "no_verdict",
             "critic_tokens": 9, "finish_reason": "stop"}
 

@@ -48,7 +48,12 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-__all__ = ["Equation", "check_step", "count_checkable", "step_verdict"]
+__all__ = ["VERSION", "ArithmeticCritique", "Equation", "check_step", "critique_steps", "count_checkable",
+           "step_verdict"]
+
+VERSION = "arithmetic-v1"
+"""Names the checker's behaviour in the critique stage's key and in every ``arithmetic`` critique row
+(``template_version``): bump it when a change here can flag a different set of steps."""
 
 MAX_DIGITS = 30          # digits of one number literal
 MAX_SIZE = 10**40        # bound on |numerator| and denominator of every intermediate result
@@ -661,3 +666,49 @@ def count_checkable(text: str) -> int:
         TypeError: ``text`` is not a ``str``.
     """
     return len(check_step(text))
+
+
+@dataclass(frozen=True)
+class ArithmeticCritique:
+    """The arithmetic check of a whole response, shaped like a parsed step critique.
+
+    Attributes:
+        wrong_steps: 0-indexed steps with a wrong stated result, ascending (the verdict that votes).
+        steps_judged: 0-indexed steps with at least one checkable equation.
+        text: one line per step, ``Step i: correct (k equations)``, ``Step i: wrong - <lhs> = <rhs>
+            (is <value>)`` or ``Step i: nothing to check`` (1-indexed, like the critic's lines), then
+            ``Wrong step list: [...]`` (1-indexed): what the critique browser and SQL show.
+    """
+
+    wrong_steps: tuple[int, ...]
+    steps_judged: tuple[int, ...]
+    text: str
+
+
+def critique_steps(step_texts: list[str]) -> ArithmeticCritique:
+    """Check every step of one response (:func:`check_step`) and write the result as a critique.
+
+    Args:
+        step_texts: the response's S steps in order (``steps.step_text``).
+
+    Returns:
+        An :class:`ArithmeticCritique`; for S = 0 an empty one whose text is ``Wrong step list: []``.
+
+    Raises:
+        TypeError: a step is not a ``str``.
+    """
+    lines, wrong, judged = [], [], []
+    for i, text in enumerate(step_texts):
+        eqs = check_step(text)
+        bad = next((e for e in eqs if not e.right), None)
+        if eqs:
+            judged.append(i)
+        if bad is not None:
+            wrong.append(i)
+            lines.append(f"Step {i + 1}: wrong - {bad.lhs} = {bad.rhs} (is {_fmt(bad.value)})")
+        elif eqs:
+            lines.append(f"Step {i + 1}: correct ({len(eqs)} equation{'s' if len(eqs) > 1 else ''})")
+        else:
+            lines.append(f"Step {i + 1}: nothing to check")
+    lines.append(f"Wrong step list: [{', '.join(str(i + 1) for i in wrong)}]")
+    return ArithmeticCritique(tuple(wrong), tuple(judged), "\n".join(lines))

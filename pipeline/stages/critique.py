@@ -59,7 +59,64 @@ def critique_key(cfg: CAPOConfig, round_idx: int) -> dict:
            "critic": model_fingerprint(resolve_model(cfg.critique.critic, cfg))}
     if cfg.critique.structured_output and cfg.critique.mode == "process":  # free text keeps its earlier keys
         key["structured"] = STRUCTURED_VERSION
+    if cfg.critique.mode == "process":
+        from pipeline.core.arithmetic import VERSION as ARITHMETIC_VERSION
+
+        key["arithmetic"] = ARITHMETIC_VERSION
     return key
+
+
+_CHECKER_KEYS = ("arithmetic",)
+"""Entries of the critique key that only the cheap checkers' rows depend on: when a table differs
+from the current key in these alone, its LLM critiques are kept and only the checkers run again."""
+
+
+def _llm_key(key: dict) -> str:
+    return json.dumps({k: v for k, v in key.items() if k not in _CHECKER_KEYS}, sort_keys=True, default=str)
+
+
+def reusable_llm_critiques(path: Path, key: dict) -> pa.Table | None:
+    """The LLM critiques of a committed, unmodified critiques table whose key differs from ``key``
+    only in the checkers' entries (:data:`_CHECKER_KEYS`), e.g. one written before the arithmetic
+    check existed or under another version of it; None when there is no such table.
+
+    A table from before the ``source`` column gets ``source = 'llm'`` on every row."""
+    man = storage.read_manifest(path)
+    if man is None or not path.is_file() or _llm_key(man.get("key", {})) != _llm_key(key):
+        return None
+    if storage.verify_output(path) is not None:  # modified after its manifest: not trusted
+        return None
+    table = pq.read_table(path)
+    if "source" in table.column_names:
+        import pyarrow.compute as pc
+
+        table = table.filter(pc.equal(table.column("source"), "llm"))
+    else:
+        table = table.append_column("source", pa.array(["llm"] * table.num_rows, pa.string()))
+    return table.select(CRITIQUES_SCHEMA.names).cast(CRITIQUES_SCHEMA)
+
+
+def arithmetic_rows(cfg: CAPOConfig, round_idx: int, steps: dict[str, list[str]], empty: set[str],
+                    rollout_ids: list[str]) -> list[dict]:
+    """One ``arithmetic`` critique row per rollout (:func:`pipeline.core.arithmetic.critique_steps`):
+    its wrong steps vote like an LLM critique's list when ``vote.sources`` names ``arithmetic``.
+    An empty response gets ``skipped_empty_response``, as for the critic."""
+    from pipeline.core.arithmetic import VERSION, critique_steps
+
+    rows = []
+    for rid in rollout_ids:
+        texts = steps.get(rid, [])
+        base = {"run_id": cfg.run_id, "round": round_idx, "rollout_id": rid, "critique_idx": 0, "source": "arithmetic",
+                "mode": "process", "outcome_verdict": None, "critic_model": "arithmetic", "template_version": VERSION,
+                "include_gold_answer": False, "n_steps": len(texts), "critic_tokens": 0, "finish_reason": None}
+        if rid in empty:
+            rows.append({**base, "raw_text": "", "wrong_steps": None, "steps_judged": None, "steps_wrong_lines": None,
+                         "parse_status": "skipped_empty_response"})
+            continue
+        c = critique_steps([t or "" for t in texts])
+        rows.append({**base, "raw_text": c.text, "wrong_steps": list(c.wrong_steps), "steps_judged": list(c.steps_judged),
+                     "steps_wrong_lines": list(c.wrong_steps), "parse_status": "complete"})
+    return rows
 
 
 # ----------------------------------------------------------------------------------------- critique
@@ -304,7 +361,7 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
                 else:
                     text, toks, fin, status, wrong = "", 0, None, "skipped_empty_response", None
                 rows.append({"run_id": cfg.run_id, "round": round_idx, "rollout_id": rid, "critique_idx": k,
-                             "mode": cfg.critique.mode, "outcome_verdict": verdict, "critic_model": inp.critic,
+                             "source": "llm", "mode": cfg.critique.mode, "outcome_verdict": verdict, "critic_model": inp.critic,
                              "template_version": None if outcome_mode else cfg.critique.template,
                              "include_gold_answer": cfg.critique.include_gold_answer, "n_steps": n_steps,
                              "raw_text": text, "wrong_steps": wrong, "steps_judged": judged,
@@ -366,9 +423,15 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
 
     def compute():
         inp = _critique_inputs(cfg, round_idx)
-        done = critique_done_shards(cfg, round_idx, inp.plan, prune=True)
-        todo = sorted(set(range(len(inp.plan))) - set(done))
-        if done:
+        kept = None if force else reusable_llm_critiques(p["critiques"], key)
+        if kept is not None:
+            log.info("[critique] keeping the %d LLM critiques of %s (only the arithmetic check is new)",
+                     kept.num_rows, p["critiques"].name)
+            done, todo = list(range(len(inp.plan))), []
+        else:
+            done = critique_done_shards(cfg, round_idx, inp.plan, prune=True)
+            todo = sorted(set(range(len(inp.plan))) - set(done))
+        if done and kept is None:
             log.info("[critique] resuming: %d rollouts already critiqued in %d shards, %d to go",
                      sum(len(inp.plan[i]) for i in done), len(done), sum(len(inp.plan[i]) for i in todo))
         workers: list[dict] = []
@@ -381,10 +444,17 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
         stats_box["critic_calls"] = int(sum(w.get("critic_calls", 0) for w in workers))
         peaks = [w["peak_rss_mb"] for w in workers if w.get("peak_rss_mb") is not None]
         stats_box["peak_rss_mb"] = max(peaks) if peaks else None
-        tables = [storage.read_table(_part_path(parts_dir, i), "critiques") for i in range(len(inp.plan))]
+        if kept is not None:
+            tables = [kept]
+        else:
+            tables = [storage.read_table(_part_path(parts_dir, i), "critiques") for i in range(len(inp.plan))]
+        if cfg.critique.mode == "process":
+            tables.append(pa.Table.from_pylist(arithmetic_rows(cfg, round_idx, inp.steps, inp.empty, list(inp.rollouts)),
+                                               schema=CRITIQUES_SCHEMA))
         table = pa.concat_tables(tables) if tables else CRITIQUES_SCHEMA.empty_table()
-        table = table.sort_by([("rollout_id", "ascending"), ("critique_idx", "ascending")])
-        statuses = table.column("parse_status").to_pylist()
+        table = table.sort_by([("rollout_id", "ascending"), ("source", "descending"), ("critique_idx", "ascending")])
+        statuses = [st for st, src in zip(table.column("parse_status").to_pylist(), table.column("source").to_pylist())
+                    if src == "llm"]
         parsed_ok = set(VERDICT_STATUSES) if cfg.critique.mode == "process" else {OUTCOME_PARSE_STATUSES[0]}
         n_fail = sum(st not in parsed_ok and st != "skipped_empty_response" for st in statuses)
         return table, provenance(cfg, {"critic": inp.critic, "critic_calls": stats_box["critic_calls"],

@@ -1,7 +1,11 @@
 """Stage ``vote``: the N critiques of every response voted into step verdicts -> ``step_verdicts.parquet``.
 
 Every voting rule is computed (one row per response x step x rule), so the reward stage and SQL can
-compare rules without voting again; the rules are :mod:`pipeline.core.voting` (paper §3.3).
+compare rules without voting again; the rules are :mod:`pipeline.core.voting` (paper §3.3). The
+critiques table holds two sources: the critic's N critiques (``source = 'llm'``), voted under each
+rule into ``llm_weight``, and one exact arithmetic check per response (``source = 'arithmetic'``),
+stored as ``arithmetic_flag``. ``weight``, the w_s the reward stage subtracts, is the larger of the
+verdicts of the sources ``vote.sources`` names.
 """
 
 from __future__ import annotations
@@ -35,11 +39,16 @@ def vote_key(cfg: CAPOConfig, round_idx: int) -> dict:
     p = round_paths(cfg, round_idx)
     return {"steps": input_fp(p["steps"]), "critiques": input_fp(p["critiques"]),
             "majority_threshold": cfg.vote.majority_threshold, "partial_critiques": cfg.vote.partial_critiques,
-            "variant": cfg.variant}
+            "sources": cfg.vote.sources, "variant": cfg.variant}
 
 
 def vote_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
-    """Vote the critiques of every response under ALL rules -> ``step_verdicts.parquet``."""
+    """Vote the critiques of every response under ALL rules -> ``step_verdicts.parquet``.
+
+    Raises:
+        FileNotFoundError: the round's steps or critiques table is missing.
+        ValueError: a critique lists a step outside its response (:func:`pipeline.core.voting.flag_counts`).
+    """
     p = round_paths(cfg, round_idx)
     key = vote_key(cfg, round_idx)
 
@@ -47,34 +56,52 @@ def vote_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRes
         steps = storage.read_table(p["steps"], "steps").select(["rollout_id", "n_steps"]).to_pylist()
         n_steps = {r["rollout_id"]: r["n_steps"] for r in steps}
         crit = storage.read_table(p["critiques"], "critiques").select(
-            ["rollout_id", "wrong_steps", "steps_wrong_lines", "parse_status"])
+            ["rollout_id", "source", "wrong_steps", "steps_wrong_lines", "parse_status"])
         lists: dict[str, list] = {rid: [] for rid in n_steps}
+        arith: dict[str, list[int] | None] = {}
         counts: Counter = Counter()
         for r in crit.to_pylist():
+            if r["source"] == "arithmetic":
+                arith[r["rollout_id"]] = r["wrong_steps"]  # None: an empty response, nothing checked
+                continue
             lists[r["rollout_id"]].append(critique_votes(r["parse_status"], r["wrong_steps"], r["steps_wrong_lines"],
                                                          cfg.vote.partial_critiques))
             counts[r["parse_status"]] += 1
-        cols: dict[str, list] = {k: [] for k in ("rollout_id", "step_idx", "rule", "n_valid", "n_flagged", "weight")}
+        use_llm, use_arith = "llm" in cfg.vote.sources, "arithmetic" in cfg.vote.sources
+        cols: dict[str, list] = {k: [] for k in ("rollout_id", "step_idx", "rule", "n_valid", "n_flagged", "weight",
+                                                 "llm_weight", "arithmetic_flag")}
         for rid, S in n_steps.items():
             n_valid, n_flagged = flag_counts(lists[rid], S)
+            a = np.zeros(S, dtype=np.float32)
+            a_flags: list = [None] * S
+            if arith.get(rid) is not None:
+                a[np.asarray(arith[rid], dtype=np.int64)] = 1.0
+                a_flags = (a > 0).tolist()
             for rule in VOTING_RULES:
-                w = vote(n_flagged, np.int32(n_valid), rule, cfg.vote.majority_threshold)
+                w_llm = vote(n_flagged, np.int32(n_valid), rule, cfg.vote.majority_threshold)
+                w = np.maximum(w_llm if use_llm else 0.0, a if use_arith else 0.0).astype(np.float32)
                 cols["rollout_id"] += [rid] * S
                 cols["step_idx"] += list(range(S))
                 cols["rule"] += [rule] * S
                 cols["n_valid"] += [n_valid] * S
                 cols["n_flagged"] += n_flagged.tolist()
                 cols["weight"] += w.tolist()
+                cols["llm_weight"] += w_llm.tolist()
+                cols["arithmetic_flag"] += a_flags
         n = len(cols["rollout_id"])
         table = pa.table({"run_id": [cfg.run_id] * n, "round": pa.array([round_idx] * n, pa.int32()),
                           "variant": [cfg.variant] * n, **cols,
-                          "majority_threshold": pa.array([cfg.vote.majority_threshold] * n, pa.float32())})
+                          "majority_threshold": pa.array([cfg.vote.majority_threshold] * n, pa.float32()),
+                          "sources": ["+".join(cfg.vote.sources)] * n})
         voting = sum(v is not None for vs in lists.values() for v in vs)
-        log.info("[vote] critiques by status %s; %d vote (partial critiques: %s)", dict(counts), voting,
-                 cfg.vote.partial_critiques)
-        return table.cast(STEP_VERDICTS_SCHEMA), provenance(cfg, {"critiques_by_status": dict(counts),
+        log.info("[vote] critiques by status %s; %d vote (partial critiques: %s); sources %s, arithmetic flags "
+                 "%d steps", dict(counts), voting, cfg.vote.partial_critiques, "+".join(cfg.vote.sources),
+                 sum(len(v or []) for v in arith.values()))
+        return table.select(STEP_VERDICTS_SCHEMA.names).cast(STEP_VERDICTS_SCHEMA), provenance(cfg, {"critiques_by_status": dict(counts),
                                                                   "critiques_voting": voting,
-                                                                  "partial_critiques": cfg.vote.partial_critiques})
+                                                                  "partial_critiques": cfg.vote.partial_critiques,
+                                                                  "sources": cfg.vote.sources,
+                                                                  "arithmetic_flagged_steps": sum(len(v or []) for v in arith.values())})
 
     return run_table_stage("vote", p["step_verdicts"], "step_verdicts", key, compute, force)
 

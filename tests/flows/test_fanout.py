@@ -105,7 +105,8 @@ def toy(tmp_path, monkeypatch):
 
 
 def _table(cfg):
-    return pq.read_table(round_paths(cfg, 1)["critiques"]).to_pylist()
+    """The round's LLM critiques (the arithmetic check's rows, one per rollout, are not the critic's)."""
+    return [r for r in pq.read_table(round_paths(cfg, 1)["critiques"]).to_pylist() if r["source"] == "llm"]
 
 
 def test_shard_plan_and_chunks_by_hand(toy):
@@ -150,7 +151,7 @@ def test_fanout_in_process_matches_local_and_records_workers(toy, tmp_path):
         return [{"runner": "test", "chunk": i, **critique_shards(toy, 1, c)} for i, c in enumerate(split_chunks(todo, 2))]
 
     res = critique_stage(toy, 1, run_shards=run_shards)
-    assert asked == [[0, 1, 2, 3]] and not res.skipped and res.rows == 7 * 2
+    assert asked == [[0, 1, 2, 3]] and not res.skipped and res.rows == 7 * 2 + 7  # + one arithmetic row each
     assert res.critic_calls == 6  # r3 is empty: no critic call
     rows = _table(toy)
     keys = [(r["rollout_id"], r["critique_idx"]) for r in rows]
@@ -400,8 +401,10 @@ def _copy_inputs(src_runs: Path, dst_runs: Path, cfg) -> None:
 def _check_complete(cfg) -> list[dict]:
     """Every rollout has exactly N critiques, no duplicates, parse statuses recorded, parts gone."""
     p = round_paths(cfg, 1)
-    crit = pq.read_table(p["critiques"]).to_pylist()
+    every = pq.read_table(p["critiques"]).to_pylist()
+    crit = [c for c in every if c["source"] == "llm"]
     rollouts = pq.read_table(p["rollouts"], columns=["rollout_id"]).column("rollout_id").to_pylist()
+    assert sorted(c["rollout_id"] for c in every if c["source"] == "arithmetic") == sorted(rollouts)
     keys = [(c["rollout_id"], c["critique_idx"]) for c in crit]
     assert len(keys) == len(set(keys)) == len(rollouts) * cfg.critique.num_critiques
     assert {k for k, _ in keys} == set(rollouts)
@@ -444,7 +447,7 @@ def test_dask_fanout_through_vllm(dask_vllm, repo, data_dir):
     from flows.runner import check_current
 
     cfg, first, second = dask_vllm
-    assert not first.skipped and first.rows == 6 * cfg.critique.num_critiques
+    assert not first.skipped and first.rows == 6 * (cfg.critique.num_critiques + 1)  # + the arithmetic rows
     _check_complete(cfg)
     man = storage.read_manifest(round_paths(cfg, 1)["critiques"])
     _check_workers(man, "dask", [[0, 1], [2]])
@@ -525,8 +528,8 @@ def test_fanout_resumes_a_shard_committed_by_the_cli(resumed_cli):
 def test_transformers_critiques_do_not_depend_on_the_runner(ray_transformers, resumed_cli):
     """The transformers critic reseeds per call: shard 1 computed by a plain CLI process, shards 0
     and 2 by Dask workers, and all three by Ray workers give the same critiques."""
-    ray_rows = pq.read_table(round_paths(ray_transformers[0], 1)["critiques"]).to_pylist()
-    dask_rows = pq.read_table(round_paths(resumed_cli[0], 1)["critiques"]).to_pylist()
+    ray_rows = _table(ray_transformers[0])
+    dask_rows = _table(resumed_cli[0])
     assert [(r["rollout_id"], r["critique_idx"], r["raw_text"], r["parse_status"]) for r in ray_rows] == \
         [(r["rollout_id"], r["critique_idx"], r["raw_text"], r["parse_status"]) for r in dask_rows]
 

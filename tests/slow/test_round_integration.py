@@ -65,8 +65,20 @@ def test_every_table_has_the_expected_rows(tiny_round):
         assert r["prompt_token_ids"] and r["finish_reason"] in ("stop", "length")
         assert all(lp <= 0 for lp in r["rollout_logprobs"])
     assert {o["rollout_id"] for o in _t(cfg, "outcomes")} == {r["rollout_id"] for r in rollouts}
-    crit = _t(cfg, "critiques")
+    every = _t(cfg, "critiques")
+    crit = [c for c in every if c["source"] == "llm"]
     assert len(crit) == P * G * N
+    # one arithmetic check per rollout, the verdict of the checker over the steps as written
+    from pipeline.core.arithmetic import critique_steps
+
+    texts: dict[str, list] = {}
+    for st in sorted(_t(cfg, "steps"), key=lambda st: (st["rollout_id"], st["step_idx"])):
+        texts.setdefault(st["rollout_id"], []).append(st["step_text"])
+    arith = {c["rollout_id"]: c for c in every if c["source"] == "arithmetic"}
+    assert sorted(arith) == sorted(r["rollout_id"] for r in rollouts) and len(every) == len(crit) + P * G
+    for rid, c in arith.items():
+        if c["parse_status"] != "skipped_empty_response":
+            assert tuple(c["wrong_steps"]) == critique_steps(texts[rid]).wrong_steps
     assert len({(c["rollout_id"], c["critique_idx"]) for c in crit}) == len(crit)
     for c in crit:
         assert c["parse_status"] in PARSE_STATUSES + ("skipped_empty_response",)
@@ -81,6 +93,7 @@ def test_every_table_has_the_expected_rows(tiny_round):
     assert {(r["source"], r["scope"]) for r in sig} == {(s, c) for s in ("vote", "arithmetic", "vote+arithmetic")
                                                         for c in ("all_steps", "before_answer")}
     assert all(r["variant"] == cfg.variant and r["n_responses"] == P * G for r in sig)
+    assert {r["source"] for r in sig if r["trains"]} == {"vote"}  # vote.sources is [llm] in configs/tiny.yaml
     assert all(r["groups"] == P == r["groups_outcome"] + r["groups_process_only"] + r["groups_other_signal"]
                + r["groups_no_signal"] for r in sig)
 
@@ -219,8 +232,9 @@ def test_killed_mid_critique_resumes_without_lost_or_doubled_rows(tiny_round, re
     assert "resuming" in out.stderr and "rollouts.parquet is current" in out.stderr
     assert "[eval] skipped: eval.parquet is current" in out.stderr  # round 0's, copied above
     crit = pq.read_table(dst["critiques"]).to_pylist()
-    keys = [(c["rollout_id"], c["critique_idx"]) for c in crit]
+    keys = [(c["rollout_id"], c["critique_idx"]) for c in crit if c["source"] == "llm"]
     assert len(keys) == len(set(keys)) == 4 * cfg.critique.num_critiques
+    assert sum(c["source"] == "arithmetic" for c in crit) == 4  # one arithmetic check per rollout
     assert not parts.exists()
     assert round_paths(cfg, 1)["checkpoint"].is_dir()
 
@@ -332,7 +346,8 @@ def test_the_critique_browser_of_the_real_round_in_chromium(tiny_round, repo):
         "WHERE v.rollout_id = o.rollout_id AND v.rule = ? AND v.variant = ? AND v.weight > 0)",
         [cfg.vote.rule, cfg.variant]).fetchall()}
     critiques = {}
-    for rid, idx, raw in con.execute("SELECT rollout_id, critique_idx, raw_text FROM critiques ORDER BY 1, 2").fetchall():
+    for rid, idx, raw in con.execute("SELECT rollout_id, critique_idx, raw_text FROM critiques WHERE source = 'llm' "
+                                     "ORDER BY 1, 2").fetchall():
         critiques.setdefault(rid, []).append(raw)
     tokens = dict(con.execute("SELECT rollout_id, num_tokens FROM rollouts").fetchall())
     con.close()

@@ -302,6 +302,120 @@ def test_an_overlong_buffer_as_long_as_the_budget_is_refused(tmp_path):
         _cfg(tmp_path, "rollout.sampling.max_tokens=12", "reward.overlong_buffer=12")
 
 
+def _add_arithmetic_rows(cfg, flags: dict[str, list[int] | None]) -> None:
+    """The toy round's critiques plus one arithmetic row per response (``None``: an empty response)."""
+    crit = storage.read_table(round_paths(cfg, 1)["critiques"], "critiques").to_pylist()
+    crit += [{"run_id": cfg.run_id, "round": 1, "rollout_id": rid, "critique_idx": 0, "source": "arithmetic",
+              "mode": "process", "critic_model": "arithmetic", "template_version": "arithmetic-v1",
+              "include_gold_answer": False, "n_steps": 3, "raw_text": "...", "wrong_steps": wrong,
+              "steps_judged": wrong, "steps_wrong_lines": wrong,
+              "parse_status": "complete" if wrong is not None else "skipped_empty_response", "critic_tokens": 0}
+             for rid, wrong in flags.items()]
+    _write(cfg, "critiques", [{k: v for k, v in r.items() if k not in ("run_id", "round")} for r in crit], "critique")
+
+
+@pytest.mark.parametrize("sources, expected", [
+    # the arithmetic check flags B's step 2 only; LLM weights are WEIGHTS (module docstring of tests/toy_round.py)
+    ("[llm]", {"intersection": {"A": [0, 1, 0], "B": [0, 0, 0]}, "average": {"A": [0, 1, 0.5], "B": [0.5, 0.5, 0]}}),
+    ("[arithmetic]", {"intersection": {"A": [0, 0, 0], "B": [0, 0, 1]}, "average": {"A": [0, 0, 0], "B": [0, 0, 1]}}),
+    ("[arithmetic,llm]", {"intersection": {"A": [0, 1, 0], "B": [0, 0, 1]},
+                          "average": {"A": [0, 1, 0.5], "B": [0.5, 0.5, 1]}}),
+])
+def test_the_arithmetic_source_votes_beside_the_critiques(tmp_path, sources, expected):
+    cfg = _cfg(tmp_path, f"vote.sources={sources}")
+    _write_round(cfg)
+    _add_arithmetic_rows(cfg, {"A": [], "B": [2]})
+    assert not vote_stage(cfg, 1).skipped
+    rows = {(r["rollout_id"], r["rule"], r["step_idx"]): r
+            for r in storage.read_table(round_paths(cfg, 1)["step_verdicts"], "step_verdicts").to_pylist()}
+    assert len(rows) == (3 + 3) * 4  # the arithmetic row is no extra step or rule
+    for rule, per in expected.items():
+        for rid, ws in per.items():
+            got = [rows[(rid, rule, s)] for s in range(3)]
+            assert [r["weight"] for r in got] == pytest.approx(ws), (sources, rule, rid)
+            assert [r["llm_weight"] for r in got] == pytest.approx(WEIGHTS[rule][rid])  # stored whatever votes
+            assert [r["arithmetic_flag"] for r in got] == [rid == "B" and s == 2 for s in range(3)]
+            assert {r["n_valid"] for r in got} == {2}  # the arithmetic row is not an LLM critique
+            assert {r["sources"] for r in got} == {"+".join(cfg.vote.sources)}
+    assert cfg.vote.sources == [s for s in ("llm", "arithmetic") if s in sources]  # one order, whatever was written
+    # the reward stage subtracts the combined weight: B (wrong, r_v 0) loses P=1 on step 2's tokens [2, 7)
+    reward_stage(cfg, 1)
+    b = _read_rewards(cfg)["B"]["rewards"]
+    assert b == [0.0, 0.0] + [-float(expected["intersection"]["B"][2])] * 5
+
+
+def test_a_step_without_an_arithmetic_row_has_no_arithmetic_flag(tmp_path):
+    cfg = _cfg(tmp_path, "vote.sources=[llm,arithmetic]")
+    _write_round(cfg)
+    _add_arithmetic_rows(cfg, {"A": None})  # A empty (nothing checked), B has no row at all
+    vote_stage(cfg, 1)
+    t = storage.read_table(round_paths(cfg, 1)["step_verdicts"], "step_verdicts").to_pylist()
+    assert {r["arithmetic_flag"] for r in t} == {None}
+    assert {(r["rollout_id"], r["rule"], r["step_idx"]): r["weight"] for r in t if r["rule"] == "union"} == \
+        {(rid, "union", s): w for rid, ws in WEIGHTS["union"].items() for s, w in enumerate(ws)}
+
+
+@pytest.mark.parametrize("bad", ["[]", "[llm,llm]", "[lllm]"])
+def test_bad_vote_sources_are_refused(tmp_path, bad):
+    with pytest.raises(ValueError, match="vote.sources|llm"):
+        _cfg(tmp_path, f"vote.sources={bad}")
+
+
+def test_the_critique_stage_adds_the_arithmetic_check_and_keeps_older_llm_critiques(tmp_path, monkeypatch):
+    """A critiques table written before the arithmetic check (no ``source`` column, its key without
+    the checker's entry) is brought up to date without the critic: its LLM rows are kept as they
+    are, one arithmetic row per response is computed from the real step texts, the old table is
+    superseded (not overwritten), and the vote then flags B's wrong sum."""
+    import json
+
+    import pyarrow as pa
+
+    from pipeline.stages import critique as crit_mod
+    from pipeline.schemas import CRITIQUES_SCHEMA
+
+    cfg = _cfg(tmp_path, "critique.engine.type=openai", "critique.critic=served-critic", "vote.sources=[llm,arithmetic]")
+    _write_round(cfg)
+    p = round_paths(cfg, 1)
+    steps = storage.read_table(p["steps"], "steps").to_pylist()
+    texts = {("A", 1): "3 + 2 = 5 apples.", ("B", 0): "6 - 2 = 4.", ("B", 2): "So 4 + 4 = 9."}
+    for r in steps:
+        r["step_text"] = texts.get((r["rollout_id"], r["step_idx"]), r["step_text"])
+    _write(cfg, "steps", [{k: v for k, v in r.items() if k not in ("run_id", "round")} for r in steps], "segment")
+    old = storage.read_table(p["critiques"], "critiques").drop_columns(["source"])  # as written before the column
+    old_key = {k: v for k, v in crit_mod.critique_key(cfg, 1).items() if k != "arithmetic"}
+    storage.write_parquet(old, p["critiques"], stage="critique", key=old_key)
+
+    def no_critic(*a, **k):
+        raise AssertionError("the critic must not run: its critiques are kept")
+
+    monkeypatch.setattr(crit_mod, "make_engine", no_critic)
+    n_superseded = len(list((p["round_dir"] / "superseded").glob("critiques-*.parquet")))
+    res = crit_mod.critique_stage(cfg, 1)
+    assert not res.skipped and res.critic_calls == 0
+    t = storage.read_table(p["critiques"], "critiques")
+    llm = [r for r in t.to_pylist() if r["source"] == "llm"]
+    assert [(r["rollout_id"], r["critique_idx"], r["wrong_steps"]) for r in llm] == \
+        sorted((r["rollout_id"], r["critique_idx"], r["wrong_steps"]) for r in old.to_pylist())
+    arith = {r["rollout_id"]: r for r in t.to_pylist() if r["source"] == "arithmetic"}
+    assert sorted(arith) == ["A", "B"]
+    assert (arith["A"]["wrong_steps"], arith["A"]["steps_judged"]) == ([], [1])
+    assert (arith["B"]["wrong_steps"], arith["B"]["steps_judged"]) == ([2], [0, 2])
+    assert "Step 3: wrong - 4 + 4 = 9 (is 8)" in arith["B"]["raw_text"]
+    assert len(list((p["round_dir"] / "superseded").glob("critiques-*.parquet"))) == n_superseded + 1
+    assert crit_mod.critique_stage(cfg, 1).skipped  # current now
+    vote_stage(cfg, 1)
+    sv = {(r["rollout_id"], r["step_idx"]): r for r in storage.read_table(p["step_verdicts"], "step_verdicts").to_pylist()
+          if r["rule"] == "intersection"}
+    assert [sv[("B", s)]["weight"] for s in range(3)] == [0, 0, 1]
+    assert json.loads(storage.manifest_path(p["step_verdicts"]).read_text())["key"]["sources"] == ["llm", "arithmetic"]
+    # a table altered after its manifest is not trusted: the critic is asked again
+    storage.write_parquet(old, p["critiques"], stage="critique", key=old_key)
+    pq.write_table(pa.concat_tables([old, old]), p["critiques"])
+    with pytest.raises(AssertionError, match="must not run"):
+        crit_mod.critique_stage(cfg, 1)
+    assert CRITIQUES_SCHEMA.field("source").nullable is False
+
+
 def test_reruns_skip_and_changed_inputs_recompute(tmp_path):
     cfg = _cfg(tmp_path)
     _write_round(cfg)

@@ -7,7 +7,9 @@ import pytest
 
 from pipeline.config import list_presets, load_config
 
-PRESETS = ["capo-average", "capo-intersection", "capo-majority", "capo-union", "grpo", "grpo-genorm"]
+PRESETS = ["capo-arithmetic", "capo-average", "capo-intersection", "capo-majority", "capo-majority-arithmetic",
+           "capo-union", "grpo", "grpo-genorm"]
+SOURCES = {"capo-arithmetic": ["arithmetic"], "capo-majority-arithmetic": ["llm", "arithmetic"]}
 
 
 def test_every_paper_variant_is_a_preset():
@@ -19,7 +21,9 @@ def test_preset_names_the_variant_and_is_coherent(name):
     cfg = load_config("configs/default.yaml", preset=name)
     assert cfg.variant == name
     if name.startswith("capo-"):
-        assert cfg.vote.rule == name.removeprefix("capo-")
+        assert cfg.vote.sources == SOURCES.get(name, ["llm"])  # the paper's variants: the critic alone
+        if "llm" in cfg.vote.sources:
+            assert cfg.vote.rule == name.removeprefix("capo-").removesuffix("-arithmetic")
         assert cfg.critique.enabled and cfg.critique.mode == "process" and cfg.reward.process_weight == 1.0
     if name == "grpo":
         assert not cfg.critique.enabled and cfg.reward.estimator == "grpo" and cfg.reward.process_weight == 0
@@ -33,7 +37,7 @@ def test_overrides_win_over_the_preset():
 
 
 def test_unknown_preset_lists_the_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown preset 'capo-vote'; valid: \['capo-average'"):
+    with pytest.raises(ValueError, match=r"unknown preset 'capo-vote'; valid: \['capo-arithmetic', 'capo-average'"):
         load_config("configs/default.yaml", preset="capo-vote")
 
 

@@ -61,11 +61,12 @@ def make_run(tmp_path: Path) -> Path:
     _write(r1 / "variants" / GRPO / "token_rewards.parquet", _token_rewards(GRPO, None, [[2.0], [0.0, 0.0, 0.0]]),
            TOKEN_REWARDS_SCHEMA)
     verdicts = [{"run_id": RUN, "round": 1, "variant": CAPO, "rollout_id": "x", "step_idx": s, "rule": rule,
-                 "n_valid": 2, "n_flagged": 1, "weight": w, "majority_threshold": 0.5}
+                 "n_valid": 2, "n_flagged": 1, "weight": w, "majority_threshold": 0.5,
+                 "sources": "llm", "llm_weight": w, "arithmetic_flag": None}
                 for rule, ws in (("intersection", [0.0, 1.0, 0.0, 0.0]), ("union", [1.0, 1.0, 0.0, 0.0]))
                 for s, w in enumerate(ws)]
     _write(r1 / "variants" / CAPO / "step_verdicts.parquet", verdicts, STEP_VERDICTS_SCHEMA)
-    crit = [{"run_id": RUN, "round": 1, "rollout_id": "x", "critique_idx": i, "mode": "process", "critic_model": "c",
+    crit = [{"run_id": RUN, "round": 1, "rollout_id": "x", "critique_idx": i, "source": "llm", "mode": "process", "critic_model": "c",
              "template_version": "v", "include_gold_answer": True, "n_steps": 2, "raw_text": "", "wrong_steps": None,
              "outcome_verdict": None, "parse_status": st, "critic_tokens": 1, "finish_reason": "stop"}
             for i, st in enumerate(["ok", "ok", "no_verdict", "skipped_empty_response"])]
