@@ -224,6 +224,31 @@ def critic_signal_rows(critique_rows: list[dict]) -> tuple[list[str], list[list[
     return headers, rows, warnings
 
 
+def process_signal_rows(run_dir: Path) -> tuple[list[str], list[list[str]]]:
+    """Rows of the ``process_signal`` of every round summary of a run
+    (:func:`pipeline.process_signal.measure_round`, written by the round): per round, variant, source
+    and scope, the shares of right and wrong responses with a penalized step, the AUROC of the
+    penalized-token share against a wrong outcome with its 95 % interval, and the variant's groups by
+    what they train on (outcome / the process signal alone / nothing)."""
+    headers = ["Round", "Variant", "Source", "Scope", "right penalized", "wrong penalized", "AUROC [95% CI]",
+               "groups: outcome / process only / none"]
+    rows = []
+    for f in sorted(Path(run_dir).glob("round_*/variants/*/round_summary.json")):
+        try:
+            sig = json.loads(f.read_text()).get("process_signal") or []
+        except (OSError, ValueError):
+            continue
+        for r in sig:
+            pct = (lambda x: "–" if x is None else f"{100 * x:.0f} %")
+            auc = "–" if r.get("auroc") is None else f"{r['auroc']:.2f} [{r['auroc_low']:.2f}, {r['auroc_high']:.2f}]"
+            groups = (f"{r['groups_outcome']} / {r['groups_process_only']} / {r['groups_no_signal']}"
+                      if "groups" in r else "–")
+            rows.append([str(r["round"]), str(r.get("variant") or "–"), r["source"] + (" *" if r.get("trains") else ""),
+                         r["scope"].replace("_", " "), pct(r.get("right_penalized")), pct(r.get("wrong_penalized")),
+                         auc, groups])
+    return headers, rows
+
+
 def batch_invariance_note(run_dir: Path) -> str:
     """What the run's eval manifests say about batch-invariant greedy decoding."""
     flags = set()
@@ -526,6 +551,16 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
                          "One list dominating the non-empty verdicts is a critic repeating itself or the prompt. "
                          + (" WARNING: " + " ".join(warns) if warns else ""), hc, rows_c))
         notes += [f"critic warning, {w}" for w in warns]
+    hs, rows_s = process_signal_rows(run_dir)
+    if rows_s:
+        sections.append(("Process signal (does the penalty land on wrong responses?)",
+                         "Per source: vote = the critic's critiques under the variant's rule, arithmetic = the exact "
+                         "check of each step's written arithmetic, vote+arithmetic = either; * = the source the "
+                         "variant trains on (vote.sources). AUROC of the penalized-token share against a wrong "
+                         "outcome, 95 % interval from a bootstrap over prompts; 0.5 carries no information. "
+                         "before answer = only the steps before the one stating the final answer. Groups train on "
+                         "the outcome when their outcome rewards differ, on the process signal alone when they do "
+                         "not but advantages are non-zero.", hs, rows_s))
     th, trows = training_rows(data)
     if trows:
         sections.append(("Training rounds", "train acc. = math-verify on the round's rollouts; steps flagged under "

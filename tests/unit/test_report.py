@@ -226,3 +226,18 @@ def test_groups_with_signal_count_groups_whose_outcomes_differ(tmp_path):
     assert data["groups"] == [{"round": 1, "variant": GRPO, "groups_with_signal": 1, "groups": 3}]
     md = write_report(tmp_path, RUN)["report_md"].read_text()
     assert f"| {GRPO} | 1 | 50.0 | 1 / 3 | 1.0 |" in md
+
+
+def test_report_shows_each_rounds_process_signal(runs):
+    """The round summary's process_signal rows (pipeline/process_signal.py) become a table: shares in %, the
+    AUROC with its interval, the trained source starred and the groups by what they train on."""
+    row = {"round": 1, "variant": CAPO, "source": "vote+arithmetic", "scope": "before_answer", "trains": True,
+           "right_penalized": 0.25, "wrong_penalized": 0.5, "auroc": 0.6234, "auroc_low": 0.551, "auroc_high": 0.70,
+           "groups": 8, "groups_outcome": 3, "groups_process_only": 4, "groups_other_signal": 0, "groups_no_signal": 1}
+    summary = runs / RUN / "round_001" / "variants" / CAPO / "round_summary.json"
+    summary.write_text(json.dumps({"process_signal": [row, {**row, "source": "arithmetic", "trains": False,
+                                                             "auroc": None}]}))
+    md = write_report(runs, RUN)["report_md"].read_text()
+    assert "### Process signal (does the penalty land on wrong responses?)" in md
+    assert f"| 1 | {CAPO} | vote+arithmetic * | before answer | 25 % | 50 % | 0.62 [0.55, 0.70] | 3 / 4 / 1 |" in md
+    assert f"| 1 | {CAPO} | arithmetic | before answer | 25 % | 50 % | – | 3 / 4 / 1 |" in md
