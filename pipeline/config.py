@@ -237,6 +237,11 @@ class CritiqueConfig(_Strict):
     """N critiques sampled per response, one request with n=N (paper: N in {2, 4, 8})."""
     include_gold_answer: bool = True
     """Show the gold answer to the critic (paper default; off is its ablation)."""
+    include_reference: bool = False
+    """Reference-guided critique: show the critic the problem's reference worked solution (the
+    prompt table's ``gold_solution``; GSM8K train ships one per problem, with its calculator
+    annotations removed) beside the gold answer, as one correct route to compare with. A problem
+    without one is judged without it. Process critiques only."""
     template: Literal["capo-genprm-v1", "capo-genprm-v2", "capo-genprm-v3"] = "capo-genprm-v1"
     """The critic prompt (:mod:`pipeline.core.critique`): v1 shows a worked example ending in
     ``Wrong step list: [1]``; v2 shows only placeholders, one line per step of the solution; v3 a

@@ -167,10 +167,26 @@ def _as_data(text: str, step: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def _problem_block(question: str, gold_answer: str | None) -> str:
+_ANNOTATION = re.compile(r"<<[^<>]*>>")
+_GSM8K_FINAL = re.compile(r"^\s*####.*$", re.M)
+
+
+def reference_text(solution: str) -> str:
+    """A dataset's reference solution as shown to the critic: GSM8K's calculator annotations
+    (``<<48/2=24>>``) and its ``#### 72`` answer line removed, and any ``<solution>`` tag defused
+    (:func:`_as_data`'s rule), so the block cannot pose as the judged solution."""
+    text = _GSM8K_FINAL.sub("", _ANNOTATION.sub("", solution)).strip()
+    return _SOLUTION_TAG.sub(lambda m: f"[{'/' if m.group(1) else ''}solution]", text)
+
+
+def _problem_block(question: str, gold_answer: str | None, reference: str | None = None) -> str:
     block = f"Problem:\n{question.strip()}\n"
     if gold_answer is not None:
         block += f"\nReference final answer: {gold_answer.strip()}\n"
+    if reference:
+        block += ("\nReference solution (one correct way to solve it; the solution you judge may take another valid "
+                  f"route, and a step is wrong only if its own reasoning or arithmetic is wrong):\n"
+                  f"{reference_text(reference)}\n")
     return block
 
 
@@ -211,7 +227,8 @@ def worked_example(question: str, steps: list[str]) -> tuple[str, tuple[int, ...
 
 
 def build_critique_messages(
-    question: str, steps: list[str], gold_answer: str | None, template: str = TEMPLATE_VERSION
+    question: str, steps: list[str], gold_answer: str | None, template: str = TEMPLATE_VERSION,
+    reference_solution: str | None = None,
 ) -> list[dict[str, str]]:
     """Chat messages ``[system, user]`` asking the critic to judge every step (GenPRM).
 
@@ -226,6 +243,9 @@ def build_critique_messages(
         gold_answer: the reference final answer, or None to leave it out of the prompt entirely
             (the paper's no-gold-answer ablation).
         template: one of :data:`TEMPLATES` (module docstring); default :data:`TEMPLATE_VERSION`.
+        reference_solution: a correct worked solution of the problem (GSM8K's ``gold_solution``),
+            shown after the problem (:func:`reference_text`), or None (default) to leave it out:
+            ``critique.include_reference``, a reference-guided critique.
 
     Returns:
         ``[{"role": "system", "content": ...}, {"role": "user", "content": ...}]``.
@@ -241,7 +261,7 @@ def build_critique_messages(
     else:
         fmt = _step_format(template, len(steps))
     user = (
-        f"{_problem_block(question, gold_answer)}\n{_DATA_NOTE}\n\n"
+        f"{_problem_block(question, gold_answer, reference_solution)}\n{_DATA_NOTE}\n\n"
         f"<solution>\n{numbered}\n</solution>\n\n{fmt}"
     )
     return [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": user}]

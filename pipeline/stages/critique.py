@@ -53,6 +53,8 @@ def critique_key(cfg: CAPOConfig, round_idx: int) -> dict:
     p = round_paths(cfg, round_idx)
     crit = {k: v for k, v in cfg.model_dump(mode="json")["critique"].items()
             if k not in ("batch_rollouts", "template", "structured_output")}
+    if not crit["include_reference"]:  # critiques without a reference keep the key they had before the option
+        del crit["include_reference"]
     key = {"steps": input_fp(p["steps"]), "rollouts": input_fp(p["rollouts"]), "critique": crit,
            "template_version": cfg.critique.template, "parser": PARSER_VERSION, "data_escape": DATA_ESCAPE_VERSION,
            "prompts": storage.file_sha256(prompts_path(cfg)), "dtype": precision_record(cfg)["critique_dtype"],
@@ -252,7 +254,8 @@ def _critique_inputs(cfg: CAPOConfig, round_idx: int) -> _CritiqueInputs:
     critic = resolve_model(cfg.critique.critic, cfg)
     rollouts = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_id", "response_text"]).to_pylist()
     steps = storage.read_table(p["steps"], "steps").select(["rollout_id", "step_idx", "step_text", "empty_response"])
-    prompts = {r["prompt_id"]: r for r in pq.read_table(prompts_path(cfg), columns=["prompt_id", "question", "gold_answer"]).to_pylist()}
+    prompts = {r["prompt_id"]: r for r in pq.read_table(
+        prompts_path(cfg), columns=["prompt_id", "question", "gold_answer", "gold_solution"]).to_pylist()}
     by_rollout: dict[str, list[str]] = {}
     empty: set[str] = set()
     for r in steps.sort_by([("rollout_id", "ascending"), ("step_idx", "ascending")]).to_pylist():
@@ -327,8 +330,9 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
                 if outcome_mode:
                     convs.append(build_outcome_messages(pr["question"], r["response_text"], gold))
                 else:
+                    ref = pr["gold_solution"] if cfg.critique.include_reference else None
                     convs.append(build_critique_messages(pr["question"], inp.steps[r["rollout_id"]], gold,
-                                                         cfg.critique.template))
+                                                         cfg.critique.template, reference_solution=ref))
             try:
                 replies = engine.generate(convs, n, cfg.critique.sampling, constraints=constraints)
             except EngineReplyError as e:

@@ -559,3 +559,36 @@ def test_a_torn_or_altered_shard_is_recomputed_not_trusted(toy, damage):
     res = critique_stage(toy, 1, run_shards=run_shards)
     assert asked == [[0, 1, 2, 3]] and not res.skipped  # shard 1 is among those computed again
     assert len({(r["rollout_id"], r["critique_idx"]) for r in _table(toy)}) == 14
+
+
+def test_reference_guided_critiques_show_each_problems_reference(tmp_path, monkeypatch):
+    """``critique.include_reference``: every critic prompt holds its own problem's reference solution (the
+    prompt table's ``gold_solution``, annotations removed); the option enters the stage key only when on."""
+    import pipeline.stages.critique as sg
+
+    seen: list = []
+
+    class Recording(FakeCritic):
+        def generate(self, conversations, n, sampling, constraints=None):
+            seen.extend(conversations)
+            return super().generate(conversations, n, sampling, constraints)
+
+    monkeypatch.setattr(sg, "make_engine", Recording)
+    (tmp_path / "toy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"question": "Sam has 6 apples, eats half, then buys 2. How many now?",
+         "answer": "He eats 6 / 2 = <<6/2=3>>3.\nThen 3 + 2 = <<3+2=5>>5.\n#### 5"},
+        {"question": "How many grams in a kilogram?", "answer": "A kilogram is 1,000 grams.\n#### 1,000"}]))
+    plain = _cfg(tmp_path)
+    cfg = _cfg(tmp_path, "critique.include_reference=true")
+    _write_round(cfg)
+    assert "include_reference" not in sg.critique_key(plain, 1)["critique"]
+    assert sg.critique_key(cfg, 1)["critique"]["include_reference"] is True
+    sg.critique_stage(cfg, 1)
+    users = [c[1]["content"] for c in seen]
+    assert len(users) == len(RIDS) - 1  # the empty response is not sent
+    for u in users:
+        ref = u.split("Reference solution", 1)[1].split("The solution is between", 1)[0]
+        if "Sam has 6 apples" in u:
+            assert "He eats 6 / 2 = 3.\nThen 3 + 2 = 5." in ref and "<<" not in ref and "####" not in ref
+        else:
+            assert "A kilogram is 1,000 grams." in ref

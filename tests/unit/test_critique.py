@@ -474,3 +474,20 @@ def test_the_structured_regex_refuses_no_steps_and_grows_quadratically():
         critique_regex(2, reason_chars=0)
     # quadratic, not exponential: 4x the steps gives at most 16x the characters
     assert len(critique_regex(40)) <= 16 * len(critique_regex(10))
+
+
+def test_reference_guided_prompt_shows_the_reference_as_data():
+    from pipeline.core.critique import reference_text
+
+    ref = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nThen 48+24 = <<48+24=72>>72 </solution> in all.\n#### 72"
+    assert reference_text(ref) == "Natalia sold 48/2 = 24 clips in May.\nThen 48+24 = 72 [/solution] in all."
+    plain = build_critique_messages("How many?", ["48/2 = 24", "\\boxed{72}"], "72")[1]["content"]
+    guided = build_critique_messages("How many?", ["48/2 = 24", "\\boxed{72}"], "72", reference_solution=ref)[1]["content"]
+    assert "Reference solution" not in plain
+    head, tail = guided.split("The solution is between", 1)
+    block = head.split("Reference solution", 1)[1]
+    assert "Natalia sold 48/2 = 24 clips in May." in block and "<<" not in block and "####" not in block
+    assert "</solution>" not in block  # the reference cannot close the judged block
+    assert tail == plain.split("The solution is between", 1)[1]  # the rest of the prompt is unchanged
+    # an empty reference (a source without one) is the plain prompt
+    assert build_critique_messages("How many?", ["48/2 = 24", "\\boxed{72}"], "72", reference_solution="")[1]["content"] == plain
