@@ -237,6 +237,13 @@ class CritiqueConfig(_Strict):
     """N critiques sampled per response, one request with n=N (paper: N in {2, 4, 8})."""
     include_gold_answer: bool = True
     """Show the gold answer to the critic (paper default; off is its ablation)."""
+    logprob_readout: bool = False
+    """Also score every step with the critic's log-prob readout (:mod:`pipeline.core.readout`): one
+    teacher-forced pass per response reads P(wrong) at each step's verdict, calibrated against a
+    content-free input; stored as ``source = 'logprob'`` rows (``step_scores``) that vote when
+    ``vote.sources`` names ``logprob``. Runs the critic's local checkpoint with the transformers
+    engine (at ``critique.engine.dtype``), so a served (openai) critic cannot; turning it on or off
+    keeps the sampled critiques."""
     include_reference: bool = False
     """Reference-guided critique: show the critic the problem's reference worked solution (the
     prompt table's ``gold_solution``; GSM8K train ships one per problem, with its calculator
@@ -278,6 +285,10 @@ class CritiqueConfig(_Strict):
     def _critic_loadable(self) -> "CritiqueConfig":
         if self.engine.type != "openai":  # a served model's name is the server's business
             check_model(self.critic, "critique.critic")
+        elif self.logprob_readout:
+            raise ValueError("critique.logprob_readout=true reads the critic's next-token probabilities from its "
+                             "local checkpoint; critique.engine.type is 'openai' (a served critic). Use the vllm or "
+                             "transformers engine with a local critic, or set critique.logprob_readout=false")
         check_structured_engine(self.structured_output, self.engine.type, "critique")
         return self
 
@@ -309,21 +320,26 @@ class VoteConfig(_Strict):
     own (``incomplete``) or whose lines contradict its list (``inconsistent``) votes: ``list`` its
     final list, ``lines`` the steps its own lines call wrong, ``drop`` not at all (it is then not
     a valid critique). ``complete`` critiques always vote their list."""
-    sources: list[Literal["llm", "arithmetic"]] = ["llm"]
+    sources: list[Literal["llm", "arithmetic", "logprob"]] = ["llm"]
     """Whose verdicts penalize a step: ``llm``, the critic's N critiques voted under ``rule``;
     ``arithmetic``, the exact check of the step's written arithmetic (:mod:`pipeline.core.arithmetic`,
-    one verdict per response, in the critiques table as ``source = 'arithmetic'``). With several, a
-    step's weight is the largest of theirs (a step either flags is penalized). Both are always
-    computed and stored (``step_verdicts.llm_weight``, ``arithmetic_flag``), so SQL and ``capo signal``
-    compare them on any round."""
+    one verdict per response, in the critiques table as ``source = 'arithmetic'``); ``logprob``, the
+    critic's calibrated log-prob readout (needs ``critique.logprob_readout``): its P(wrong) is the
+    weight under the ``average`` rule, ``P(wrong) > logprob_threshold`` under the others. With
+    several, a step's weight is the largest of theirs (a step any flags is penalized). Every source
+    computed is stored (``step_verdicts.llm_weight``, ``arithmetic_flag``, ``logprob_score``), so SQL
+    and ``capo signal`` compare them on any round."""
+    logprob_threshold: float = Field(0.5, ge=0, lt=1)
+    """A step whose calibrated P(wrong) from the log-prob readout is strictly above this is flagged
+    (every rule but ``average``, which takes P(wrong) itself)."""
 
     @field_validator("sources")
     @classmethod
     def _sources_set(cls, v: list[str]) -> list[str]:
         if not v or len(set(v)) != len(v):
             raise ValueError(f"vote.sources must name each source at most once and at least one, got {v}; "
-                             "valid: [llm], [arithmetic], [llm, arithmetic]")
-        return sorted(v, key=["llm", "arithmetic"].index)
+                             "valid: a non-empty subset of [llm, arithmetic, logprob]")
+        return sorted(v, key=["llm", "arithmetic", "logprob"].index)
 
 
 class RewardConfig(_Strict):
@@ -577,6 +593,9 @@ class CAPOConfig(_Strict):
             raise ValueError(f"reward.process_weight={r.process_weight} needs step critiques "
                              "(critique.enabled=true, critique.mode=process); set reward.process_weight=0 "
                              "for the GRPO / GenORM baselines")
+        if "logprob" in self.vote.sources and not c.logprob_readout:
+            raise ValueError("vote.sources names logprob, which needs critique.logprob_readout=true (the readout "
+                             "writes the scores it votes)")
         if r.estimator == "grpo" and r.process_weight > 0:
             raise ValueError("reward.estimator=grpo is sequence-level and would ignore the process reward "
                              f"(reward.process_weight={r.process_weight}); use capo-token-group or set it to 0")

@@ -17,7 +17,10 @@ source and scope:
 Sources: ``vote`` (the variant's voting rule over the LLM critic's critiques, ``step_verdicts.llm_weight``;
 absent for a variant without a process penalty), ``arithmetic`` (:func:`pipeline.core.arithmetic.step_verdict`:
 a step whose written arithmetic is wrong, computed here from the step texts) and ``vote+arithmetic``
-(a step is penalized by the larger of the two weights). ``trains`` marks the source whose weights
+(a step is penalized by the larger of the two weights); where the round has the critic's log-prob
+readout (``critique.logprob_readout``), ``logprob`` (its calibrated P(wrong) under the variant's rule:
+itself under ``average``, above ``vote.logprob_threshold`` under the others) and
+``logprob+arithmetic``. ``trains`` marks the source whose weights
 the variant's token rewards subtract (``vote.sources``: ``[llm]`` is ``vote``, ``[arithmetic]``
 is ``arithmetic``, both is ``vote+arithmetic``). Scopes: ``all_steps``, and ``before_answer``, the steps before the one
 that states the final answer (the last step with ``\\boxed``, else the last step): a critic that
@@ -35,7 +38,7 @@ import pyarrow.parquet as pq
 
 from pipeline.core.arithmetic import count_checkable, step_verdict
 
-SOURCES = ("vote", "arithmetic", "vote+arithmetic")
+SOURCES = ("vote", "arithmetic", "vote+arithmetic", "logprob", "logprob+arithmetic")
 SCOPES = ("all_steps", "before_answer")
 
 
@@ -239,12 +242,27 @@ def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: s
                     vote.setdefault(rid, {})[idx] = w
             vote = {rid: [float(vote.get(rid, {}).get(i, 0.0) or 0.0) for i in range(len(n_tok[rid]))] for rid in rids}
             used = sv.column("sources")[0].as_py() if "sources" in sv.column_names and sv.num_rows else "llm"
-            trains = {"llm": "vote", "arithmetic": "arithmetic", "llm+arithmetic": "vote+arithmetic"}.get(used or "llm")
+            trains = {"llm": "vote", "arithmetic": "arithmetic", "llm+arithmetic": "vote+arithmetic",
+                      "logprob": "logprob", "arithmetic+logprob": "logprob+arithmetic"}.get(used or "llm", used)
+            # the log-prob readout, where the round has one: its weights under the variant's rule
+            lp: dict[str, dict] = {}
+            if "logprob_score" in sv.column_names:
+                thr = _variant_key(vdir).get("vote", {}).get("logprob_threshold", 0.5)
+                for rid, idx, r, q in zip(*(sv.column(c).to_pylist() for c in ("rollout_id", "step_idx", "rule",
+                                                                               "logprob_score"))):
+                    if r == rule and q is not None:
+                        lp.setdefault(rid, {})[idx] = q if rule == "average" else float(q > thr)
+            logprob = {rid: [float(lp.get(rid, {}).get(i, 0.0)) for i in range(len(n_tok[rid]))] for rid in rids} \
+                if lp else None
         groups = _groups(vdir, rule is not None) if vdir is not None else {}
         sources = {"arithmetic": arith}
         if rule is not None:
             sources["vote"] = vote
             sources["vote+arithmetic"] = {rid: [max(a, b) for a, b in zip(vote[rid], arith[rid])] for rid in rids}
+            if logprob is not None:
+                sources["logprob"] = logprob
+                sources["logprob+arithmetic"] = {rid: [max(a, b) for a, b in zip(logprob[rid], arith[rid])]
+                                                 for rid in rids}
         for source in (s for s in SOURCES if s in sources):
             w_all = sources[source]
             for scope in SCOPES:

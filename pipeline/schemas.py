@@ -88,6 +88,7 @@ CRITIQUES_SCHEMA = pa.schema(
         pa.field("wrong_steps", pa.list_(pa.int32())),  # process mode: the final list; null when it did not parse
         pa.field("steps_judged", pa.list_(pa.int32())),  # process mode: steps with a line of their own
         pa.field("steps_wrong_lines", pa.list_(pa.int32())),  # process mode: steps their own line calls wrong
+        pa.field("step_scores", pa.list_(pa.float32())),  # logprob source: calibrated P(wrong) per step; else null
         pa.field("outcome_verdict", pa.bool_()),  # outcome mode: "final answer correct", null unless ok
         pa.field("parse_status", pa.string(), nullable=False),
         pa.field("critic_tokens", pa.int32()),  # generated tokens
@@ -109,6 +110,7 @@ STEP_VERDICTS_SCHEMA = pa.schema(
         pa.field("sources", pa.string()),  # the sources whose verdicts vote, "+"-joined: llm, arithmetic, llm+arithmetic
         pa.field("llm_weight", pa.float32()),  # the LLM critiques voted under the rule (whether or not they vote)
         pa.field("arithmetic_flag", pa.bool_()),  # the arithmetic check flags the step (null: no arithmetic row)
+        pa.field("logprob_score", pa.float32()),  # the log-prob readout's calibrated P(wrong) (null: no readout)
     ]
 )
 

@@ -70,6 +70,15 @@ def tiny_model(data_dir) -> str:
 
 
 @pytest.fixture(scope="session")
+def qwen_model(data_dir) -> str:
+    """The embedded policy, Qwen2.5-Coder-0.5B-Instruct, converted by ``capo setup`` (a path string;
+    about a minute the first time): the smallest model that judges a planted error at all."""
+    from pipeline.assets.models import ensure_model
+
+    return str(ensure_model("qwen2.5-coder-0.5b-instruct", root=data_dir / "models"))
+
+
+@pytest.fixture(scope="session")
 def harness():
     """A temporary Prefect server for the flow runs of the whole session (Prefect's own test
     harness), started once where it is first needed: each start costs 15-30 s on 2 cores."""

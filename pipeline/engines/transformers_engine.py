@@ -100,6 +100,44 @@ class TransformersEngine(Engine):
         self._account(gens, time.perf_counter() - t0)
         return gens
 
+    def token_probs(self, sequences: list[list[int]], positions: list[list[int]], token_ids: list[int]):
+        """Next-token probabilities of ``token_ids`` at given positions of teacher-forced sequences
+        (the log-prob readout, :mod:`pipeline.core.readout`): one forward pass per sequence, the
+        LM head applied only at the positions asked for.
+
+        Args:
+            sequences: token ids, one list per sequence (no padding: one pass each).
+            positions: per sequence, the indices whose next-token distribution is read.
+            token_ids: the K candidate tokens.
+
+        Returns:
+            One float64 array per sequence, shape (len(positions[i]), K): ``softmax(logits)[token]``
+            at each position (temperature 1).
+
+        Raises:
+            ValueError: ``sequences`` and ``positions`` differ in length, or a position lies outside
+                its sequence.
+        """
+        import numpy as np
+        import torch
+
+        if len(sequences) != len(positions):
+            raise ValueError(f"{len(sequences)} sequences but {len(positions)} position lists")
+        head = self.lm.get_output_embeddings()
+        out = []
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for ids, pos in zip(sequences, positions):
+                if any(not 0 <= p < len(ids) for p in pos):
+                    raise ValueError(f"positions {list(pos)} must lie in [0, {len(ids)})")
+                x = torch.tensor([ids], device=self.device)
+                hidden = self.lm.base_model(input_ids=x).last_hidden_state[0, list(pos)]
+                probs = torch.softmax(head(hidden).float(), dim=-1)[:, list(token_ids)]
+                out.append(probs.double().cpu().numpy())
+                self.stats.extra["prefill_tokens"] = self.stats.extra.get("prefill_tokens", 0) + len(ids)
+        self.stats.extra["readout_seconds"] = self.stats.extra.get("readout_seconds", 0.0) + time.perf_counter() - t0
+        return [np.asarray(o) for o in out]
+
     def _batch(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Generation]:
         import torch
 

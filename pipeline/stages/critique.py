@@ -52,7 +52,7 @@ def critique_key(cfg: CAPOConfig, round_idx: int) -> dict:
 
     p = round_paths(cfg, round_idx)
     crit = {k: v for k, v in cfg.model_dump(mode="json")["critique"].items()
-            if k not in ("batch_rollouts", "template", "structured_output")}
+            if k not in ("batch_rollouts", "template", "structured_output", "logprob_readout")}
     if not crit["include_reference"]:  # critiques without a reference keep the key they had before the option
         del crit["include_reference"]
     key = {"steps": input_fp(p["steps"]), "rollouts": input_fp(p["rollouts"]), "critique": crit,
@@ -65,10 +65,14 @@ def critique_key(cfg: CAPOConfig, round_idx: int) -> dict:
         from pipeline.core.arithmetic import VERSION as ARITHMETIC_VERSION
 
         key["arithmetic"] = ARITHMETIC_VERSION
+        if cfg.critique.logprob_readout:
+            from pipeline.core.readout import VERSION as READOUT_VERSION
+
+            key["logprob"] = READOUT_VERSION
     return key
 
 
-_CHECKER_KEYS = ("arithmetic",)
+_CHECKER_KEYS = ("arithmetic", "logprob")
 """Entries of the critique key that only the cheap checkers' rows depend on: when a table differs
 from the current key in these alone, its LLM critiques are kept and only the checkers run again."""
 
@@ -95,7 +99,74 @@ def reusable_llm_critiques(path: Path, key: dict) -> pa.Table | None:
         table = table.filter(pc.equal(table.column("source"), "llm"))
     else:
         table = table.append_column("source", pa.array(["llm"] * table.num_rows, pa.string()))
+    for f in CRITIQUES_SCHEMA:  # columns added since (null for the critic's rows)
+        if f.name not in table.column_names:
+            table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
     return table.select(CRITIQUES_SCHEMA.names).cast(CRITIQUES_SCHEMA)
+
+
+def readout_rows(cfg: CAPOConfig, round_idx: int, inp: "_CritiqueInputs") -> tuple[list[dict], dict]:
+    """One ``logprob`` critique row per rollout: the critic's calibrated P(wrong) of every step
+    (:mod:`pipeline.core.readout`) in ``step_scores``, the steps above 0.5 as its list (what the
+    browser shows; the vote applies ``vote.logprob_threshold`` to the scores). Runs the critic's checkpoint with the transformers engine at ``critique.engine.dtype``;
+    the content-free calibration pass is made once per step count. Returns the rows and the engine
+    stats (``readout_seconds``, ``prefill_tokens``, ``load_seconds``)."""
+    from pipeline.config import TransformersEngineConfig
+    from pipeline.core.critique import build_critique_messages
+    from pipeline.core.readout import CONTENT_FREE, binary_wrong, calibrate, forced_answer, readout_text, \
+        verdict_token_ids
+    from pipeline.engines.base import apply_chat_template
+    from pipeline.engines.transformers_engine import TransformersEngine
+
+    thr = 0.5
+    live = [rid for rid in inp.rollouts if rid not in inp.empty]
+    rows: list[dict] = []
+    base = {"run_id": cfg.run_id, "round": round_idx, "critique_idx": 0, "source": "logprob", "mode": "process",
+            "outcome_verdict": None, "critic_model": inp.critic, "template_version": cfg.critique.template,
+            "include_gold_answer": cfg.critique.include_gold_answer, "critic_tokens": 0, "finish_reason": None,
+            "steps_wrong_lines": None}
+    for rid in inp.rollouts:
+        if rid in inp.empty:
+            rows.append({**base, "rollout_id": rid, "n_steps": len(inp.steps.get(rid, [])), "raw_text": "",
+                         "wrong_steps": None, "steps_judged": None, "step_scores": None,
+                         "parse_status": "skipped_empty_response"})
+    if not live:
+        return rows, {}
+    engine = TransformersEngine(inp.critic, TransformersEngineConfig(dtype=cfg.critique.engine.dtype))
+    try:
+        tok = engine.tokenizer
+        cand = list(verdict_token_ids(tok))
+        gold_on = cfg.critique.include_gold_answer
+        cf_cache: dict[int, list[float]] = {}
+
+        def binary(messages: list[dict], n_steps: int) -> list[float]:
+            ids, pos = forced_answer(apply_chat_template(tok, messages), n_steps, tok)
+            probs = engine.token_probs([ids], [pos], cand)[0]
+            return [binary_wrong(float(pc_), float(pw)) for pc_, pw in probs]
+
+        t0 = time.perf_counter()
+        for i, rid in enumerate(live):
+            r, steps = inp.rollouts[rid], inp.steps[rid]
+            pr = inp.prompts[r["prompt_id"]]
+            ref = pr["gold_solution"] if cfg.critique.include_reference else None
+            raw = binary(build_critique_messages(pr["question"], steps, pr["gold_answer"] if gold_on else None,
+                                                 cfg.critique.template, reference_solution=ref), len(steps))
+            S = len(steps)
+            if S not in cf_cache:
+                cf_cache[S] = binary(build_critique_messages(CONTENT_FREE, [CONTENT_FREE] * S,
+                                                             CONTENT_FREE if gold_on else None, cfg.critique.template,
+                                                             reference_solution=CONTENT_FREE if ref else None), S)
+            scores = [calibrate(p, c) for p, c in zip(raw, cf_cache[S])]
+            rows.append({**base, "rollout_id": rid, "n_steps": S, "raw_text": readout_text(scores, raw, cf_cache[S], thr),
+                         "wrong_steps": [s for s, q in enumerate(scores) if q > thr], "steps_judged": list(range(S)),
+                         "step_scores": scores, "parse_status": "complete"})
+            if (i + 1) % 16 == 0 or i + 1 == len(live):
+                el = time.perf_counter() - t0
+                log.info("[critique] log-prob readout: %d/%d rollouts (%.0fs elapsed, ~%.0fs left)", i + 1, len(live),
+                         el, el / (i + 1) * (len(live) - i - 1))
+        return rows, engine.stats.as_dict()
+    finally:
+        engine.close()
 
 
 def arithmetic_rows(cfg: CAPOConfig, round_idx: int, steps: dict[str, list[str]], empty: set[str],
@@ -452,11 +523,17 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
             tables = [kept]
         else:
             tables = [storage.read_table(_part_path(parts_dir, i), "critiques") for i in range(len(inp.plan))]
+        readout_stats = None
         if cfg.critique.mode == "process":
             tables.append(pa.Table.from_pylist(arithmetic_rows(cfg, round_idx, inp.steps, inp.empty, list(inp.rollouts)),
                                                schema=CRITIQUES_SCHEMA))
+            if cfg.critique.logprob_readout:
+                rrows, readout_stats = readout_rows(cfg, round_idx, inp)
+                tables.append(pa.Table.from_pylist(rrows, schema=CRITIQUES_SCHEMA))
         table = pa.concat_tables(tables) if tables else CRITIQUES_SCHEMA.empty_table()
-        table = table.sort_by([("rollout_id", "ascending"), ("source", "descending"), ("critique_idx", "ascending")])
+        order = {"llm": 0, "arithmetic": 1, "logprob": 2}
+        table = table.append_column("_o", pa.array([order[x] for x in table.column("source").to_pylist()], pa.int8()))
+        table = table.sort_by([("rollout_id", "ascending"), ("_o", "ascending"), ("critique_idx", "ascending")]).drop_columns(["_o"])
         statuses = [st for st, src in zip(table.column("parse_status").to_pylist(), table.column("source").to_pylist())
                     if src == "llm"]
         parsed_ok = set(VERDICT_STATUSES) if cfg.critique.mode == "process" else {OUTCOME_PARSE_STATUSES[0]}
@@ -464,7 +541,7 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
         return table, provenance(cfg, {"critic": inp.critic, "critic_calls": stats_box["critic_calls"],
                                        "engine": sum_engine_stats([w.get("engine") for w in workers]),
                                        "parse_failures": n_fail, "statuses": dict(Counter(statuses)),
-                                       "template_version": cfg.critique.template,
+                                       "template_version": cfg.critique.template, "readout": readout_stats,
                                        "shards": {"planned": len(inp.plan), "computed": len(todo),
                                                   "batch_rollouts": cfg.critique.batch_rollouts},
                                        "workers": workers})

@@ -39,7 +39,8 @@ def vote_key(cfg: CAPOConfig, round_idx: int) -> dict:
     p = round_paths(cfg, round_idx)
     return {"steps": input_fp(p["steps"]), "critiques": input_fp(p["critiques"]),
             "majority_threshold": cfg.vote.majority_threshold, "partial_critiques": cfg.vote.partial_critiques,
-            "sources": cfg.vote.sources, "variant": cfg.variant}
+            "sources": cfg.vote.sources, "variant": cfg.variant,
+            **({"logprob_threshold": cfg.vote.logprob_threshold} if "logprob" in cfg.vote.sources else {})}
 
 
 def vote_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
@@ -56,20 +57,24 @@ def vote_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRes
         steps = storage.read_table(p["steps"], "steps").select(["rollout_id", "n_steps"]).to_pylist()
         n_steps = {r["rollout_id"]: r["n_steps"] for r in steps}
         crit = storage.read_table(p["critiques"], "critiques").select(
-            ["rollout_id", "source", "wrong_steps", "steps_wrong_lines", "parse_status"])
+            ["rollout_id", "source", "wrong_steps", "steps_wrong_lines", "parse_status", "step_scores"])
         lists: dict[str, list] = {rid: [] for rid in n_steps}
         arith: dict[str, list[int] | None] = {}
+        scores: dict[str, list[float] | None] = {}
         counts: Counter = Counter()
         for r in crit.to_pylist():
             if r["source"] == "arithmetic":
                 arith[r["rollout_id"]] = r["wrong_steps"]  # None: an empty response, nothing checked
                 continue
+            if r["source"] == "logprob":
+                scores[r["rollout_id"]] = r["step_scores"]
+                continue
             lists[r["rollout_id"]].append(critique_votes(r["parse_status"], r["wrong_steps"], r["steps_wrong_lines"],
                                                          cfg.vote.partial_critiques))
             counts[r["parse_status"]] += 1
-        use_llm, use_arith = "llm" in cfg.vote.sources, "arithmetic" in cfg.vote.sources
+        use_llm, use_arith, use_lp = (s in cfg.vote.sources for s in ("llm", "arithmetic", "logprob"))
         cols: dict[str, list] = {k: [] for k in ("rollout_id", "step_idx", "rule", "n_valid", "n_flagged", "weight",
-                                                 "llm_weight", "arithmetic_flag")}
+                                                 "llm_weight", "arithmetic_flag", "logprob_score")}
         for rid, S in n_steps.items():
             n_valid, n_flagged = flag_counts(lists[rid], S)
             a = np.zeros(S, dtype=np.float32)
@@ -77,9 +82,16 @@ def vote_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRes
             if arith.get(rid) is not None:
                 a[np.asarray(arith[rid], dtype=np.int64)] = 1.0
                 a_flags = (a > 0).tolist()
+            q = np.zeros(S, dtype=np.float32)
+            q_list: list = [None] * S
+            if scores.get(rid) is not None:
+                q = np.asarray(scores[rid], dtype=np.float32)
+                q_list = q.tolist()
             for rule in VOTING_RULES:
                 w_llm = vote(n_flagged, np.int32(n_valid), rule, cfg.vote.majority_threshold)
-                w = np.maximum(w_llm if use_llm else 0.0, a if use_arith else 0.0).astype(np.float32)
+                w_lp = q if rule == "average" else (q > cfg.vote.logprob_threshold).astype(np.float32)
+                w = np.maximum.reduce([w_llm if use_llm else np.zeros(S, np.float32), a if use_arith else 0.0 * a,
+                                       w_lp if use_lp else 0.0 * a]).astype(np.float32)
                 cols["rollout_id"] += [rid] * S
                 cols["step_idx"] += list(range(S))
                 cols["rule"] += [rule] * S
@@ -88,6 +100,7 @@ def vote_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRes
                 cols["weight"] += w.tolist()
                 cols["llm_weight"] += w_llm.tolist()
                 cols["arithmetic_flag"] += a_flags
+                cols["logprob_score"] += q_list
         n = len(cols["rollout_id"])
         table = pa.table({"run_id": [cfg.run_id] * n, "round": pa.array([round_idx] * n, pa.int32()),
                           "variant": [cfg.variant] * n, **cols,

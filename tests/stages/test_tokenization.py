@@ -1,9 +1,9 @@
 """Exact bytes of generated tokens with the real byte-level BPE tokenizers (pipeline/core/tokenization.py).
 
-Uses the converted checkpoints under ``data/models`` (``capo setup``); skipped where absent.
+Uses the converted checkpoints of both embedded tokenizer families (``capo setup``; the fixtures convert
+them where absent).
 """
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +12,6 @@ from pipeline.core import tokenization
 from pipeline.core.segment import segment_response
 from pipeline.core.tokenization import decode_with_bytes, token_bytes
 
-MODELS = Path(__file__).resolve().parents[2] / "data" / "models"
 NAMES = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
 
 TEXTS = [
@@ -27,10 +26,9 @@ TEXTS = [
 
 @pytest.fixture(scope="module", params=NAMES)
 def tok(request):
-    path = MODELS / request.param
-    if not (path / "tokenizer.json").is_file():
-        pytest.skip(f"{path} not set up (run `capo setup`)")
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
+    path = request.getfixturevalue("tiny_model" if request.param == NAMES[0] else "qwen_model")
     return transformers.AutoTokenizer.from_pretrained(str(path))
 
 
