@@ -30,6 +30,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--run-id", default=None, help="default: signal-<problems>")
     ap.add_argument("--runs-dir", default="runs/bench_signal")
     ap.add_argument("--out", default=None, help="JSONL of per-response results (and the summary lines)")
+    ap.add_argument("--critique", action="store_true",
+                    help="also run the critique stage (the config's critic) and score every source: the vote of "
+                         "each --variants preset, the arithmetic check and, with --readout, the log-prob readout")
+    ap.add_argument("--readout", action="store_true", help="with --critique: critique.logprob_readout=true")
+    ap.add_argument("--variants", nargs="+", default=["capo-majority", "capo-average"],
+                    help="with --critique: presets whose vote and reward stages run on the round")
     ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     args = ap.parse_args(argv)
     if args.problems < 1:
@@ -56,8 +62,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     env = {"cpu_model": dev.cpu_model, "torch_cpu_capability": dev.torch_cpu_capability, "policy": cfg.rollout.policy,
            "max_tokens": cfg.rollout.sampling.max_tokens, "group_size": cfg.rollout.group_size,
            "problems": args.problems, "seconds": seconds, "run_dir": str(cfg.run_dir())}
-    rows = [{**r, **env} for r in measure_round(p["round_dir"], n_boot=2000, seed=0)
-            if r["source"] == "arithmetic"]
+    if not args.critique:
+        rows = [{**r, **env} for r in measure_round(p["round_dir"], n_boot=2000, seed=0)
+                if r["source"] == "arithmetic"]
+    else:
+        rows = _critique_and_vote(args, cfg, p, env, run_stage, load_config)
     for r in rows:
         print(json.dumps(r))
     if args.out:
@@ -68,6 +77,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         steps: dict[str, list] = {}
         for s in pq.read_table(p["steps"], columns=["rollout_id", "step_idx", "step_text"]).to_pylist():
             steps.setdefault(s["rollout_id"], []).append(s)
+        per_step: dict[str, dict] = {}  # with --critique: the LLM vote (per variant's rule) and the readout per step
+        for vdir in sorted((p["round_dir"] / "variants").glob("*")) if args.critique else []:
+            sv = pq.read_table(vdir / "step_verdicts.parquet").to_pylist()
+            for v in sv:
+                d = per_step.setdefault(v["rollout_id"], {})
+                if v["rule"] == vdir.name.removeprefix("capo-"):
+                    d.setdefault(f"llm_{v['rule']}", {})[v["step_idx"]] = v["llm_weight"]
+                d.setdefault("logprob", {})[v["step_idx"]] = v["logprob_score"]
         with open(args.out, "w") as f:
             for r in rows:
                 f.write(json.dumps({"kind": "summary", **r}) + "\n")
@@ -83,8 +100,40 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                     "correct": o["outcome_correct"], "verify_status": o["verify_status"],
                                     "extracted_answer": o["extracted_answer"], "gold_answer": o["gold_answer"],
                                     "finish_reason": ro[rid]["finish_reason"], "n_steps": len(ss),
-                                    "flagged": flags}) + "\n")
+                                    "flagged": flags,
+                                    **{k: [v.get(i) for i in range(len(ss))] for k, v in per_step.get(rid, {}).items()}})
+                        + "\n")
     return rows
+
+
+def _critique_and_vote(args, cfg, p, env, run_stage, load_config) -> list[dict]:
+    """Critique the round (the sampled critiques are kept when only the checkers are new), vote and
+    reward it under each preset, and measure every source of every variant."""
+    from pipeline import storage
+    from pipeline.process_signal import measure_round
+
+    before = storage.read_manifest(p["critiques"]) or {}
+    llm_engine = before.get("engine")  # the sampled critiques' cost, from the run that made them
+    extra = ["critique.logprob_readout=true"] if args.readout else []
+    base = [f"runs_dir={args.runs_dir}", f"run_id={cfg.run_id}", f"data.prompts_per_round={args.problems}",
+            *args.overrides, *extra]
+    t0 = time.perf_counter()
+    run_stage("critique", load_config(args.config, base), 1)
+    env["seconds"]["critique"] = round(time.perf_counter() - t0, 1)
+    man = storage.read_manifest(p["critiques"])
+    llm_engine = man.get("engine") or llm_engine
+    readout = man.get("readout")
+    n = env["problems"] * cfg.rollout.group_size
+    env["critic"] = {"model": cfg.critique.critic, "num_critiques": cfg.critique.num_critiques,
+                     "template": cfg.critique.template,
+                     "sampled_seconds_per_response": round(llm_engine["seconds"] / n, 2) if llm_engine else None,
+                     "readout_seconds_per_response": round(readout["readout_seconds"] / n, 2) if readout else None,
+                     "readout_load_seconds": round(readout["load_seconds"], 1) if readout else None}
+    for preset in args.variants:
+        vcfg = load_config(args.config, base, preset=preset)
+        for stage in ("vote", "reward"):
+            run_stage(stage, vcfg, 1)
+    return [{**r, **env} for r in measure_round(p["round_dir"], n_boot=2000, seed=0)]
 
 
 if __name__ == "__main__":

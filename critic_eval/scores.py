@@ -77,6 +77,7 @@ class Score:
     acc_erroneous: float
     acc_correct: float
     f1: float
+    auroc: float  # of the item's mean step weight against "has an error" (0.5: no information; NaN: one class)
     label_flagged: float
     step_precision: float
     step_recall: float
@@ -136,10 +137,15 @@ def score_items(items: Sequence[EvalItem], n: int, rule: str, majority_threshold
         seconds_per_token: critic seconds per generated token (measured over the run), used for
             ``seconds_per_item``; NaN when unknown.
     """
+    from pipeline.process_signal import auroc
+
     err_hits = err_total = ok_hits = ok_total = label_hits = 0
     tp = fp = fn = flagged_steps = total_steps = failed = no_valid = tokens = 0
+    item_scores, item_wrong = [], []
     for item in items:
         pred = predict(item, n, rule, majority_threshold, threshold)
+        item_scores.append(float(np.mean(pred.weights)) if item.n_steps else 0.0)
+        item_wrong.append(item.label >= 0)
         flagged_S = pred.weights >= threshold  # (S,) bool
         flagged_steps += int(flagged_S.sum())
         total_steps += item.n_steps
@@ -163,6 +169,7 @@ def score_items(items: Sequence[EvalItem], n: int, rule: str, majority_threshold
     return Score(
         rule=rule, n=n, n_items=len(items), n_erroneous=err_total, n_correct=ok_total,
         acc_erroneous=acc_err, acc_correct=acc_ok, f1=processbench_f1(acc_err, acc_ok),
+        auroc=math.nan if (a := auroc(item_scores, item_wrong)) is None else a,
         label_flagged=_share(label_hits, err_total), step_precision=_share(tp, tp + fp),
         step_recall=_share(tp, tp + fn), flag_rate=_share(flagged_steps, total_steps),
         parse_failure_rate=_share(failed, n * len(items)), no_valid_rate=_share(no_valid, len(items)),
@@ -265,10 +272,10 @@ def render_report(meta: dict, scores: Sequence[dict]) -> str:
         f"![F1 against N per voting rule]({meta['plot']})",
         f"## Details (subset `{sub}`: {_sizes(scores, sub)})",
         markdown_table(
-            ["setup", "rule", "N", "acc. erroneous", "acc. correct", "F1", "step P", "step R", "flag rate",
+            ["setup", "rule", "N", "acc. erroneous", "acc. correct", "F1", "AUROC", "step P", "step R", "flag rate",
              "parse fail", "no valid", "tokens/item", "s/item"],
-            [[st, r, n] + [by[(st, sub, r, n)][k] for k in (
-                "acc_erroneous", "acc_correct", "f1", "step_precision", "step_recall", "flag_rate",
+            [[st, r, n] + [by[(st, sub, r, n)].get(k, math.nan) for k in (
+                "acc_erroneous", "acc_correct", "f1", "auroc", "step_precision", "step_recall", "flag_rate",
                 "parse_failure_rate", "no_valid_rate", "critic_tokens_per_item", "seconds_per_item")]
              for st in setups for r in rules for n in ns]),
     ]

@@ -56,6 +56,9 @@ def test_n1_every_rule_reads_the_single_critique():
         assert s.no_valid_rate == 2 / 4
         assert s.critic_tokens_per_item == 10
         assert (s.n_items, s.n_erroneous, s.n_correct) == (4, 2, 2)
+        # AUROC of the mean step weight against "has an error": A 1/3, C 0 (wrong); B 0, D 0 (right):
+        # (A,B) 1, (A,D) 1, (C,B) tie 1/2, (C,D) tie 1/2 -> 3 / 4
+        assert s.auroc == pytest.approx(3 / 4)
 
 
 def test_n2_ties_separate_average_from_majority_at_the_step_level():
@@ -68,6 +71,8 @@ def test_n2_ties_separate_average_from_majority_at_the_step_level():
         assert s.label_flagged == 1 / 2
         assert s.parse_failure_rate == (0 + 0 + 2 + 1) / 8
         assert s.critic_tokens_per_item == 10 + 20
+    # average at N=2: A [0, 1, 1/2] -> 1/2, C 0; B 0, D [0, 0, 1] -> 1/3: (A,B) 1, (A,D) 1, (C,B) 1/2, (C,D) 0
+    assert score_items(ITEMS, 2, "average").auroc == pytest.approx(2.5 / 4)
     # steps flagged: A {1} (+{2} when a tie counts), D {2}; wrong steps: A1, C0.
     for rule, flagged_a in (("intersection", 1), ("majority", 1), ("union", 2), ("average", 2)):
         s = score_items(ITEMS, 2, rule)
