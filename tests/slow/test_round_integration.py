@@ -154,6 +154,8 @@ def test_training_wrote_a_new_policy(tiny_round, data_dir):
         drift = {m["name"]: m["value"] for m in _t(cfg, "train_metrics") if m["name"].startswith(("export", "master"))}
         assert drift["export_update_share"] == 1.0 == drift["export_update_share_from_start"]
         assert drift["export_moved_frac"] == drift["master_moved_frac"] > 0
+    else:  # no signal anywhere in the round: the update must leave every weight as it was
+        assert not changed, f"every advantage is 0, yet {len(changed)} tensors moved"
 
 
 def test_manifests_record_the_resolved_precision_and_the_cpu(tiny_round):
