@@ -72,7 +72,8 @@ def write_inputs(cfg, n_tok, correct, rids, pids, step_len, weights):
     storage.write_table(st, p["steps"], "steps", stage="segment", key={})
     sv = pa.table({**sb, "variant": [cfg.variant] * m, "rule": [cfg.vote.rule] * m, "n_valid": np.full(m, 4, np.int32),
                    "n_flagged": np.zeros(m, np.int32), "weight": np.array(w, np.float32), "majority_threshold": np.full(m, 0.5, np.float32),
-                   "sources": ["llm"] * m, "llm_weight": np.array(w, np.float32), "arithmetic_flag": pa.nulls(m, pa.bool_())})
+                   "sources": ["llm"] * m, "llm_weight": np.array(w, np.float32), "arithmetic_flag": pa.nulls(m, pa.bool_()),
+                   "logprob_score": pa.nulls(m, pa.float32())})
     storage.write_table(sv, p["step_verdicts"], "step_verdicts", stage="vote", key={})
 
 

@@ -362,7 +362,8 @@ def _eval_items(items: list[dict], crit: list[dict], setup: str, partial: str = 
 def score_key(cfg: CriticEvalConfig) -> dict:
     fps = {s: (storage.read_manifest(critique_path(cfg, s)) or {}).get("fingerprint") for s in cfg.setups()}
     return {"benchmark": _benchmark_fingerprint(cfg), "critiques": fps, "n_values": cfg.n_values,
-            "majority_threshold": cfg.majority_threshold, "partial_critiques": cfg.partial_critiques}
+            "majority_threshold": cfg.majority_threshold, "partial_critiques": cfg.partial_critiques,
+            "scores": "auroc-v1"}  # the scores' columns: a table written before the AUROC is recomputed
 
 
 def score_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:

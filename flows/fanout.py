@@ -17,7 +17,9 @@ hands the stage to :func:`run_critique_fanout`. That runs the Prefect flow ``cri
    exactly the parts the local runner would write, so a fan-out can resume a local run and the
    other way round;
 3. in this process again: concatenate the parts into ``critiques.parquet`` with the same stage key
-   as the local runner (the runner is not part of the key) and remove the parts.
+   as the local runner (the runner is not part of the key), add the arithmetic check's rows and,
+   with ``critique.logprob_readout``, run the readout here (it loads the critic in this process:
+   known limitation, not yet sharded), and remove the parts.
 
 Workers need the same code and environment (``sys.executable`` of the worker starts the child)
 and must see ``runs_dir`` and ``data_dir`` at the same paths: one machine, or a shared filesystem.

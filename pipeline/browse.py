@@ -58,7 +58,7 @@ def browser_queries(run_id: str, round_idx: int, variant: str, rule: str) -> dic
             f"WHERE r.run_id = {run} AND r.round = {k}\nORDER BY r.prompt_id, r.sample_idx"),
         "steps": (
             "SELECT s.rollout_id, s.step_idx, s.step_text, s.token_start, s.token_end, v.n_valid, v.n_flagged, v.weight,\n"
-            "       v.llm_weight, v.arithmetic_flag\n"
+            "       v.llm_weight, v.arithmetic_flag, v.logprob_score\n"
             "FROM steps s\n"
             "LEFT JOIN step_verdicts v ON v.run_id = s.run_id AND v.round = s.round AND v.rollout_id = s.rollout_id\n"
             f"     AND v.step_idx = s.step_idx AND v.variant = {v} AND v.rule = {r}\n"
@@ -66,15 +66,15 @@ def browser_queries(run_id: str, round_idx: int, variant: str, rule: str) -> dic
         "critiques": (
             "SELECT rollout_id, source, critique_idx, parse_status, wrong_steps, steps_judged, steps_wrong_lines,\n"
             "       raw_text, critic_tokens, finish_reason\n"
-            f"FROM critiques\nWHERE run_id = {run} AND round = {k}\nORDER BY rollout_id, source DESC, critique_idx"),
+            f"FROM critiques\nWHERE run_id = {run} AND round = {k}\nORDER BY rollout_id, coalesce(source, 'llm') = 'llm' DESC, source, critique_idx"),
         "token_rewards": (
             "SELECT rollout_id, rewards, advantages\n"
             f"FROM token_rewards\nWHERE run_id = {run} AND round = {k} AND variant = {v}"),
         "parse_status": (f"SELECT parse_status, count(*) AS critiques\nFROM critiques\n"
-                         f"WHERE run_id = {run} AND round = {k} AND source IS DISTINCT FROM 'arithmetic'\n"
+                         f"WHERE run_id = {run} AND round = {k} AND coalesce(source, 'llm') = 'llm'\n"
                          "GROUP BY parse_status ORDER BY critiques DESC"),
         "verdict_lists": (f"SELECT wrong_steps::VARCHAR AS wrong_steps, count(*) AS critiques\nFROM critiques\n"
-                          f"WHERE run_id = {run} AND round = {k} AND source IS DISTINCT FROM 'arithmetic' AND len(wrong_steps) > 0\n"
+                          f"WHERE run_id = {run} AND round = {k} AND coalesce(source, 'llm') = 'llm' AND len(wrong_steps) > 0\n"
                           "GROUP BY 1 ORDER BY critiques DESC, 1 LIMIT 5"),
         "across_rounds": (
             "SELECT r.prompt_id, r.round, count(*) AS responses, sum(o.outcome_correct::INT) AS correct,\n"
@@ -215,7 +215,7 @@ def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
     crits: dict[str, list[dict]] = {}
     checks: dict[str, list[dict]] = {}
     for c in data["critiques"]:
-        (checks if c["source"] == "arithmetic" else crits).setdefault(c["rollout_id"], []).append(c)
+        (crits if (c["source"] or "llm") == "llm" else checks).setdefault(c["rollout_id"], []).append(c)
     rewards = {t["rollout_id"]: t for t in data["token_rewards"]}
     tokens = {p["rollout_id"]: (p["policy"], p["response_token_ids"]) for p in policy_rows}
     across: dict[str, list[dict]] = {}
@@ -241,6 +241,7 @@ def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
             "outcome_reward": r["outcome_reward"], "penalized_tokens": r["n_penalized_tokens"],
             "steps": [{"idx": s["step_idx"], "text": s["step_text"], "n_valid": s["n_valid"], "n_flagged": s["n_flagged"],
                        "weight": s["weight"], "llm_weight": s["llm_weight"], "arithmetic": s["arithmetic_flag"],
+                       "logprob": s["logprob_score"],
                        "token_start": s["token_start"], "token_end": s["token_end"]} for s in st],
             "critiques": [{"idx": c["critique_idx"], "status": c["parse_status"], "wrong": c["wrong_steps"],
                            "judged": c["steps_judged"], "wrong_lines": c["steps_wrong_lines"], "raw": c["raw_text"] or "",
@@ -269,7 +270,7 @@ def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
         "accuracy": (sum(bool(r["outcome_correct"]) for r in data["responses"]) / n_resp) if n_resp else None,
         "steps": len(all_steps),
         "flagged_step_rate": (sum(1 for s in all_steps if (s["weight"] or 0) > 0) / len(all_steps)) if all_steps else None,
-        "critiques": sum(c["source"] != "arithmetic" for c in data["critiques"]),
+        "critiques": sum((c["source"] or "llm") == "llm" for c in data["critiques"]),
         "parse_status": [[r["parse_status"], r["critiques"]] for r in data["parse_status"]],
         "verdict_lists": [[r["wrong_steps"], r["critiques"]] for r in data["verdict_lists"]],
         "n_critiques": rc["critique"]["num_critiques"] if rc["critique"]["enabled"] else 0,

@@ -290,6 +290,13 @@ class CritiqueConfig(_Strict):
                              "local checkpoint; critique.engine.type is 'openai' (a served critic). Use the vllm or "
                              "transformers engine with a local critic, or set critique.logprob_readout=false")
         check_structured_engine(self.structured_output, self.engine.type, "critique")
+        if self.include_reference and self.mode == "outcome":
+            raise ValueError("critique.include_reference=true shows the reference solution to the step critic; "
+                             "critique.mode is 'outcome' (GenORM judges only the final answer): set one of them back")
+        if self.logprob_readout and self.template == "capo-genprm-v3":
+            raise ValueError("critique.logprob_readout=true calibrates against a content-free prompt, but "
+                             "capo-genprm-v3's worked example changes with every judged solution, so no content-free "
+                             "prompt measures its bias; use capo-genprm-v1 or capo-genprm-v2 with the readout")
         return self
 
 

@@ -242,8 +242,10 @@ def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: s
                     vote.setdefault(rid, {})[idx] = w
             vote = {rid: [float(vote.get(rid, {}).get(i, 0.0) or 0.0) for i in range(len(n_tok[rid]))] for rid in rids}
             used = sv.column("sources")[0].as_py() if "sources" in sv.column_names and sv.num_rows else "llm"
-            trains = {"llm": "vote", "arithmetic": "arithmetic", "llm+arithmetic": "vote+arithmetic",
-                      "logprob": "logprob", "arithmetic+logprob": "logprob+arithmetic"}.get(used or "llm", used)
+            # vote.sources as this module names its sources (a combination measured nowhere stars no row)
+            parts = (used or "llm").split("+")
+            trains = "+".join(("vote" if x == "llm" else x) for x in sorted(
+                parts, key=lambda x: ["llm", "logprob", "arithmetic"].index(x) if x in ("llm", "logprob", "arithmetic") else 9))
             # the log-prob readout, where the round has one: its weights under the variant's rule
             lp: dict[str, dict] = {}
             if "logprob_score" in sv.column_names:

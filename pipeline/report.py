@@ -555,7 +555,8 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
     if rows_s:
         sections.append(("Process signal (does the penalty land on wrong responses?)",
                          "Per source: vote = the critic's critiques under the variant's rule, arithmetic = the exact "
-                         "check of each step's written arithmetic, vote+arithmetic = either; * = the source the "
+                         "check of each step's written arithmetic, vote+arithmetic = either, logprob = the critic's calibrated "
+                         "log-prob readout (rounds with critique.logprob_readout); * = the source the "
                          "variant trains on (vote.sources). AUROC of the penalized-token share against a wrong "
                          "outcome, 95 % interval from a bootstrap over prompts; 0.5 carries no information. "
                          "before answer = only the steps before the one stating the final answer. Groups train on "

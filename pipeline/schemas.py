@@ -9,8 +9,9 @@ Layout of one run (``<runs_dir>/<run_id>/``)::
     round_001/rollouts.parquet        one row per response
     round_001/outcomes.parquet        one row per response (math-verify result)
     round_001/steps.parquet           one row per step
-    round_001/critiques.parquet       one row per step critique (GenPRM, N per response; plus one
-                                      arithmetic check per response, source = 'arithmetic')
+    round_001/critiques.parquet       one row per step critique (GenPRM, N per response, source 'llm';
+                                      plus one arithmetic check per response, source 'arithmetic',
+                                      and with the log-prob readout one row per response, 'logprob')
     round_001/genorm_critiques.parquet  one row per outcome critique (GenORM baseline)
     round_001/variants/<variant>/step_verdicts.parquet   one row per step x voting rule
     round_001/variants/<variant>/token_rewards.parquet   one row per response
@@ -78,7 +79,7 @@ CRITIQUES_SCHEMA = pa.schema(
     + [
         pa.field("rollout_id", pa.string(), nullable=False),
         pa.field("critique_idx", pa.int32(), nullable=False),
-        pa.field("source", pa.string(), nullable=False),  # llm (the critic's N critiques) | arithmetic (one, exact check)
+        pa.field("source", pa.string(), nullable=False),  # llm (the critic's N critiques) | arithmetic (one, exact check) | logprob (one, readout)
         pa.field("mode", pa.string()),  # process (GenPRM, every step) | outcome (GenORM, final answer)
         pa.field("critic_model", pa.string()),
         pa.field("template_version", pa.string()),
@@ -199,7 +200,7 @@ CRITIC_EVAL_SCORES_SCHEMA = pa.schema(
      pa.field("rule", pa.string(), nullable=False), pa.field("n", pa.int32(), nullable=False)]
     + [pa.field(k, pa.int32()) for k in ("n_items", "n_erroneous", "n_correct")]
     + [pa.field(k, pa.float64()) for k in (
-        "acc_erroneous", "acc_correct", "f1", "label_flagged", "step_precision", "step_recall", "flag_rate",
+        "acc_erroneous", "acc_correct", "f1", "auroc", "label_flagged", "step_precision", "step_recall", "flag_rate",
         "parse_failure_rate", "no_valid_rate", "critic_tokens_per_item", "seconds_per_item")]
 )
 
@@ -234,6 +235,23 @@ SCHEMAS: dict[str, pa.Schema] = {
     "critic_eval_predictions": CRITIC_EVAL_PREDICTIONS_SCHEMA,
 }
 
+
+
+ADDED_COLUMNS: dict[str, dict[str, object]] = {
+    "critiques": {"source": "llm", "step_scores": None},
+}
+"""Columns added to a table since earlier releases wrote it, and the value they take in an older table
+(:func:`fill_added_columns`): a table whose stage key did not change (GenORM critiques) stays readable."""
+
+
+def fill_added_columns(table: pa.Table, name: str) -> pa.Table:
+    """``table`` with every column of :data:`ADDED_COLUMNS` it lacks, at that column's value."""
+    for col, value in ADDED_COLUMNS.get(name, {}).items():
+        if col not in table.column_names:
+            typ = SCHEMAS[name].field(col).type
+            table = table.append_column(col, pa.array([value] * table.num_rows, typ) if value is not None
+                                        else pa.nulls(table.num_rows, typ))
+    return table
 
 
 def check_schema(table: pa.Table, name: str, source: str = "", cast: bool = False) -> pa.Table:

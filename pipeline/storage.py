@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.faults import kill_point
-from pipeline.schemas import check_schema
+from pipeline.schemas import check_schema, fill_added_columns
 
 log = logging.getLogger("capo.storage")
 
@@ -384,7 +384,7 @@ def read_table(path: Path, name: str) -> pa.Table:
     """
     if not path.is_file():
         raise FileNotFoundError(f"table {name!r} not found at {path}; run the stage that writes it first")
-    return check_schema(pq.read_table(path), name, str(path))
+    return check_schema(fill_added_columns(pq.read_table(path), name), name, str(path))
 
 
 def write_part(table: pa.Table, parts_dir: Path, part_idx: int, name: str, meta: dict) -> Path:

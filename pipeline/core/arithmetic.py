@@ -676,8 +676,8 @@ class ArithmeticCritique:
         wrong_steps: 0-indexed steps with a wrong stated result, ascending (the verdict that votes).
         steps_judged: 0-indexed steps with at least one checkable equation.
         text: one line per step, ``Step i: correct (k equations)``, ``Step i: wrong - <lhs> = <rhs>
-            (is <value>)`` or ``Step i: nothing to check`` (1-indexed, like the critic's lines), then
-            ``Wrong step list: [...]`` (1-indexed): what the critique browser and SQL show.
+            (is <value>)`` or ``Step i: nothing to check`` (numbered from 0, like the critic's lines),
+            then ``Wrong step list: [...]``: what the critique browser and SQL show.
     """
 
     wrong_steps: tuple[int, ...]
@@ -705,10 +705,10 @@ def critique_steps(step_texts: list[str]) -> ArithmeticCritique:
             judged.append(i)
         if bad is not None:
             wrong.append(i)
-            lines.append(f"Step {i + 1}: wrong - {bad.lhs} = {bad.rhs} (is {_fmt(bad.value)})")
+            lines.append(f"Step {i}: wrong - {bad.lhs} = {bad.rhs} (is {_fmt(bad.value)})")
         elif eqs:
-            lines.append(f"Step {i + 1}: correct ({len(eqs)} equation{'s' if len(eqs) > 1 else ''})")
+            lines.append(f"Step {i}: correct ({len(eqs)} equation{'s' if len(eqs) > 1 else ''})")
         else:
-            lines.append(f"Step {i + 1}: nothing to check")
-    lines.append(f"Wrong step list: [{', '.join(str(i + 1) for i in wrong)}]")
+            lines.append(f"Step {i}: nothing to check")
+    lines.append(f"Wrong step list: [{', '.join(str(i) for i in wrong)}]")
     return ArithmeticCritique(tuple(wrong), tuple(judged), "\n".join(lines))

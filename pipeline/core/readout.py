@@ -117,10 +117,10 @@ def calibrate(p_wrong: float, content_free: float, eps: float = 1e-6) -> float:
 
 def readout_text(scores: Sequence[float], raw: Sequence[float], content_free: Sequence[float],
                  threshold: float = 0.5) -> str:
-    """The readout as the critique browser and SQL show it: one line per step (1-indexed like a
+    """The readout as the critique browser and SQL show it: one line per step (numbered from 0 like a
     critique's lines) with the calibrated and raw P(wrong) and the content-free one, then the steps
     above ``threshold`` as ``Wrong step list: [...]``."""
-    lines = [f"Step {i + 1}: P(wrong) {q:.3f} (raw {p:.3f}, content-free {c:.3f})"
+    lines = [f"Step {i}: P(wrong) {q:.3f} (raw {p:.3f}, content-free {c:.3f})"
              for i, (q, p, c) in enumerate(zip(scores, raw, content_free))]
-    lines.append(f"Wrong step list: [{', '.join(str(i + 1) for i, q in enumerate(scores) if q > threshold)}]")
+    lines.append(f"Wrong step list: [{', '.join(str(i) for i, q in enumerate(scores) if q > threshold)}]")
     return "\n".join(lines)

@@ -103,7 +103,9 @@ class TransformersEngine(Engine):
     def token_probs(self, sequences: list[list[int]], positions: list[list[int]], token_ids: list[int]):
         """Next-token probabilities of ``token_ids`` at given positions of teacher-forced sequences
         (the log-prob readout, :mod:`pipeline.core.readout`): one forward pass per sequence, the
-        LM head applied only at the positions asked for.
+        LM head applied only at the positions asked for. The head is applied to the decoder's last
+        hidden state directly: right for the embedded Qwen and SmolLM2 critics, not for a model
+        that post-processes its logits (Gemma-2's soft-capping, Cohere's ``logit_scale``).
 
         Args:
             sequences: token ids, one list per sequence (no padding: one pass each).

@@ -1,5 +1,11 @@
 """Stage ``critique``: N critiques per response from the critic (GenPRM), parsed -> ``critiques.parquet``.
 
+Beside the critic's rows (``source = 'llm'``) the table holds one exact arithmetic check per response
+(``source = 'arithmetic'``, :mod:`pipeline.core.arithmetic`) and, with ``critique.logprob_readout``, one
+log-prob readout per response (``source = 'logprob'``, :mod:`pipeline.core.readout`); both are made in
+the finalize step. The checkers' versions are in the stage key but not in the shards' key, so a new
+checker (or turning the readout on or off) keeps every critique the critic has made.
+
 The critic engine loads only when there is work to do, so a re-run over cached tables never starts
 a model. The stage is resumable mid-stage: it commits shards of ``critique.batch_rollouts``
 rollouts under ``critiques.parts/`` and, when run again, computes only the shards not committed yet;
@@ -81,6 +87,13 @@ def _llm_key(key: dict) -> str:
     return json.dumps({k: v for k, v in key.items() if k not in _CHECKER_KEYS}, sort_keys=True, default=str)
 
 
+def critique_shard_key(cfg: CAPOConfig, round_idx: int) -> str:
+    """The key of the round's committed critique shards: the stage key without the checkers'
+    entries (:data:`_CHECKER_KEYS`), so turning the log-prob readout on or off, or a new version of
+    the arithmetic check, keeps every shard the critic has committed."""
+    return storage.key_hash({k: v for k, v in critique_key(cfg, round_idx).items() if k not in _CHECKER_KEYS})
+
+
 def reusable_llm_critiques(path: Path, key: dict) -> pa.Table | None:
     """The LLM critiques of a committed, unmodified critiques table whose key differs from ``key``
     only in the checkers' entries (:data:`_CHECKER_KEYS`), e.g. one written before the arithmetic
@@ -92,17 +105,10 @@ def reusable_llm_critiques(path: Path, key: dict) -> pa.Table | None:
         return None
     if storage.verify_output(path) is not None:  # modified after its manifest: not trusted
         return None
-    table = pq.read_table(path)
-    if "source" in table.column_names:
-        import pyarrow.compute as pc
+    import pyarrow.compute as pc
 
-        table = table.filter(pc.equal(table.column("source"), "llm"))
-    else:
-        table = table.append_column("source", pa.array(["llm"] * table.num_rows, pa.string()))
-    for f in CRITIQUES_SCHEMA:  # columns added since (null for the critic's rows)
-        if f.name not in table.column_names:
-            table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
-    return table.select(CRITIQUES_SCHEMA.names).cast(CRITIQUES_SCHEMA)
+    table = storage.read_table(path, "critiques")  # a table from before the source column: every row 'llm'
+    return table.filter(pc.equal(table.column("source"), "llm"))
 
 
 def readout_rows(cfg: CAPOConfig, round_idx: int, inp: "_CritiqueInputs") -> tuple[list[dict], dict]:
@@ -137,7 +143,7 @@ def readout_rows(cfg: CAPOConfig, round_idx: int, inp: "_CritiqueInputs") -> tup
         tok = engine.tokenizer
         cand = list(verdict_token_ids(tok))
         gold_on = cfg.critique.include_gold_answer
-        cf_cache: dict[int, list[float]] = {}
+        cf_cache: dict[tuple[int, bool], list[float]] = {}  # by step count and whether a reference is shown
 
         def binary(messages: list[dict], n_steps: int) -> list[float]:
             ids, pos = forced_answer(apply_chat_template(tok, messages), n_steps, tok)
@@ -152,12 +158,13 @@ def readout_rows(cfg: CAPOConfig, round_idx: int, inp: "_CritiqueInputs") -> tup
             raw = binary(build_critique_messages(pr["question"], steps, pr["gold_answer"] if gold_on else None,
                                                  cfg.critique.template, reference_solution=ref), len(steps))
             S = len(steps)
-            if S not in cf_cache:
-                cf_cache[S] = binary(build_critique_messages(CONTENT_FREE, [CONTENT_FREE] * S,
-                                                             CONTENT_FREE if gold_on else None, cfg.critique.template,
-                                                             reference_solution=CONTENT_FREE if ref else None), S)
-            scores = [calibrate(p, c) for p, c in zip(raw, cf_cache[S])]
-            rows.append({**base, "rollout_id": rid, "n_steps": S, "raw_text": readout_text(scores, raw, cf_cache[S], thr),
+            ck = (S, bool(ref))
+            if ck not in cf_cache:
+                cf_cache[ck] = binary(build_critique_messages(CONTENT_FREE, [CONTENT_FREE] * S,
+                                                              CONTENT_FREE if gold_on else None, cfg.critique.template,
+                                                              reference_solution=CONTENT_FREE if ref else None), S)
+            scores = [calibrate(p, c) for p, c in zip(raw, cf_cache[ck])]
+            rows.append({**base, "rollout_id": rid, "n_steps": S, "raw_text": readout_text(scores, raw, cf_cache[ck], thr),
                          "wrong_steps": [s for s, q in enumerate(scores) if q > thr], "steps_judged": list(range(S)),
                          "step_scores": scores, "parse_status": "complete"})
             if (i + 1) % 16 == 0 or i + 1 == len(live):
@@ -293,7 +300,7 @@ def critique_done_shards(cfg: CAPOConfig, round_idx: int, plan: list[list[str]] 
     parts_dir = critique_parts_dir(cfg, round_idx)
     if not parts_dir.is_dir():
         return []
-    shard_key = storage.key_hash(critique_key(cfg, round_idx))
+    shard_key = critique_shard_key(cfg, round_idx)
     done = [i for i, ids in enumerate(plan) if _shard_committed(parts_dir, i, shard_key, ids)]
     if prune:
         keep = {_part_path(parts_dir, i).name for i in done} | {_part_path(parts_dir, i).with_suffix(".json").name for i in done}
@@ -335,7 +342,7 @@ def _critique_inputs(cfg: CAPOConfig, round_idx: int) -> _CritiqueInputs:
             empty.add(r["rollout_id"])
     plan = _cut([r["rollout_id"] for r in rollouts], cfg.critique.batch_rollouts)  # = critique_shard_plan
     return _CritiqueInputs(critic, plan, {r["rollout_id"]: r for r in rollouts},
-                           by_rollout, empty, prompts, storage.key_hash(critique_key(cfg, round_idx)),
+                           by_rollout, empty, prompts, critique_shard_key(cfg, round_idx),
                            critique_parts_dir(cfg, round_idx))
 
 
@@ -500,8 +507,19 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
         inp = _critique_inputs(cfg, round_idx)
         kept = None if force else reusable_llm_critiques(p["critiques"], key)
         if kept is not None:
-            log.info("[critique] keeping the %d LLM critiques of %s (only the arithmetic check is new)",
+            # the kept critiques become committed shards first: a kill while the new table is written
+            # (the old one is moved to superseded/ then) loses no critic work
+            log.info("[critique] keeping the %d LLM critiques of %s (only the checkers run again)",
                      kept.num_rows, p["critiques"].name)
+            by_rid: dict[str, list] = {}
+            for r in kept.to_pylist():
+                by_rid.setdefault(r["rollout_id"], []).append(r)
+            for i, ids in enumerate(inp.plan):
+                if not _shard_committed(parts_dir, i, inp.shard_key, ids):
+                    rows = [r for rid in ids for r in by_rid.get(rid, [])]
+                    storage.write_part(pa.Table.from_pylist(rows, schema=CRITIQUES_SCHEMA), parts_dir, i, "critiques",
+                                       {"key": inp.shard_key, "shard": i, "rollouts_sha": _ids_sha(ids),
+                                        "pid": os.getpid(), "reused_from": p["critiques"].name})
             done, todo = list(range(len(inp.plan))), []
         else:
             done = critique_done_shards(cfg, round_idx, inp.plan, prune=True)
@@ -519,10 +537,7 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
         stats_box["critic_calls"] = int(sum(w.get("critic_calls", 0) for w in workers))
         peaks = [w["peak_rss_mb"] for w in workers if w.get("peak_rss_mb") is not None]
         stats_box["peak_rss_mb"] = max(peaks) if peaks else None
-        if kept is not None:
-            tables = [kept]
-        else:
-            tables = [storage.read_table(_part_path(parts_dir, i), "critiques") for i in range(len(inp.plan))]
+        tables = [storage.read_table(_part_path(parts_dir, i), "critiques") for i in range(len(inp.plan))]
         readout_stats = None
         if cfg.critique.mode == "process":
             tables.append(pa.Table.from_pylist(arithmetic_rows(cfg, round_idx, inp.steps, inp.empty, list(inp.rollouts)),

@@ -47,8 +47,13 @@ def reward_key(cfg: CAPOConfig, round_idx: int) -> dict:
         reward["overlong"] = {**overlong, "max_tokens": cfg.rollout.sampling.max_tokens}
     if cfg.reward.outcome == "shuffled":  # the permutation's seed, in the key only then (other keys stay)
         reward["shuffle_seed"] = [cfg.seed, round_idx]
+    vote = dict(c["vote"])
+    if vote["sources"] == ["llm"]:  # the default source and an unused threshold stay out: earlier keys hold
+        del vote["sources"]
+    if "logprob" not in cfg.vote.sources:
+        del vote["logprob_threshold"]
     return {**ins, "critique_enabled": cfg.critique.enabled, "critique_mode": cfg.critique.mode,
-            "vote": c["vote"], "reward": reward, "variant": cfg.variant}
+            "vote": vote, "reward": reward, "variant": cfg.variant}
 
 
 def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:

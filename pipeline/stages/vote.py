@@ -2,9 +2,10 @@
 
 Every voting rule is computed (one row per response x step x rule), so the reward stage and SQL can
 compare rules without voting again; the rules are :mod:`pipeline.core.voting` (paper §3.3). The
-critiques table holds two sources: the critic's N critiques (``source = 'llm'``), voted under each
-rule into ``llm_weight``, and one exact arithmetic check per response (``source = 'arithmetic'``),
-stored as ``arithmetic_flag``. ``weight``, the w_s the reward stage subtracts, is the larger of the
+critiques table holds up to three sources: the critic's N critiques (``source = 'llm'``), voted under
+each rule into ``llm_weight``; one exact arithmetic check per response (``source = 'arithmetic'``),
+stored as ``arithmetic_flag``; and with ``critique.logprob_readout`` the calibrated log-prob readout
+(``source = 'logprob'``), stored as ``logprob_score``. ``weight``, the w_s the reward stage subtracts, is the larger of the
 verdicts of the sources ``vote.sources`` names.
 """
 

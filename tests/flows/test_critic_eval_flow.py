@@ -131,6 +131,7 @@ def test_a_processbench_file_and_a_perfect_critic(tmp_path, scripted, data_dir):
     for s in scores:
         assert (s["acc_erroneous"], s["acc_correct"], s["f1"]) == (1.0, 1.0, 1.0)
         assert (s["step_precision"], s["step_recall"]) == (1.0, 1.0)
+        assert s["auroc"] == 1.0  # through the scores table: every erroneous item outscores every right one
     crit = pq.read_table(ces.critique_path(cfg, "fake+gold")).to_pylist()
     assert {c["item_id"] for c in crit} == {f"q{i}" for i in range(5)}
 

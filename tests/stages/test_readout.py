@@ -77,7 +77,7 @@ def test_the_critique_stage_writes_and_votes_the_readout(tmp_path, monkeypatch, 
     for r in live:
         assert len(r["step_scores"]) == r["n_steps"] == 2 and all(0 < q < 1 for q in r["step_scores"])
         assert r["wrong_steps"] == [i for i, q in enumerate(r["step_scores"]) if q > 0.5]
-        assert r["raw_text"].startswith("Step 1: P(wrong) ")
+        assert r["raw_text"].startswith("Step 0: P(wrong) ")
     assert storage.read_manifest(p["critiques"])["readout"]["prefill_tokens"] > 0
     vote_stage(cfg, 1)
     sv = storage.read_table(p["step_verdicts"], "step_verdicts").to_pylist()
@@ -105,3 +105,7 @@ def test_the_readout_needs_a_local_critic(tmp_path):
         _cfg(tmp_path, "critique.engine.type=openai", "critique.logprob_readout=true")
     with pytest.raises(ValueError, match="vote.sources names logprob, which needs critique.logprob_readout=true"):
         _cfg(tmp_path, "vote.sources=[llm,logprob]")
+    with pytest.raises(ValueError, match="capo-genprm-v3's worked example changes"):
+        _cfg(tmp_path, "critique.logprob_readout=true", "critique.template=capo-genprm-v3")
+    with pytest.raises(ValueError, match="critique.include_reference=true shows the reference solution"):
+        _cfg(tmp_path, "critique.include_reference=true", "critique.mode=outcome", "reward.process_weight=0")

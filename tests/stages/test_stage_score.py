@@ -400,7 +400,7 @@ def test_the_critique_stage_adds_the_arithmetic_check_and_keeps_older_llm_critiq
     assert sorted(arith) == ["A", "B"]
     assert (arith["A"]["wrong_steps"], arith["A"]["steps_judged"]) == ([], [1])
     assert (arith["B"]["wrong_steps"], arith["B"]["steps_judged"]) == ([2], [0, 2])
-    assert "Step 3: wrong - 4 + 4 = 9 (is 8)" in arith["B"]["raw_text"]
+    assert "Step 2: wrong - 4 + 4 = 9 (is 8)" in arith["B"]["raw_text"]
     assert len(list((p["round_dir"] / "superseded").glob("critiques-*.parquet"))) == n_superseded + 1
     assert crit_mod.critique_stage(cfg, 1).skipped  # current now
     vote_stage(cfg, 1)

@@ -479,8 +479,8 @@ def test_critique_steps_reads_like_a_critique():
     c = critique_steps(["She pays 148 + 4 + 42 = 206 dollars.", "Then 206 \\times 0.90 = 185.4",
                         "From 2023-2024 she saved.", "So 10/3 = 3.33 each, \\boxed{185.4}"])
     assert c.wrong_steps == (0,) and c.steps_judged == (0, 1, 3)
-    assert c.text.splitlines() == ["Step 1: wrong - 148 + 4 + 42 = 206 (is 194)", "Step 2: correct (1 equation)",
-                                   "Step 3: nothing to check", "Step 4: correct (1 equation)", "Wrong step list: [1]"]
+    assert c.text.splitlines() == ["Step 0: wrong - 148 + 4 + 42 = 206 (is 194)", "Step 1: correct (1 equation)",
+                                   "Step 2: nothing to check", "Step 3: correct (1 equation)", "Wrong step list: [0]"]
     assert critique_steps([]) == type(c)((), (), "Wrong step list: []")
     with pytest.raises(TypeError, match="str"):
         critique_steps([None])

@@ -52,5 +52,5 @@ def test_verdict_tokens_must_differ():
 
 def test_readout_text_lists_the_steps_above_the_threshold():
     text = readout_text([0.2, 0.9], [0.3, 0.7], [0.4, 0.4])
-    assert text.splitlines() == ["Step 1: P(wrong) 0.200 (raw 0.300, content-free 0.400)",
-                                 "Step 2: P(wrong) 0.900 (raw 0.700, content-free 0.400)", "Wrong step list: [2]"]
+    assert text.splitlines() == ["Step 0: P(wrong) 0.200 (raw 0.300, content-free 0.400)",
+                                 "Step 1: P(wrong) 0.900 (raw 0.700, content-free 0.400)", "Wrong step list: [1]"]
