@@ -70,7 +70,7 @@ def setup(
 def round_cmd(
     round: int = typer.Option(1, "--round", "-r", help="round number (1 samples from the starting policy)"),
     config: str = typer.Option(DEFAULT_CONFIG, help="YAML config"),
-    preset: Optional[str] = typer.Option(None, help="capo-intersection | capo-union | capo-majority | capo-average | capo-majority-arithmetic | capo-arithmetic | grpo | grpo-genorm"),
+    preset: Optional[str] = typer.Option(None, help="capo-intersection | capo-union | capo-majority | capo-average | capo-majority-arithmetic | capo-arithmetic | capo-logprob-arithmetic | grpo | grpo-genorm"),
     force: Optional[list[str]] = typer.Option(None, help="stage(s) to recompute even when current"),
     overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value overrides"),
 ) -> None:

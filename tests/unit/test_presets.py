@@ -7,9 +7,10 @@ import pytest
 
 from pipeline.config import list_presets, load_config
 
-PRESETS = ["capo-arithmetic", "capo-average", "capo-intersection", "capo-majority", "capo-majority-arithmetic",
-           "capo-union", "grpo", "grpo-genorm"]
-SOURCES = {"capo-arithmetic": ["arithmetic"], "capo-majority-arithmetic": ["llm", "arithmetic"]}
+PRESETS = ["capo-arithmetic", "capo-average", "capo-intersection", "capo-logprob-arithmetic", "capo-majority",
+           "capo-majority-arithmetic", "capo-union", "grpo", "grpo-genorm"]
+SOURCES = {"capo-arithmetic": ["arithmetic"], "capo-majority-arithmetic": ["llm", "arithmetic"],
+           "capo-logprob-arithmetic": ["arithmetic", "logprob"]}
 
 
 def test_every_paper_variant_is_a_preset():
@@ -22,6 +23,7 @@ def test_preset_names_the_variant_and_is_coherent(name):
     assert cfg.variant == name
     if name.startswith("capo-"):
         assert cfg.vote.sources == SOURCES.get(name, ["llm"])  # the paper's variants: the critic alone
+        assert cfg.critique.logprob_readout == ("logprob" in cfg.vote.sources)
         if "llm" in cfg.vote.sources:
             assert cfg.vote.rule == name.removeprefix("capo-").removesuffix("-arithmetic")
         assert cfg.critique.enabled and cfg.critique.mode == "process" and cfg.reward.process_weight == 1.0
