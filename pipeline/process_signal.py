@@ -327,12 +327,12 @@ def format_rows(rows: list[dict]) -> str:
     def auc(r):
         return "-" if r["auroc"] is None else f"{r['auroc']:.3f} [{r['auroc_low']:.3f}, {r['auroc_high']:.3f}]"
 
-    head = f"{'round':>5} {'variant':<18} {'source':<16} {'scope':<13} {'n':>4} {'wrong':>5} " \
+    head = f"{'round':>5} {'variant':<18} {'source':<19} {'scope':<13} {'n':>4} {'wrong':>5} " \
            f"{'right pen %':>11} {'wrong pen %':>11}  AUROC [95% CI]"
     lines = [head]
     for r in rows:
         src = r["source"] + ("*" if r.get("trains") else "")
-        lines.append(f"{r['round']:>5} {str(r['variant'] or '-'):<18} {src:<16} {r['scope']:<13} "
+        lines.append(f"{r['round']:>5} {str(r['variant'] or '-'):<18} {src:<19} {r['scope']:<13} "
                      f"{r['n_responses']:>4} {r['n_wrong']:>5} {pct(r['right_penalized']):>11} "
                      f"{pct(r['wrong_penalized']):>11}  {auc(r)}")
     if any(r.get("trains") for r in rows):
