@@ -511,6 +511,7 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
             # (the old one is moved to superseded/ then) loses no critic work
             log.info("[critique] keeping the %d LLM critiques of %s (only the checkers run again)",
                      kept.num_rows, p["critiques"].name)
+            stats_box["kept_engine"] = (storage.read_manifest(p["critiques"]) or {}).get("engine")
             by_rid: dict[str, list] = {}
             for r in kept.to_pylist():
                 by_rid.setdefault(r["rollout_id"], []).append(r)
@@ -554,7 +555,8 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
         parsed_ok = set(VERDICT_STATUSES) if cfg.critique.mode == "process" else {OUTCOME_PARSE_STATUSES[0]}
         n_fail = sum(st not in parsed_ok and st != "skipped_empty_response" for st in statuses)
         return table, provenance(cfg, {"critic": inp.critic, "critic_calls": stats_box["critic_calls"],
-                                       "engine": sum_engine_stats([w.get("engine") for w in workers]),
+                                       "engine": sum_engine_stats([w.get("engine") for w in workers])
+                                       or stats_box.get("kept_engine"),  # the kept critiques' own cost
                                        "parse_failures": n_fail, "statuses": dict(Counter(statuses)),
                                        "template_version": cfg.critique.template, "readout": readout_stats,
                                        "shards": {"planned": len(inp.plan), "computed": len(todo),
