@@ -120,7 +120,8 @@ def test_capo_run_flow_keeps_one_host_for_its_rounds(repo, data_dir, tmp_path, h
     # the critic on the transformers engine: a second vLLM engine per critique stage tests nothing here
     over = [f"runs_dir={runs}", f"data_dir={data_dir}", "scale.policy_engine=persistent",
             "data.prompts_per_round=1", "critique.num_critiques=1", "critique.engine.type=transformers",
-            "eval.benchmarks=[gsm8k]"]
+            "eval.benchmarks=[gsm8k]", "rollout.sampling.max_tokens=24", "critique.sampling.max_tokens=24",
+            "eval.max_tokens=16"]
     capo_run(rounds=2, config=str(repo / "configs" / "tiny.yaml"), overrides=over)
     cfg = load_config(repo / "configs" / "tiny.yaml", over)
     log = (runs / "tiny" / "policy_engine.log").read_text()

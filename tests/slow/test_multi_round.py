@@ -9,7 +9,7 @@ Round 2 must sample from round 1's checkpoint, eval must have a row per benchmar
 the report must be written.
 
 The kill matrix has eleven groups of points (:data:`KILL_GROUPS`). By default the suite kills at
-the :data:`DEFAULT_KILL_GROUPS` (3) of them, drawn with a seed taken from the checked-out commit, so each
+the :data:`DEFAULT_KILL_GROUPS` (2) of them, drawn with a seed taken from the checked-out commit, so each
 commit tests another subset and every point is covered over time; each kill costs a restart and the
 killed stage's lost work (about a minute on a 2-core AVX2 CPU). The seed and the points drawn are
 printed and named in every failure. The full matrix, and any one draw again::
@@ -41,7 +41,7 @@ TABLES = ("rollouts", "outcomes", "steps", "critiques", f"variants/{VARIANT}/ste
 def _cmd(repo: Path, runs: Path, data_dir: Path, seed: int, rounds: int = 2) -> list[str]:
     return [sys.executable, "-m", "flows.cli", "run", "--rounds", str(rounds), "--config", str(repo / "configs" / "tiny.yaml"),
             f"runs_dir={runs}", f"data_dir={data_dir}", "rollout.engine.type=transformers",
-            "critique.engine.type=transformers", "critique.batch_rollouts=1", "eval.benchmarks=[gsm8k]",
+            "critique.engine.type=transformers", "critique.batch_rollouts=2", "eval.benchmarks=[gsm8k]",
             "data.prompts_per_round=4", "rollout.sampling.max_tokens=96", f"variant={VARIANT}", "vote.rule=union",
             "vote.sources=[llm,arithmetic]", "reward.overlong_buffer=32", f"seed={seed}"]
 
@@ -90,7 +90,7 @@ KILL_GROUPS = (
 )
 
 
-DEFAULT_KILL_GROUPS = 3
+DEFAULT_KILL_GROUPS = 2
 """Groups of :data:`KILL_GROUPS` the suite kills in by default (``CAPO_KILL_GROUPS``: a count or ``all``)."""
 
 
