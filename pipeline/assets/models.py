@@ -68,6 +68,9 @@ class EmbeddedModel:
     description: str
     eos_tokens: tuple[str, ...]
     """Tokens that end a turn; all go into ``generation_config.eos_token_id``."""
+    quantization: str = "Q4_K_M"
+    """The GGUF's weight quantization (llama.cpp's type name): every quality figure of this model
+    is for these 4-bit weights, dequantized, not for the original release."""
 
 
 def _split_packages(prefix: str, version: str, count: int) -> tuple[EmbeddedPackage, ...]:
@@ -89,6 +92,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             ),
             gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             description="SmolLM2-135M-Instruct, GGUF Q4_1 (tiny model for tests)",
+            quantization="Q4_1",
             eos_tokens=("<|im_end|>",),
         ),
         EmbeddedModel(
@@ -405,6 +409,9 @@ def _write_manifest(folder: Path, model: EmbeddedModel, dtype: str, gguf_path: P
     record = _manifest(model, dtype) | {
         "manifest_version": MANIFEST_VERSION,
         "description": model.description,
+        "quantization": model.quantization,
+        "conversion": (f"GGUF ({model.quantization}) dequantized by transformers "
+                       f"(from_pretrained(gguf_file=...), GgufConfig(dequantize=True)) to {dtype} safetensors"),
         "gguf_file": gguf_path.name,
         "gguf_bytes": gguf_path.stat().st_size,
         "eos_tokens": list(model.eos_tokens),
