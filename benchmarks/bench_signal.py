@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--readout", action="store_true", help="with --critique: critique.logprob_readout=true")
     ap.add_argument("--variants", nargs="+", default=["capo-majority", "capo-average"],
                     help="with --critique: presets whose vote and reward stages run on the round")
+    ap.add_argument("--logprob-thresholds", nargs="+", type=float, default=[],
+                    help="with --readout: each --variants preset that votes the readout also runs as "
+                         "<preset>-t<threshold> with vote.logprob_threshold=<threshold>")
     ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     args = ap.parse_args(argv)
     if args.problems < 1:
@@ -131,8 +134,13 @@ def _critique_and_vote(args, cfg, p, env, run_stage, load_config) -> list[dict]:
                      "readout_load_seconds": round(readout["load_seconds"], 1) if readout else None}
     for preset in args.variants:
         vcfg = load_config(args.config, base, preset=preset)
-        for stage in ("vote", "reward"):
-            run_stage(stage, vcfg, 1)
+        runs = [vcfg]
+        if "logprob" in vcfg.vote.sources:
+            runs += [load_config(args.config, [*base, f"variant={preset}-t{t:g}", f"vote.logprob_threshold={t}"],
+                                 preset=preset) for t in args.logprob_thresholds]
+        for c in runs:
+            for stage in ("vote", "reward"):
+                run_stage(stage, c, 1)
     return [{**r, **env} for r in measure_round(p["round_dir"], n_boot=2000, seed=0)]
 
 

@@ -233,8 +233,11 @@ class CritiqueConfig(_Strict):
     critic: str = "qwen2.5-coder-1.5b-instruct"
     """The GenPRM: an embedded model name, a local checkpoint, a HF id, or the model name served
     by an ``openai`` engine."""
-    num_critiques: int = Field(4, ge=1)
-    """N critiques sampled per response, one request with n=N (paper: N in {2, 4, 8})."""
+    num_critiques: int = Field(4, ge=0)
+    """N critiques sampled per response, one request with n=N (paper: N in {2, 4, 8}). 0 samples none:
+    the critiques table then holds only the checkers' rows (the arithmetic check, and the log-prob
+    readout with ``logprob_readout``), for a variant whose ``vote.sources`` leaves out ``llm``; the
+    critic costs one prefill per response instead of N generations."""
     include_gold_answer: bool = True
     """Show the gold answer to the critic (paper default; off is its ablation)."""
     logprob_readout: bool = False
@@ -293,6 +296,9 @@ class CritiqueConfig(_Strict):
         if self.include_reference and self.mode == "outcome":
             raise ValueError("critique.include_reference=true shows the reference solution to the step critic; "
                              "critique.mode is 'outcome' (GenORM judges only the final answer): set one of them back")
+        if self.num_critiques == 0 and self.mode == "outcome":
+            raise ValueError("critique.num_critiques=0 samples no critique, but critique.mode is 'outcome' (the "
+                             "GenORM verdicts are sampled critiques): set critique.num_critiques to 1 or more")
         if self.logprob_readout and self.template == "capo-genprm-v3":
             raise ValueError("critique.logprob_readout=true calibrates against a content-free prompt, but "
                              "capo-genprm-v3's worked example changes with every judged solution, so no content-free "
@@ -600,6 +606,11 @@ class CAPOConfig(_Strict):
             raise ValueError(f"reward.process_weight={r.process_weight} needs step critiques "
                              "(critique.enabled=true, critique.mode=process); set reward.process_weight=0 "
                              "for the GRPO / GenORM baselines")
+        if c.enabled and c.num_critiques == 0 and "llm" in self.vote.sources:
+            raise ValueError(f"vote.sources={self.vote.sources} names llm, the sampled critiques, but "
+                             "critique.num_critiques=0 samples none: set critique.num_critiques to 1 or more, or "
+                             "vote.sources to checkers only, e.g. [arithmetic] or [logprob, arithmetic] (with "
+                             "critique.logprob_readout=true)")
         if "logprob" in self.vote.sources and not c.logprob_readout:
             raise ValueError("vote.sources names logprob, which needs critique.logprob_readout=true (the readout "
                              "writes the scores it votes)")

@@ -394,7 +394,7 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
         batch = [inp.rollouts[rid] for rid in inp.plan[shard]]
         live = [r for r in batch if r["rollout_id"] not in inp.empty]
         gens = {}
-        if live:
+        if live and n > 0:  # n = 0: only the checkers' rows (finalize), no critic engine
             if engine is None:
                 engine = make_engine(inp.critic, cfg.critique.engine, seed=seed)
             if hasattr(engine, "reply_cache"):  # the OpenAI engine keeps finished replies across a failed request

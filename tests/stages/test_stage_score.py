@@ -538,3 +538,47 @@ def test_segment_stage_with_a_real_tokenizer(tmp_path):
     assert all(a["token_end"] == b["token_start"] for a, b in zip(f, f[1:]))
     x = [r for r in steps if r["rollout_id"] == "X"]
     assert len(x) == 1 and (x[0]["token_start"], x[0]["token_end"]) == (0, cut) and x[0]["step_text"].endswith("\ufffd")
+
+
+def test_no_sampled_critiques_the_checkers_alone_penalize(tmp_path, monkeypatch):
+    """``critique.num_critiques=0`` with ``vote.sources=[arithmetic]``: the critique stage writes the
+    checkers' rows only (no critic engine is made, no critic call), and the vote and reward stages
+    penalize B's wrong sum from the arithmetic check alone, with no LLM critique to count."""
+    from pipeline.stages import critique as crit_mod
+
+    cfg = _cfg(tmp_path, "critique.engine.type=openai", "critique.critic=served-critic",
+               "critique.num_critiques=0", "vote.sources=[arithmetic]")
+    _write_round(cfg)
+    p = round_paths(cfg, 1)
+    steps = storage.read_table(p["steps"], "steps").to_pylist()
+    texts = {("A", 1): "3 + 2 = 5 apples.", ("B", 2): "So 4 + 4 = 9."}
+    for r in steps:
+        r["step_text"] = texts.get((r["rollout_id"], r["step_idx"]), r["step_text"])
+    _write(cfg, "steps", [{k: v for k, v in r.items() if k not in ("run_id", "round")} for r in steps], "segment")
+    p["critiques"].unlink()
+    storage.manifest_path(p["critiques"]).unlink()
+
+    def no_critic(*a, **k):
+        raise AssertionError("num_critiques=0 must not start a critic engine")
+
+    monkeypatch.setattr(crit_mod, "make_engine", no_critic)
+    res = crit_mod.critique_stage(cfg, 1)
+    assert not res.skipped and res.critic_calls == 0
+    t = storage.read_table(p["critiques"], "critiques").to_pylist()
+    assert sorted((r["source"], r["rollout_id"]) for r in t) == [("arithmetic", "A"), ("arithmetic", "B")]
+    vote_stage(cfg, 1)
+    sv = {(r["rollout_id"], r["rule"], r["step_idx"]): r
+          for r in storage.read_table(p["step_verdicts"], "step_verdicts").to_pylist()}
+    for rule in ("intersection", "majority", "union", "average"):
+        assert [sv[("B", rule, s)]["weight"] for s in range(3)] == [0, 0, 1], rule
+        assert [sv[("A", rule, s)]["weight"] for s in range(3)] == [0, 0, 0], rule
+        assert {sv[(rid, rule, s)]["n_valid"] for rid in "AB" for s in range(3)} == {0}
+    reward_stage(cfg, 1)
+    assert _read_rewards(cfg)["B"]["rewards"] == [0.0, 0.0] + [-1.0] * 5
+
+
+def test_no_sampled_critiques_with_an_llm_source_or_genorm_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"vote.sources=\['llm'\] names llm.*num_critiques=0"):
+        _cfg(tmp_path, "critique.num_critiques=0")
+    with pytest.raises(ValueError, match=r"num_critiques=0 samples no critique.*outcome"):
+        _cfg(tmp_path, "critique.num_critiques=0", "critique.mode=outcome", "vote.sources=[arithmetic]")
