@@ -86,3 +86,21 @@ def harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+# ------------------------------------------------------------------------------- time per tier
+_TIER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Add each test's setup, call and teardown time to its tier (``tests/<tier>/...``)."""
+    parts = report.nodeid.split("/")
+    tier = parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
+    _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line with the suite's time per tier, the budget the README states per tier."""
+    if _TIER_SECONDS:
+        parts = ", ".join(f"{t} {s:.0f} s" for t, s in sorted(_TIER_SECONDS.items(), key=lambda x: -x[1]))
+        terminalreporter.write_line(f"time per tier: {parts} (total {sum(_TIER_SECONDS.values()):.0f} s)")
