@@ -15,7 +15,10 @@
    policy, the eval's own noise), and, when asked for, ``shuffled`` (preset ``grpo`` with
    ``reward.outcome=shuffled``: each group's verified outcomes dealt out again at random among its
    responses, so updates of GRPO's size and noise that say nothing about which response was right;
-   a training arm that does not beat it learned nothing from its reward). Each arm x seed is one run (``<runs-dir>/learn-<arm>-s<seed>-<settings hash>``)
+   a training arm that does not beat it learned nothing from its reward), and ``random-credit``
+   (CAPO with ``vote.random_credit=true``: each response's step penalties moved to random steps of
+   the same response, so the same responses lose the same number of steps' worth of reward; CAPO
+   that does not beat it gains nothing from *where* its signal puts the penalty). Each arm x seed is one run (``<runs-dir>/learn-<arm>-s<seed>-<settings hash>``)
    run round by round through the same stage runner as ``capo run``; it resumes at its first
    unfinished round when stopped and started again (under the same settings: the run id ends in
    a hash of them).
@@ -58,9 +61,8 @@ Defaults: the configuration under which learning was shown (docs/benchmarks.md, 
 benchmark"): lr 2e-6, 320 tokens, 8 problems x 4 responses per round (16 per AdamW step), DAPO's
 dynamic sampling, the policy in fp32 (the shipped defaults), 4 samples per held-out problem besides
 the greedy answer, and the training problems of ``benchmarks/selections/`` (``--select-here`` to
-select on this machine). Before the twenty-third session the defaults were lr 5e-6, 192 tokens,
-4 problems, no dynamic sampling, 1 eval sample and ``auto`` precision, and the docs' earlier
-commands ran with those: docs/benchmarks.md ("Learning benchmark") lists the flags to add to
+select on this machine). Earlier defaults were lr 5e-6, 192 tokens, 4 problems, no dynamic
+sampling, 1 eval sample and ``auto`` precision, and the docs' earlier commands ran with those: docs/benchmarks.md ("Learning benchmark") lists the flags to add to
 repeat one (its run ids stay the same).
 
 Cost: every round of every arm is a real round (rollouts, verification, for CAPO the critic, PPO
@@ -86,7 +88,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-ARMS = ("grpo", "capo", "control", "shuffled")
+ARMS = ("grpo", "capo", "control", "shuffled", "random-credit")
 DEFAULT_ARMS = ["grpo", "capo", "control"]
 log = logging.getLogger("capo.bench_learning")
 
@@ -142,7 +144,10 @@ def arm_config(a: argparse.Namespace, arm: str, seed: int, train_file: Path):
         over.append("train.learning_rate=0")
     if arm == "shuffled":
         over.append("reward.outcome=shuffled")
-    return load_config(ROOT / "configs" / "default.yaml", over, preset=None if arm == "capo" else "grpo")
+    if arm == "random-credit":
+        over.append("vote.random_credit=true")
+    return load_config(ROOT / "configs" / "default.yaml", over,
+                       preset=None if arm in ("capo", "random-credit") else "grpo")
 
 
 # ------------------------------------------------------------------------------------- selection
@@ -560,6 +565,18 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
                 row[f"{tag}capo_minus_grpo_pooled"] = head
                 row[f"{tag}capo_beat_grpo"] = bool(head["lo"] > 0) if head["seeds"] >= 2 else None
             out.append(row)
+        # CAPO against its own signal on random steps: does the penalty's placement carry information?
+        c, r = at(metric, "capo", K), at(metric, "random-credit", K)
+        row = {"bench": "learning", "metric": metric, f"{tag}capo_beat_random_credit": "not run"}
+        if c and r:
+            row.update({f"{tag}capo_minus_random_credit": float(np.mean(c) - np.mean(r)),
+                        f"{tag}capo_beat_random_credit": None})
+            if changes and (head := arm_minus_other(a, changes, "sampled" if tag else "greedy", "capo",
+                                                    "random-credit")):
+                row[f"{tag}capo_minus_random_credit_pooled"] = head
+                row[f"{tag}capo_beat_random_credit"] = bool(head["lo"] > 0) if head["seeds"] >= 2 else None
+        if c:  # the verdict, or "not run" where the control is missing
+            out.append(row)
         for arm in ("grpo", "capo"):  # a training arm against the update that carries no reward information
             t, sh = at(metric, arm, K), at(metric, "shuffled", K)
             if t and sh:
@@ -628,7 +645,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=ARMS,
-                    help="shuffled (not run by default): GRPO on each group's outcomes shuffled among its responses")
+                    help="shuffled (not run by default): GRPO on each group's outcomes shuffled among its responses; "
+                         "random-credit (not run by default): CAPO with its step penalties on random steps")
     ap.add_argument("--dataset", default="mawps", help="an eval benchmark: train on rows outside its eval subset")
     ap.add_argument("--policy", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--critic", default="qwen2.5-coder-1.5b-instruct")
@@ -660,7 +678,7 @@ def parser() -> argparse.ArgumentParser:
                     help="train on this JSONL of problems instead of selecting them with this machine's sampler "
                          "(the pass-rate selection differs between CPUs); copied to the selection's usual path, "
                          "so run ids stay those of a run that selected it. benchmarks/selections/ holds the "
-                         "nineteenth session's, used by default when the settings match (--select-here: select anew)")
+                         "shipped selections, used by default when the settings match (--select-here: select anew)")
     ap.add_argument("--select-here", action="store_true",
                     help="select the training problems with this machine's sampler even where a shipped selection "
                          "matches the settings (a selection already in <data-dir>/prompts/ for these settings is "

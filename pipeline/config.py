@@ -345,6 +345,12 @@ class VoteConfig(_Strict):
     logprob_threshold: float = Field(0.5, ge=0, lt=1)
     """A step whose calibrated P(wrong) from the log-prob readout is strictly above this is flagged
     (every rule but ``average``, which takes P(wrong) itself)."""
+    random_credit: bool = False
+    """A control: each response's step weights (from every source) are permuted at random among its
+    own steps (seeded by ``seed``, the round and the rollout), so the same responses lose the same
+    number of steps' worth of penalty, on randomly chosen steps. It tests whether the signal's
+    placement carries information; the true verdicts stay in ``llm_weight``, ``arithmetic_flag``
+    and ``logprob_score``."""
 
     @field_validator("sources")
     @classmethod

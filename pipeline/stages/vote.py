@@ -6,7 +6,8 @@ critiques table holds up to three sources: the critic's N critiques (``source = 
 each rule into ``llm_weight``; one exact arithmetic check per response (``source = 'arithmetic'``),
 stored as ``arithmetic_flag``; and with ``critique.logprob_readout`` the calibrated log-prob readout
 (``source = 'logprob'``), stored as ``logprob_score``. ``weight``, the w_s the reward stage subtracts, is the larger of the
-verdicts of the sources ``vote.sources`` names.
+verdicts of the sources ``vote.sources`` names; under ``vote.random_credit`` (a control) it is
+permuted among the response's steps (:func:`random_step_order`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,18 @@ def vote_key(cfg: CAPOConfig, round_idx: int) -> dict:
     return {"steps": input_fp(p["steps"]), "critiques": input_fp(p["critiques"]),
             "majority_threshold": cfg.vote.majority_threshold, "partial_critiques": cfg.vote.partial_critiques,
             "sources": cfg.vote.sources, "variant": cfg.variant,
-            **({"logprob_threshold": cfg.vote.logprob_threshold} if "logprob" in cfg.vote.sources else {})}
+            **({"logprob_threshold": cfg.vote.logprob_threshold} if "logprob" in cfg.vote.sources else {}),
+            **({"random_credit": [cfg.seed, round_idx]} if cfg.vote.random_credit else {})}
+
+
+def random_step_order(seed: int, round_idx: int, rollout_id: str, n_steps: int) -> np.ndarray:
+    """The permutation the random-credit control applies to one response's step weights, shape
+    ``(n_steps,)``: step ``i`` gets the weight of step ``perm[i]``. Seeded by (seed, round, a hash of
+    the rollout id), so it is the same for every rule and every run of the stage."""
+    import hashlib
+
+    h = int.from_bytes(hashlib.sha256(str(rollout_id).encode()).digest()[:8], "little")
+    return np.random.default_rng([int(seed), int(round_idx), h]).permutation(n_steps)
 
 
 def vote_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
@@ -88,11 +100,14 @@ def vote_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRes
             if scores.get(rid) is not None:
                 q = np.asarray(scores[rid], dtype=np.float32)
                 q_list = q.tolist()
+            perm = random_step_order(cfg.seed, round_idx, rid, S) if cfg.vote.random_credit else None
             for rule in VOTING_RULES:
                 w_llm = vote(n_flagged, np.int32(n_valid), rule, cfg.vote.majority_threshold)
                 w_lp = q if rule == "average" else (q > cfg.vote.logprob_threshold).astype(np.float32)
                 w = np.maximum.reduce([w_llm if use_llm else np.zeros(S, np.float32), a if use_arith else 0.0 * a,
                                        w_lp if use_lp else 0.0 * a]).astype(np.float32)
+                if perm is not None:  # the control: the same weights on randomly chosen steps
+                    w = w[perm]
                 cols["rollout_id"] += [rid] * S
                 cols["step_idx"] += list(range(S))
                 cols["rule"] += [rule] * S

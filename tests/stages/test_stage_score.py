@@ -582,3 +582,33 @@ def test_no_sampled_critiques_with_an_llm_source_or_genorm_is_refused(tmp_path):
         _cfg(tmp_path, "critique.num_critiques=0")
     with pytest.raises(ValueError, match=r"num_critiques=0 samples no critique.*outcome"):
         _cfg(tmp_path, "critique.num_critiques=0", "critique.mode=outcome", "vote.sources=[arithmetic]")
+
+
+def test_random_credit_moves_each_responses_penalty_to_random_steps_of_it(tmp_path):
+    """The random-credit control: per response and rule, the same weights (so the same number of
+    penalized steps) on a seeded random permutation of its steps, the same permutation under every
+    rule; the true verdicts stay in llm_weight / arithmetic_flag. Over seeds B's flag leaves step 2."""
+    from pipeline.stages.vote import random_step_order, vote_key
+
+    where = set()
+    for seed in range(6):
+        (tmp_path / str(seed)).mkdir()
+        cfg = _cfg(tmp_path / str(seed), "vote.sources=[llm,arithmetic]", "vote.random_credit=true", f"seed={seed}")
+        _write_round(cfg)
+        _add_arithmetic_rows(cfg, {"A": [], "B": [2]})
+        vote_stage(cfg, 1)
+        rows = storage.read_table(round_paths(cfg, 1)["step_verdicts"], "step_verdicts").to_pylist()
+        got = {(r["rollout_id"], r["rule"]): [] for r in rows}
+        for r in sorted(rows, key=lambda r: r["step_idx"]):
+            got[(r["rollout_id"], r["rule"])].append(r)
+        for (rid, rule), rs in got.items():
+            true = [max(WEIGHTS[rule][rid][s], float(rid == "B" and s == 2)) for s in range(3)]
+            perm = random_step_order(seed, 1, rid, 3)
+            assert [r["weight"] for r in rs] == pytest.approx([true[i] for i in perm]), (seed, rid, rule)
+            assert sorted(r["weight"] for r in rs) == pytest.approx(sorted(true))  # same penalty, other steps
+            assert [r["llm_weight"] for r in rs] == pytest.approx(WEIGHTS[rule][rid])
+            assert [r["arithmetic_flag"] for r in rs] == [rid == "B" and s == 2 for s in range(3)]
+        where.add(tuple(int(i) for i in random_step_order(seed, 1, "B", 3)).index(2))
+        assert vote_key(cfg, 1)["random_credit"] == [seed, 1]
+    assert len(where) > 1, "over 6 seeds B's arithmetic flag must land on more than one step"
+    assert "random_credit" not in vote_key(_cfg(tmp_path / "5", "vote.sources=[llm,arithmetic]", "seed=5"), 1)  # keys written before the option stay valid

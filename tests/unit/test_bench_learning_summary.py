@@ -69,7 +69,7 @@ def test_capo_minus_grpo_is_paired_by_seed_and_item(bench):
     # is +1 on items 10-19 and 0 elsewhere, in both seeds -> +5 points, and no seed variation
     changes = {("grpo", 0): _changes([10, 0]), ("grpo", 1): _changes([10, 0]),
                ("capo", 0): _changes([20, 0]), ("capo", 1): _changes([20, 0])}
-    *_, head = bench.summarize(a, rows, {}, changes)
+    (head,) = [r for r in bench.summarize(a, rows, {}, changes) if "capo_minus_grpo" in r]
     assert head["metric"] == "heldout_accuracy" and head["capo_minus_grpo"] == pytest.approx(0.05)
     pooled = head["capo_minus_grpo_pooled"]
     assert pooled["seeds"] == 2 and pooled["diff"] == pytest.approx(0.05) and pooled["per_seed"] == pytest.approx([0.05, 0.05])
@@ -81,10 +81,10 @@ def test_capo_minus_grpo_is_paired_by_seed_and_item(bench):
     near = {("grpo", 0): _changes([10, 0]), ("grpo", 1): _changes([10, 0]),
             ("capo", 0): _changes([11, 0]), ("capo", 1): _changes([11, 0])}
     rows_near = [{**r, "heldout_accuracy": 0.555 if r["arm"] == "capo" else 0.55} for r in rows]
-    *_, tie = bench.summarize(a, rows_near, {}, near)
+    (tie,) = [r for r in bench.summarize(a, rows_near, {}, near) if "capo_minus_grpo" in r]
     assert tie["capo_minus_grpo"] == pytest.approx(0.005) and tie["capo_ahead_of_grpo"] is True
     assert not tie["capo_minus_grpo_pooled"]["significant"] and tie["capo_beat_grpo"] is False
-    *_, bare = bench.summarize(a, rows, {}, {})  # no eval tables: no interval, no verdict
+    (bare,) = [r for r in bench.summarize(a, rows, {}, {}) if "capo_minus_grpo" in r]  # no eval tables: no verdict
     assert bare["capo_ahead_of_grpo"] is True and bare["capo_beat_grpo"] is None
     # a seed only one arm finished is left out; no seed both finished: no pooled comparison
     assert bench.arm_minus_other(a, {**changes, ("grpo", 1): None}, "greedy")["seeds"] == 1
@@ -131,3 +131,21 @@ def test_each_training_arm_is_compared_with_the_shuffled_outcome_control(bench):
     assert not [r for r in out if "capo_minus_shuffled" in r]  # no CAPO runs, no CAPO row
     cfg = bench.arm_config(a, "shuffled", 0, Path("train.jsonl"))
     assert cfg.reward.outcome == "shuffled" and cfg.reward.estimator == "grpo" and not cfg.critique.enabled
+
+
+def test_capo_is_compared_with_its_own_signal_on_random_steps(bench):
+    """CAPO gained items 0-19 in both seeds, the random-credit control items 0-9: +5 points, paired
+    interval above 0 over 2 seeds, so CAPO beat random credit; without that arm the row says so."""
+    a = bench.parser().parse_args(["--arms", "capo", "random-credit", "--seeds", "0", "1", "--rounds", "2"])
+    rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": acc}
+            for arm, acc in [("capo", 0.60), ("random-credit", 0.55)] for s in (0, 1)]
+    changes = {(arm, s): _changes([up, 0]) for arm, up in [("capo", 20), ("random-credit", 10)] for s in (0, 1)}
+    out = bench.summarize(a, rows, {}, changes)
+    (head,) = [r for r in out if "capo_minus_random_credit" in r]
+    assert head["capo_minus_random_credit"] == pytest.approx(0.05)
+    assert head["capo_minus_random_credit_pooled"]["lo"] > 0 and head["capo_beat_random_credit"] is True
+    alone = bench.summarize(a, [r for r in rows if r["arm"] == "capo"], {}, {k: v for k, v in changes.items()
+                                                                            if k[0] == "capo"})
+    assert [r["capo_beat_random_credit"] for r in alone if "capo_beat_random_credit" in r] == ["not run"]
+    cfg = bench.arm_config(a, "random-credit", 0, Path("train.jsonl"))
+    assert cfg.vote.random_credit and cfg.critique.enabled and cfg.reward.process_weight > 0 and cfg.variant == "random-credit"
