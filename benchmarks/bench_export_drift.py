@@ -1,6 +1,6 @@
 """How much of a run's fp32 update reaches the engine checkpoint written in ``train.save_dtype``.
 
-The trainer keeps fp32 master weights in the training state (issue 11, item 1) and exports the
+The trainer keeps fp32 master weights in the training state and exports the
 checkpoint that vLLM and the eval load as their ``train.save_dtype`` cast (bf16 by default; the
 trainer's own forward under bf16 autocast casts them the same way). Rounding would carry an update
 at full size on average if the weights sat anywhere inside their bf16 bins; but the shipped policy

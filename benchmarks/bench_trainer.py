@@ -39,10 +39,10 @@ resolution (``bench_context``).
     .venv/bin/python benchmarks/bench_trainer.py --skip-trl            # the precision comparison only
     .venv/bin/python benchmarks/bench_trainer.py --memory              # peak memory of the default train stage
 
-Memory (``--memory``, issue 11): the default round's train stage in its own shape: the 0.5B
+Memory (``--memory``): the default round's train stage in its own shape: the 0.5B
 policy (``--memory-model``), micro-batches of ``train.micro_batch_size`` = 2 sequences of 192
 prompt + 320 response tokens (``rollout.sampling.max_tokens``), two micro-batches per optimizer
-step, fp32 weights and the shipped ``train.mixed_precision`` (``no`` since the twenty-third session;
+step, fp32 weights and the shipped ``train.mixed_precision`` (``no``;
 the before/after figures in docs/benchmarks.md were measured under ``auto``); two ``ppo_update`` calls (the second runs
 with the AdamW moments allocated, as every step after a round's first does). Once per
 configuration, each in its own child process, so each reports its own peak RSS (``ru_maxrss``):

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--precision", default="auto", choices=("auto", "fp32"),
                     help="the policy's precision in sections 1-5: auto (default: bf16 autocast and bf16 export on a "
                          "bf16 GPU, the GPU choice and the setting of the H100 lines in docs/benchmarks.md) or fp32 "
-                         "(the shipped defaults since the twenty-third session: no autocast, fp32 export)")
+                         "(the shipped defaults: no autocast, fp32 export)")
     args = ap.parse_args(argv)
     if args.only_distributed and not (args.fsdp or args.deepspeed):
         ap.error("--only-distributed needs --fsdp and/or --deepspeed")

@@ -11,8 +11,8 @@ round's own eval table (``eval.parquet``, the same problems):
   step); a checkpoint whose weights are already bf16 values (the embedded starting policies) gets
   every non-zero weight moved by one bf16 step, up or down at random (seeded).
 
-A change between rounds of the size these show is indistinguishable from no training at all
-(issue 11: the report drew such noise as a gain). Output, per round::
+A change between rounds of the size these show is indistinguishable from no training at all,
+and must not be read as a gain. Output, per round::
 
     runs/<run>/noise_floor/round_<k>[/<variant>]/repeat.parquet        EVAL_SCHEMA, the second pass
     runs/<run>/noise_floor/round_<k>[/<variant>]/one_rounding.parquet  EVAL_SCHEMA, the perturbed copy

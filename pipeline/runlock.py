@@ -1,4 +1,4 @@
-"""One writer per run: an OS file lock on the run directory (issue 15).
+"""One writer per run: an OS file lock on the run directory.
 
 Every command and flow that writes into ``runs/<run_id>/`` (``capo round``, ``capo run``,
 ``capo stage``, ``capo noise-floor`` and the Prefect flows ``capo-round`` / ``capo-run``) holds

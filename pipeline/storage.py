@@ -491,7 +491,7 @@ SELECT per.run_id, per.round, per.variant, pen.rule, per.tokens, pen.accuracy, p
 FROM per JOIN pen USING (run_id, round, variant) LEFT JOIN m USING (run_id, round, variant)
 ORDER BY per.run_id, per.round, per.variant
 """
-"""Per run, round and variant: what the variant did to the tokens and to the update (issue 3)."""
+"""Per run, round and variant: what the variant did to the tokens and to the update."""
 
 
 EVAL_SUMMARY_SQL = """

@@ -1,4 +1,4 @@
-"""How much of the fp32 update the exported checkpoint carries (the bf16 dead zone, issue 11).
+"""How much of the fp32 update the exported checkpoint carries (the bf16 dead zone).
 
 The trainer keeps fp32 master weights in the training state and exports the checkpoint that vLLM
 and the eval load as their ``train.save_dtype`` cast (:func:`train.state.save_checkpoint`). A

@@ -14,7 +14,7 @@ passing as a verdict on every step; ``vote.partial_critiques`` decides how those
 Templates (``critique.template``; the version is in the critique stage's key and in every row):
 
 * ``capo-genprm-v1``: the first template. Its worked example ends in ``Wrong step list: [1]``
-  with a reason about ``12 * 3``; small critics copied both (issue 12: most non-empty verdicts of
+  with a reason about ``12 * 3``; small critics copied both (most non-empty verdicts of
   a default round were exactly ``[1]``).
 * ``capo-genprm-v2``: the same instructions with no verdict to copy: the output format is shown
   with one placeholder line per step of *this* solution (``Step i: <correct, or wrong - the
@@ -397,8 +397,8 @@ def parse_critique(text: str, n_steps: int) -> ParsedCritique:
 
     The list: case-insensitive; markdown around it is tolerated (``**Wrong step list:** [1, 3]``,
     backticks, a trailing period); it must be a bracketed list of non-negative integers (``[]``
-    means every step is right). The lines: :func:`parse_step_lines`. Source: docs/design.md §1.5;
-    issue 12 (every step accounted for).
+    means every step is right). The lines: :func:`parse_step_lines`. Source: docs/design.md §1.5
+    (every step accounted for).
 
     Args:
         text: raw critic output (any string; never raises).
@@ -454,7 +454,7 @@ REASON_CHARS = 160
 
 def critique_regex(n_steps: int, reason_chars: int = REASON_CHARS) -> str:
     """The regular expression a structured critique of an ``n_steps``-step solution must match
-    in full (``critique.structured_output``; vLLM structured outputs, issue 12 item 3).
+    in full (``critique.structured_output``; vLLM structured outputs).
 
     Exactly one line per step, in order, ``Step i: correct`` or ``Step i: wrong - <reason>``
     (reason: 1 to ``reason_chars`` characters, no line break), then ``Wrong step list: [...]``
@@ -481,7 +481,7 @@ def critique_regex(n_steps: int, reason_chars: int = REASON_CHARS) -> str:
 
 ECHO_SHARE = 0.3
 """A verdict list holding more than this share of a round's non-empty verdicts is suspicious: a
-critic repeating one answer (or the prompt's example) instead of judging (issue 12)."""
+critic repeating one answer (or the prompt's example) instead of judging."""
 
 
 def signal_health(critiques: list[dict], flagged_step_rate: float | None = None, partial: str = "list",

@@ -56,7 +56,8 @@ def mcnemar_exact(a, b) -> float:
     for X ~ Binomial(n01 + n10, 1/2). p = 1 when no item changed.
 
     Args:
-        a, b: (n,) bool or 0/1, the same items in the same order.
+        a: (n,) bool or 0/1, the outcomes before.
+        b: (n,) bool or 0/1, the outcomes after, of the same items in the same order.
     Raises:
         ValueError: different lengths, not 1-D, or values other than 0/1.
     """
@@ -75,7 +76,8 @@ def paired_bootstrap(a, b, n_boot: int = 10_000, level: float = 0.95, seed: int 
     """``mean(b) - mean(a)`` and its percentile bootstrap interval, resampling items (pairs kept together).
 
     Args:
-        a, b: (n,) bool or 0/1, the same items in the same order (n >= 1).
+        a: (n,) bool or 0/1, the outcomes before (n >= 1).
+        b: (n,) bool or 0/1, the outcomes after, of the same items in the same order.
         n_boot: bootstrap resamples.
         level: coverage of the interval.
         seed: seed of the resampling (the interval is reproducible).

@@ -536,7 +536,7 @@ def test_transformers_critiques_do_not_depend_on_the_runner(ray_transformers, re
 
 @pytest.mark.parametrize("damage", ["truncate", "same-size-edit", "sidecar-garbage"])
 def test_a_torn_or_altered_shard_is_recomputed_not_trusted(toy, damage):
-    """Issue 15, item 2: the commit check opens the part (row count, sha256 from its sidecar); a
+    """The commit check opens the part (row count, sha256 from its sidecar); a
     damaged shard is critiqued again and the stage succeeds, --force not needed."""
     from pipeline.stages.critique import critique_shards, critique_stage
 

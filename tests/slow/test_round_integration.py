@@ -242,7 +242,7 @@ def test_killed_mid_critique_resumes_without_lost_or_doubled_rows(tiny_round, re
 
 
 def test_killed_while_the_vllm_eval_commits_resumes_to_the_uninterrupted_table(tiny_round, repo, tmp_path):
-    """The kill point with the real vLLM engines (issue 15; the others are in tests/slow/test_multi_round.py):
+    """The kill point with the real vLLM engines (the others are in tests/slow/test_multi_round.py):
     a copy of the finished round (hard links) without round 1's eval; `capo round` SIGKILLed (its
     process group, vLLM's engine included) when the eval table is written but not yet in place;
     started again: the eval table equals the uninterrupted run's, and the killed write left nothing."""
@@ -329,7 +329,7 @@ def test_noise_floor_of_a_real_round(tiny_round, repo):
 
 
 def test_the_critique_browser_of_the_real_round_in_chromium(tiny_round, repo):
-    """Issue 14, as a person uses it: `capo browse`, open the page, filter, click a step."""
+    """The critique browser as a person uses it: `capo browse`, open the page, filter, click a step."""
     from pipeline.browse import chromium_executable, headless_chromium
 
     if chromium_executable() is None:
@@ -371,7 +371,7 @@ def test_the_critique_browser_of_the_real_round_in_chromium(tiny_round, repo):
 
 
 def test_two_rounds_started_together_on_one_run_exactly_one_writes(tiny_round, repo):
-    """Issue 15, item 1: `capo round` twice at once on the finished run (vote forced, so there is
+    """`capo round` twice at once on the finished run (vote forced, so there is
     something to write): one runs, the other exits with status 3 naming it; the tables are one run's."""
     from pipeline import storage
 

@@ -1,4 +1,4 @@
-"""The critique browser (issue 14) on the hand-built round: the data it shows (numbers worked by
+"""The critique browser on the hand-built round: the data it shows (numbers worked by
 hand in tests/toy_round.py), the queries it states (run again in the real catalog), escaping of
 untrusted model text, and the page used in headless Chromium (filters, a click on a step)."""
 

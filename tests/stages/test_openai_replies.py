@@ -1,5 +1,5 @@
-"""The OpenAI engine against a real local HTTP server that misbehaves on purpose (issue 15,
-item 4): 429 and 5xx are retried (Retry-After honoured), every reply is validated (JSON, a
+"""The OpenAI engine against a real local HTTP server that misbehaves on purpose:
+429 and 5xx are retried (Retry-After honoured), every reply is validated (JSON, a
 ``choices`` list of exactly n, each with its text), and a request that keeps failing raises an
 error naming the request and the endpoint. A real vLLM server: tests/slow/test_openai_engine.py."""
 
@@ -110,7 +110,7 @@ def test_parse_reply_keeps_index_order_and_reads_null_text_as_empty():
 
 
 def test_a_failed_request_keeps_the_shards_finished_replies(server, monkeypatch, tmp_path):
-    """Issue 15 item 4: with a reply cache (the critique stage gives one per shard), a request
+    """With a reply cache (the critique stage gives one per shard), a request
     that still fails after its retries costs only itself: the others' replies are kept and a
     second run sends just the failed request; the result equals a clean run's."""
     url, script, seen = server

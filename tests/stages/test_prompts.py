@@ -172,7 +172,7 @@ def test_bad_files(tmp_path):
         ingest_prompts(tmp_path / "obj.json", "train", tmp_path / "o.parquet")
     with pytest.raises(FileNotFoundError, match=r"prompt file .*missing\.jsonl does not exist"):
         ingest_prompts(tmp_path / "missing.jsonl", "train", tmp_path / "o.parquet")
-    # Latin-1 bytes on line 2 (issue 15: this was a bare UnicodeDecodeError without the file's name)
+    # Latin-1 bytes on line 2: the error names the file and the line, not a bare UnicodeDecodeError
     (tmp_path / "latin1.jsonl").write_bytes(b'{"question": "q", "answer": "#### 1"}\n{"question": "caf\xe9", "answer": "#### 2"}\n')
     with pytest.raises(ValueError, match=r"prompt file .*latin1\.jsonl is not UTF-8 text: invalid continuation byte "
                                          r"at byte 55 \(line 2, bytes b'.*'\); save it as UTF-8"):

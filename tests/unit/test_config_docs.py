@@ -1,4 +1,4 @@
-"""Config documented once (issue 13): every config field has its description on the field, and
+"""Config documented once: every config field has its description on the field, and
 docs/config.md is what ``scripts/render_config_docs.py`` renders from them."""
 
 from __future__ import annotations

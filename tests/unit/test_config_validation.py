@@ -1,4 +1,4 @@
-"""Bad config input gets a clear error naming the value and what would be valid (issue 15, item 6).
+"""Bad config input gets a clear error naming the value and what would be valid.
 One row per bad input; each is tried through the same path a user takes (overrides or a file)."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ BAD_OVERRIDES = [
     # (overrides, words the message must contain)
     (["rollout.group_size=true"], ["group_size=True", "a number is expected"]),
     (["rollout.group_size=1"], ["group_size", "greater than or equal to 2"]),
-    (["critique.num_critiques=0"], ["num_critiques", "greater than or equal to 1"]),
+    (["critique.num_critiques=-1"], ["num_critiques", "greater than or equal to 0"]),
+    (["critique.num_critiques=0"], ["vote.sources", "num_critiques=0"]),
     (["rollout.sampling.temperature=.inf"], ["temperature", "finite"]),
     (["train.learning_rate=.inf"], ["learning_rate", "finite"]),
     (["train.learning_rate=.nan"], ["learning_rate", "finite"]),

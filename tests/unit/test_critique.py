@@ -364,7 +364,7 @@ def test_verdict_labels_followed_by_long_whitespace_return_at_once():
     assert time.perf_counter() - t0 < 5.0  # seconds; minutes before the fix
 
 
-# --- the judged text as data (issue 15, item 5) --------------------------------------------------
+# --- the judged text as data ------------------------------------------------------------------
 def _block(steps: list[str]) -> str:
     _, user = build_critique_messages(QUESTION, steps, "7")
     text = user["content"]

@@ -1,4 +1,4 @@
-"""Imports run one way (issue 13): no circle between the project's modules, ``pipeline`` never
+"""Imports run one way: no circle between the project's modules, ``pipeline`` never
 imports ``flows`` or ``train``, ``train`` never imports ``flows``, and the pure CAPO math (steps,
 critique parsing, voting, rewards, significance, tokenization, the loss) imports no engine,
 orchestrator, database or project I/O module.

@@ -1,4 +1,4 @@
-"""The stage registry (issue 13): one record per stage that the runner, the keys, the
+"""The stage registry: one record per stage that the runner, the keys, the
 not-applicable rules, the outputs and the heavy set all read."""
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ def test_publish_artifacts(runs, tmp_path, monkeypatch, caplog):
 
 
 def test_round_changes_are_paired_and_noise_is_called_noise(tmp_path):
-    """3 -> 5 of 16 with six flips (what the issue's report drew as a gain) is within noise;
+    """3 -> 5 of 16 with six flips (what a report could take for a gain) is within noise;
     0 -> 40 of 40 is significant; both appear in the report with their interval."""
     rd = tmp_path / "runs" / RUN
     before = [1, 1, 1] + [0] * 13

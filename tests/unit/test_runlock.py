@@ -1,4 +1,4 @@
-"""One writer per run (issue 15, item 1): the OS lock on a run directory, its message, its release
+"""One writer per run: the OS lock on a run directory, its message, its release
 when the holder is killed, re-entrance and inheritance by the holder's children, and the CLI
 refusing a second writer before it writes anything."""
 

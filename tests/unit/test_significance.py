@@ -34,7 +34,7 @@ def test_bootstrap_by_hand_and_against_the_normal_approximation():
 
 
 def test_compare_verdicts():
-    # 16 items, 3 -> 5 right with 6 flips (the report: noise, not a gain)
+    # 16 items, 3 -> 5 right with 6 flips (noise, not a gain)
     a = [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
     b = [1, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]
     c = compare(a, b)

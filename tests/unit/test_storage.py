@@ -77,7 +77,7 @@ def test_file_modified_after_commit_with_same_size_is_not_current(tmp_path):
 
 
 def test_table_corrupted_with_its_size_and_mtime_kept_is_not_current(tmp_path):
-    """Content decides (issue 15): the old size + mtime shortcut took this table as current."""
+    """Content decides: a size + mtime shortcut would take this table as current."""
     out = tmp_path / "outcomes.parquet"
     storage.write_table(_outcomes(answer="5"), out, "outcomes", stage="verify", key=KEY)
     st = out.stat()
@@ -311,7 +311,7 @@ def test_one_corrupt_table_is_left_out_of_the_catalog_and_named(tmp_path):
 
 
 def test_capo_sql_reads_the_catalog_and_nothing_else(tmp_path, repo):
-    """Issue 15, item 7: `capo sql` is read-only and cannot write or read files outside the runs."""
+    """`capo sql` is read-only and cannot write or read files outside the runs."""
     import subprocess
     import sys
 
