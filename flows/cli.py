@@ -324,7 +324,8 @@ def signal_cmd(
     as_json: bool = typer.Option(False, "--json", help="one JSON object per row"),
 ) -> None:
     """Measure a finished run's process signal where it is used: per round, variant, signal source
-    (the variant's vote, an exact check of the steps' written arithmetic, both) and scope (all
+    (the variant's vote of the critiques, an exact check of the steps' written arithmetic, both; with
+    the log-prob readout also the readout and the readout with the check) and scope (all
     steps; the steps before the one stating the final answer), the share of right and of wrong
     responses with a penalized step and the AUROC of the penalized-token share against a wrong
     outcome with its bootstrap interval, and the groups that train on the outcome or on the process

@@ -461,7 +461,7 @@ class TrainConfig(_Strict):
     only once a weight's update passes half a bf16 step: 20 steps at lr 2e-6 carried 39 % of the
     update (docs/benchmarks.md, "the bf16 dead zone"), and the same seed's sampled gain was +8.9
     points against +17.0 in fp32. fp32 costs 1.65x the default round on a 2-core AMX CPU (rollout
-    2.1x, train 1.8x; README "What a round costs here"), nothing on CPUs without native bf16, where
+    2.1x, train 1.8x; docs/benchmarks.md, "How long a round takes"), nothing on CPUs without native bf16, where
     ``auto`` is fp32 anyway; on a GPU, long runs cross the dead zone early and ``auto`` is the
     faster choice."""
     @field_validator("mixed_precision", mode="before")
@@ -490,8 +490,8 @@ class TrainConfig(_Strict):
     gradient_checkpointing: bool = True
     """Recompute each decoder layer's forward during backward instead of keeping its activations
     (transformers' ``gradient_checkpointing_enable``, non-reentrant). On by default: for the 0.5B
-    policy it lowers the train stage's peak memory with no measurable slowdown on CPU (README
-    "Memory", docs/benchmarks.md)."""
+    policy it lowers the train stage's peak memory with no measurable slowdown on CPU
+    (docs/benchmarks.md, "Memory")."""
     lora: "LoraConfig | None" = None
     """Train LoRA adapters (peft) instead of all weights; merged into the saved checkpoint."""
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "aim", "comet_ml", "clearml"]] = Field(default_factory=list)

@@ -1,6 +1,6 @@
 """Stage ``segment``: split every response into steps and map its tokens to them -> ``steps.parquet``.
 
-The split itself is :func:`pipeline.core.segment.segment_response` (docs/design.md §3); the token of
+The split itself is :func:`pipeline.core.segment.segment_response` (docs/design.md §1, item 3); the token of
 each byte comes from decoding the response's token ids (:func:`pipeline.core.tokenization.decode_with_bytes`).
 """
 
