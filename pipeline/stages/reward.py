@@ -52,6 +52,8 @@ def reward_key(cfg: CAPOConfig, round_idx: int) -> dict:
         del vote["sources"]
     if "logprob" not in cfg.vote.sources:
         del vote["logprob_threshold"]
+    if not vote["random_credit"]:  # the control, in the key only when on
+        del vote["random_credit"]
     return {**ins, "critique_enabled": cfg.critique.enabled, "critique_mode": cfg.critique.mode,
             "vote": vote, "reward": reward, "variant": cfg.variant}
 

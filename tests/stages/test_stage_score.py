@@ -611,4 +611,6 @@ def test_random_credit_moves_each_responses_penalty_to_random_steps_of_it(tmp_pa
         where.add(tuple(int(i) for i in random_step_order(seed, 1, "B", 3)).index(2))
         assert vote_key(cfg, 1)["random_credit"] == [seed, 1]
     assert len(where) > 1, "over 6 seeds B's arithmetic flag must land on more than one step"
-    assert "random_credit" not in vote_key(_cfg(tmp_path / "5", "vote.sources=[llm,arithmetic]", "seed=5"), 1)  # keys written before the option stay valid
+    off = _cfg(tmp_path / "5", "vote.sources=[llm,arithmetic]", "seed=5")
+    assert "random_credit" not in vote_key(off, 1)  # keys written before the option stay valid
+    assert "random_credit" not in reward_key(off, 1)["vote"] and reward_key(cfg, 1)["vote"]["random_credit"]  # keys written before the option stay valid
