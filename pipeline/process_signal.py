@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 
 from pipeline.core.arithmetic import count_checkable, step_verdict
 
-SOURCES = ("vote", "arithmetic", "vote+arithmetic", "logprob", "logprob+arithmetic")
+SOURCES = ("vote", "arithmetic", "vote+arithmetic", "logprob", "logprob+arithmetic", "random-credit")
 SCOPES = ("all_steps", "before_answer")
 
 
@@ -256,11 +256,24 @@ def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: s
                         lp.setdefault(rid, {})[idx] = q if rule == "average" else float(q > thr)
             logprob = {rid: [float(lp.get(rid, {}).get(i, 0.0)) for i in range(len(n_tok[rid]))] for rid in rids} \
                 if lp else None
+            # the random-credit control trains on its sources' weights moved to random steps: measure
+            # what it trained on (the step_verdicts weight), not the true verdicts it was made from
+            shuffled = None
+            if _variant_key(vdir).get("vote", {}).get("random_credit"):
+                sh: dict[str, dict] = {}
+                for rid, idx, r, w in zip(*(sv.column(c).to_pylist() for c in ("rollout_id", "step_idx", "rule", "weight"))):
+                    if r == rule:
+                        sh.setdefault(rid, {})[idx] = w
+                shuffled = {rid: [float(sh.get(rid, {}).get(i, 0.0) or 0.0) for i in range(len(n_tok[rid]))]
+                            for rid in rids}
+                trains = "random-credit"
         groups = _groups(vdir, rule is not None) if vdir is not None else {}
         sources = {"arithmetic": arith}
         if rule is not None:
             sources["vote"] = vote
             sources["vote+arithmetic"] = {rid: [max(a, b) for a, b in zip(vote[rid], arith[rid])] for rid in rids}
+            if shuffled is not None:
+                sources["random-credit"] = shuffled
             if logprob is not None:
                 sources["logprob"] = logprob
                 sources["logprob+arithmetic"] = {rid: [max(a, b) for a, b in zip(logprob[rid], arith[rid])]

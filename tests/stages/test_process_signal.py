@@ -138,3 +138,16 @@ def test_capo_signal_command(toy_run, tmp_path):
     said = " ".join(bad.stderr.replace("│", " ").split())  # typer boxes and wraps the message
     assert bad.returncode == 2 and "no round with an outcomes table" in said and "nope" in said
     assert round_paths(toy_run, 1)["token_rewards"].exists()
+
+
+def test_a_random_credit_variant_is_measured_on_what_it_trained(toy_run):
+    """Beside capo-majority, a random-credit variant: its starred row is its own (permuted) weights,
+    which penalize the same responses as the true vote (a permutation within a response keeps
+    whether any step is penalized) on other steps; the true sources are still reported, unstarred."""
+    cfg = toy_config(toy_run.run_dir().parent.parent, "vote.random_credit=true", "variant=rc")
+    vote_stage(cfg, 1)
+    reward_stage(cfg, 1)
+    rows = [r for r in measure_run(toy_run.run_dir()) if r["variant"] == "rc"]
+    rc, vote = _by(rows, "random-credit", "all_steps"), _by(rows, "vote", "all_steps")
+    assert rc["trains"] and not vote["trains"]
+    assert (rc["right_penalized"], rc["wrong_penalized"]) == (vote["right_penalized"], vote["wrong_penalized"])
