@@ -67,12 +67,15 @@ def test_the_site_builds_strict_with_every_page(site, nav):
 
 @pytest.fixture(scope="module")
 def served(site):
-    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
-    handler.log_message = lambda *a, **k: None
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *a, **k):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(Quiet, directory=str(site)))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}/"
     httpd.shutdown()
+    httpd.server_close()
 
 
 def test_every_page_loads_and_the_navigation_reaches_it_in_chromium(served, nav):
@@ -97,5 +100,4 @@ def test_every_page_loads_and_the_navigation_reaches_it_in_chromium(served, nav)
             link = page.locator(f'nav.md-nav--primary a.md-nav__link[href$="{_url(path)}"]').first
             assert link.count() == 1, f"the navigation has no link to {path}"
             link.click()
-            page.wait_for_load_state()
-            assert page.url == served + _url(path), f"clicking {title!r} went to {page.url}"
+            page.wait_for_url(served + _url(path), timeout=15_000)  # raises, naming the URL, if the link goes elsewhere
