@@ -237,7 +237,9 @@ class CritiqueConfig(_Strict):
     """N critiques sampled per response, one request with n=N (paper: N in {2, 4, 8}). 0 samples none:
     the critiques table then holds only the checkers' rows (the arithmetic check, and the log-prob
     readout with ``logprob_readout``), for a variant whose ``vote.sources`` leaves out ``llm``; the
-    critic costs one prefill per response instead of N generations."""
+    critic costs one prefill per response instead of N generations. The critiques table is shared by
+    a round's variants, so give them all the same N: a variant with another N critiques the round
+    again (the earlier table goes to ``superseded/``)."""
     include_gold_answer: bool = True
     """Show the gold answer to the critic (paper default; off is its ablation)."""
     logprob_readout: bool = False
