@@ -8,9 +8,9 @@ import pytest
 from pipeline.config import list_presets, load_config
 
 PRESETS = ["capo-arithmetic", "capo-average", "capo-intersection", "capo-logprob-arithmetic", "capo-majority",
-           "capo-majority-arithmetic", "capo-union", "grpo", "grpo-genorm"]
+           "capo-majority-arithmetic", "capo-readout", "capo-union", "grpo", "grpo-genorm"]
 SOURCES = {"capo-arithmetic": ["arithmetic"], "capo-majority-arithmetic": ["llm", "arithmetic"],
-           "capo-logprob-arithmetic": ["arithmetic", "logprob"]}
+           "capo-logprob-arithmetic": ["arithmetic", "logprob"], "capo-readout": ["arithmetic", "logprob"]}
 
 
 def test_every_paper_variant_is_a_preset():
@@ -27,6 +27,8 @@ def test_preset_names_the_variant_and_is_coherent(name):
         if "llm" in cfg.vote.sources:
             assert cfg.vote.rule == name.removeprefix("capo-").removesuffix("-arithmetic")
         assert cfg.critique.enabled and cfg.critique.mode == "process" and cfg.reward.process_weight == 1.0
+    if name == "capo-readout":  # the checkers alone: no sampled critique, the held-out threshold
+        assert cfg.critique.num_critiques == 0 and cfg.vote.logprob_threshold == 0.8
     if name == "grpo":
         assert not cfg.critique.enabled and cfg.reward.estimator == "grpo" and cfg.reward.process_weight == 0
     if name == "grpo-genorm":
