@@ -70,13 +70,19 @@ def setup(
 def round_cmd(
     round: int = typer.Option(1, "--round", "-r", help="round number (1 samples from the starting policy)"),
     config: str = typer.Option(DEFAULT_CONFIG, help="YAML config"),
-    preset: Optional[str] = typer.Option(None, help="capo-intersection | capo-union | capo-majority | capo-average | capo-majority-arithmetic | capo-arithmetic | capo-logprob-arithmetic | grpo | grpo-genorm"),
+    preset: Optional[str] = typer.Option(None, help="a preset of configs/presets/, e.g. capo-majority, capo-intersection, capo-readout, grpo (an unknown name lists them all)"),
     force: Optional[list[str]] = typer.Option(None, help="stage(s) to recompute even when current"),
     overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value overrides"),
 ) -> None:
     """Run one round (every stage, skipping finished ones) without Prefect."""
     _setup_logging()
     from pipeline.engines.host import policy_engine_session
+    from pipeline.stages import REGISTRY
+
+    unknown = [name for name in force or [] if name not in REGISTRY]
+    if unknown:
+        raise typer.BadParameter(f"--force {', '.join(unknown)}: not a stage; valid: {', '.join(REGISTRY)}",
+                                 param_hint="--force")
 
     cfg = _cfg(config, overrides, preset)
     with _writing(cfg), policy_engine_session(cfg):
