@@ -173,7 +173,8 @@ def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logge
 
 def critic_signal(cfg: CAPOConfig, round_idx: int) -> dict | None:
     """:func:`pipeline.core.critique.signal_health` of the round's process critiques under the variant's
-    rule and partial-critique policy (None without process critiques); logs its warning."""
+    rule and partial-critique policy (None without process critiques or without sampled ones); logs its
+    warning."""
     p = round_paths(cfg, round_idx)
     if not (cfg.critique.enabled and cfg.critique.mode == "process") or storage.read_manifest(p["critiques"]) is None:
         return None
@@ -181,6 +182,8 @@ def critic_signal(cfg: CAPOConfig, round_idx: int) -> dict | None:
 
     crit = [r for r in storage.read_table(p["critiques"], "critiques").select(
         ["rollout_id", "source", "parse_status", "wrong_steps", "steps_wrong_lines"]).to_pylist() if r["source"] == "llm"]
+    if not crit:  # critique.num_critiques=0: the checkers alone, no sampled critique to be healthy or not
+        return None
     rate = None
     if storage.read_manifest(p["step_verdicts"]) is not None:
         sv = storage.read_table(p["step_verdicts"], "step_verdicts").select(["rule", "llm_weight"]).to_pylist()

@@ -575,6 +575,9 @@ def test_no_sampled_critiques_the_checkers_alone_penalize(tmp_path, monkeypatch)
         assert {sv[(rid, rule, s)]["n_valid"] for rid in "AB" for s in range(3)} == {0}
     reward_stage(cfg, 1)
     assert _read_rewards(cfg)["B"]["rewards"] == [0.0, 0.0] + [-1.0] * 5
+    from flows.runner import critic_signal
+
+    assert critic_signal(cfg, 1) is None  # no sampled critique: no critic-health line in the round summary
 
 
 def test_no_sampled_critiques_with_an_llm_source_or_genorm_is_refused(tmp_path):
