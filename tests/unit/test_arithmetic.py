@@ -252,9 +252,11 @@ def test_markers_around_an_equation_are_not_part_of_it(text, expected):
     "\\begin{" * 10_000, "\\[" * 10_000, "$$ " * 10_000,
 ])
 def test_huge_numbers_and_powers_are_not_checkable_and_fast(text):
+    # a guard against a hang (an exponent evaluated, a regex backtracking), not a speed target: the
+    # worst of these takes under a second on a busy 2-core CPU, a pathological one minutes or forever
     start = time.perf_counter()
     assert step_verdict(text) == (False, None)
-    assert time.perf_counter() - start < 0.5
+    assert time.perf_counter() - start < 5.0
 
 
 def test_bounded_powers_still_check():
