@@ -7,7 +7,13 @@
    seeded candidates, and the problems it solves in ``[--pass-lo, --pass-hi]`` of its samples
    become the training set (a JSONL file under ``data/prompts/``, ingested by the rollout stage
    like any local prompt file). A group in which every response is right or every one wrong gives
-   GRPO no advantage; these do.
+   GRPO no advantage; these do. **Held-out hygiene**: MAWPS merges collections that share problems
+   and templates, so rows disjoint by index can be one problem in other numbers; the training rows
+   whose question equals a held-out question once numbers, case and punctuation are masked
+   (:mod:`pipeline.assets.overlap`) are dropped, from a made selection and from a given
+   ``--selection`` alike, into ``<selection>.heldout-clean.jsonl``, and a ``hygiene`` JSON line says
+   how many (``--hygiene-only`` prints it and stops; ``--no-heldout-dedup`` trains on the selection
+   as it is, as runs made before the check did).
 2. **Arms.** ``grpo`` (preset ``grpo``: rule outcome, no critic), ``capo`` (the default critic and
    voting rule, ``--n`` critiques per response), ``control`` (preset ``grpo`` with
    ``train.learning_rate=0``: every round runs, forward passes and metrics included, but no
@@ -50,7 +56,11 @@
    unpaired; ``capo_ahead_of_grpo`` when it is above 0), ``capo_minus_grpo_pooled`` (paired by seed
    and item over the seeds both arms finished, with the same interval) and ``capo_beat_grpo``, true
    only where that interval lies above 0, None without the eval tables or with fewer than 2 seeds
-   both arms finished. A plot of this invocation's arms and seeds, ``learning.png`` in the runs dir
+   both arms finished. **Format apart from reasoning**: each run's answers at both ends broken
+   down into cut, boxed, program and other (``format`` in the paired change), and every pooled
+   change and verdict also within finished, boxed answers (metrics ``greedy_boxed`` and
+   ``sampled_boxed``, e.g. ``sampled_boxed_capo_beat_grpo``, ``"not run"`` without the other arm: a policy that learns to box its answer gains accuracy without reasoning
+   better; these do not move with that). A plot of this invocation's arms and seeds, ``learning.png`` in the runs dir
    (``--plot`` for another path; its title gives the learning rate and budget).
 
     .venv/bin/python benchmarks/bench_learning.py                       # the full benchmark, as in docs/benchmarks.md
@@ -78,6 +88,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import shutil
 import sys
 import time
@@ -89,6 +100,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 ARMS = ("grpo", "capo", "control", "shuffled", "random-credit")
+METRICS = ("greedy", "sampled", "greedy_boxed", "sampled_boxed")
+"""Per-item changes the verdicts are computed on: greedy accuracy, sampled accuracy (share of right
+samples), and both within finished, boxed answers (reasoning apart from format: :func:`boxed_rates`)."""
 DEFAULT_ARMS = ["grpo", "capo", "control"]
 log = logging.getLogger("capo.bench_learning")
 
@@ -260,6 +274,63 @@ def selection_in_child(a: argparse.Namespace) -> Path:
     if path is None:
         raise RuntimeError("the selection child printed no selection_file line")
     return Path(path)
+
+
+def heldout_texts(a: argparse.Namespace) -> list[str]:
+    """The questions of ``--dataset``'s held-out subset (the rows every round's eval grades)."""
+    import pyarrow.parquet as pq
+
+    from pipeline.assets.benchmarks import ensure_benchmark
+    from pipeline.config import load_config
+    from pipeline.stages.eval import select_problems
+
+    cfg = load_config(ROOT / "configs" / "default.yaml", base_overrides(a, 0))
+    table = pq.read_table(ensure_benchmark(a.dataset, Path(a.data_dir) / "eval", cache_dir=Path(a.data_dir) / "cache"))
+    questions = table.column("question").to_pylist()
+    return [questions[i] for i in select_problems(len(questions), cfg.eval.sample_size, cfg.eval.seed, a.dataset)]
+
+
+def remove_heldout_twins(train_file: Path, held_out: list[str], min_rows: int = 1) -> tuple[Path, dict]:
+    """Write ``<train_file stem>.heldout-clean.jsonl`` beside ``train_file``: its rows without the
+    template twins of ``held_out`` (:func:`pipeline.assets.overlap.template_twins`: the same
+    question once numbers, case and punctuation are masked). Returns that path and a record of what
+    was removed (``training_rows``, ``held_out``, ``removed``, ``removed_origins``, ``kept``).
+
+    An existing clean file is reused when identical and never overwritten otherwise.
+
+    Raises:
+        SystemExit: fewer than ``min_rows`` rows remain, or a different clean file is already there.
+    """
+    from pipeline.assets.overlap import template_twins
+
+    rows = [json.loads(line) for line in train_file.read_text().splitlines() if line.strip()]
+    twins = set(template_twins([r["question"] for r in rows], held_out))
+    keep = [r for i, r in enumerate(rows) if i not in twins]
+    record = {"training_file": _shown(train_file), "training_rows": len(rows), "held_out": len(held_out),
+              "removed": len(twins), "kept": len(keep),
+              "removed_origins": [rows[i].get("origin", i) for i in sorted(twins)]}
+    if len(keep) < min_rows:
+        raise SystemExit(f"{len(keep)} of {len(rows)} training problems in {train_file} remain once the template "
+                         f"twins of the held-out set are removed, fewer than {min_rows} (--prompts-per-round)")
+    out = train_file.with_name(train_file.stem + ".heldout-clean.jsonl")
+    text = "".join(json.dumps(r) + "\n" for r in keep)
+    if out.exists():
+        if out.read_text() != text:
+            raise SystemExit(f"{out} exists with other rows than {train_file} minus its held-out twins; "
+                             f"move it away (it is not overwritten)")
+    else:
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(out)
+    return out, {**record, "clean_file": _shown(out)}
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when inside it (printed records read the same on every machine)."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 # ------------------------------------------------------------------------------------------ runs
@@ -435,7 +506,8 @@ def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
     """Round K vs round 0 on the same held-out items: the change, its paired bootstrap 95 %
     interval and McNemar's p (:mod:`pipeline.core.significance`), the items that changed by verify
     status (``transitions``), the greedy answers' mean tokens and share cut at the budget at both
-    ends, and with ``--eval-samples`` the same for the sampled accuracy (``sampled``:
+    ends, the format of the answers at both ends (``format``: :func:`format_breakdown` per
+    decoding), and with ``--eval-samples`` the same for the sampled accuracy (``sampled``:
     :func:`pipeline.core.significance.compare_rates` over per-problem shares of right samples);
     None before round K is evaluated."""
     from pipeline.core.significance import compare, compare_rates
@@ -465,6 +537,8 @@ def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
     out["cut_share_roundK"] = float(np.mean([gk[i]["finish_reason"] == "length" for i in ids]))
     out["tokens_round0"] = float(np.mean([g0[i]["num_tokens"] for i in ids]))
     out["tokens_roundK"] = float(np.mean([gk[i]["num_tokens"] for i in ids]))
+    out["format"] = {f"round{tag}": {dec: format_breakdown(rows, dec) for dec in ("greedy", "sample")}
+                     for tag, rows in (("0", rows0), ("K", rowsk))}
     s0, sk = sampled_rates(rows0), sampled_rates(rowsk)
     both = sorted(set(s0) & set(sk))
     if both:  # --eval-samples k: each problem's share of right answers among k samples at T = 1
@@ -472,10 +546,58 @@ def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
     return out
 
 
+PROGRAM = re.compile(r"```|^\s*(?:def \w+\(|import \w|from \w+ import|print\()", re.M)
+"""A response that contains a program: a fenced code block, or a line that defines a function,
+imports or prints (the coder policy's way of answering without a boxed result)."""
+
+
+def answer_format(text: str | None, finish_reason: str | None) -> str:
+    """One answer's format, the first that applies: ``cut`` (stopped at the token budget), ``boxed``
+    (finished with a ``\\boxed{}``), ``program`` (finished, no box, a program: :data:`PROGRAM`),
+    ``other`` (finished, neither)."""
+    text = text or ""
+    if finish_reason == "length":
+        return "cut"
+    if "\\boxed" in text:
+        return "boxed"
+    return "program" if PROGRAM.search(text) else "other"
+
+
+def format_breakdown(rows: list[dict], decoding: str) -> dict | None:
+    """Reasoning apart from format, over an eval table's rows of one ``decoding`` (greedy, sample):
+    ``n``; the shares of answers ``cut`` at the budget, ``boxed`` (finished with a box),
+    ``program`` (containing a program at all, boxed or not) and ``finished_unboxed``;
+    ``accuracy`` over all and ``accuracy_boxed`` over the finished, boxed answers only (None
+    without any). None without rows of that decoding."""
+    rs = [r for r in rows if r["decoding"] == decoding]
+    if not rs:
+        return None
+    fmt = [answer_format(r["response_text"], r["finish_reason"]) for r in rs]
+    boxed = [bool(r["correct"]) for r, f in zip(rs, fmt) if f == "boxed"]
+    n = len(rs)
+    return {"n": n, "share_cut": fmt.count("cut") / n, "share_boxed": fmt.count("boxed") / n,
+            "share_program": sum(bool(PROGRAM.search(r["response_text"] or "")) for r in rs) / n,
+            "share_finished_unboxed": (fmt.count("program") + fmt.count("other")) / n,
+            "accuracy": float(np.mean([bool(r["correct"]) for r in rs])),
+            "accuracy_boxed": float(np.mean(boxed)) if boxed else None}
+
+
+def boxed_rates(rows: list[dict], decoding: str) -> dict[tuple[str, str], float]:
+    """``{(benchmark, prompt_id): right / finished boxed answers}`` of one ``decoding``, over the
+    problems with at least one finished, boxed answer (accuracy within boxed answers, per problem)."""
+    by: dict[tuple[str, str], list[bool]] = {}
+    for r in rows:
+        if r["decoding"] == decoding and answer_format(r["response_text"], r["finish_reason"]) == "boxed":
+            by.setdefault((r["benchmark"], r["prompt_id"]), []).append(bool(r["correct"]))
+    return {i: float(np.mean(v)) for i, v in by.items()}
+
+
 def item_changes(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> dict[str, dict] | None:
     """Each held-out problem's change from round 0 to round K: ``{"greedy": {item: -1/0/1},
     "sampled": {item: change of its share of right samples}}`` (``sampled`` empty without
-    ``--eval-samples``); None before round K is evaluated. Items are ``(benchmark, prompt_id)``."""
+    ``--eval-samples``), and the same within finished, boxed answers (``greedy_boxed``,
+    ``sampled_boxed``: :func:`boxed_rates`, over the problems with such an answer at both ends);
+    None before round K is evaluated. Items are ``(benchmark, prompt_id)``."""
     tables = eval_tables(a, arm, seed, train_file)
     if tables is None:
         return None
@@ -485,19 +607,23 @@ def item_changes(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -
         return {(r["benchmark"], r["prompt_id"]): float(bool(r["correct"])) for r in rows if r["decoding"] == "greedy"}
 
     g0, gk, s0, sk = greedy(rows0), greedy(rowsk), sampled_rates(rows0), sampled_rates(rowsk)
-    return {"greedy": {i: gk[i] - g0[i] for i in set(g0) & set(gk)},
-            "sampled": {i: sk[i] - s0[i] for i in set(s0) & set(sk)}}
+    out = {"greedy": {i: gk[i] - g0[i] for i in set(g0) & set(gk)},
+           "sampled": {i: sk[i] - s0[i] for i in set(s0) & set(sk)}}
+    for metric, decoding in (("greedy_boxed", "greedy"), ("sampled_boxed", "sample")):
+        b0, bk = boxed_rates(rows0, decoding), boxed_rates(rowsk, decoding)
+        out[metric] = {i: bk[i] - b0[i] for i in set(b0) & set(bk)}
+    return out
 
 
 def pooled_changes(a: argparse.Namespace, arm: str, changes: dict[tuple[str, int], dict | None]) -> dict[str, dict]:
     """Over the arm's seeds evaluated at round K, on the items all of them share: the mean change from
     round 0 with its crossed (seeds x items) bootstrap interval
-    (:func:`pipeline.core.significance.pooled_over_seeds`), per metric (``greedy``, ``sampled``)."""
+    (:func:`pipeline.core.significance.pooled_over_seeds`), per metric of :data:`METRICS`."""
     from pipeline.core.significance import pooled_over_seeds
 
     out = {}
-    for metric in ("greedy", "sampled"):
-        per_seed = [c[metric] for seed in a.seeds if (c := changes.get((arm, seed))) and c[metric]]
+    for metric in METRICS:
+        per_seed = [c[metric] for seed in a.seeds if (c := changes.get((arm, seed))) and c.get(metric)]
         if not per_seed:
             continue
         items = sorted(set.intersection(*(set(c) for c in per_seed)))
@@ -584,6 +710,19 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
                 if changes and (head := arm_minus_other(a, changes, "sampled" if tag else "greedy", arm, "shuffled")):
                     row[f"{tag}{arm}_minus_shuffled_pooled"] = head
                 out.append(row)
+    # reasoning apart from format: CAPO against GRPO and against random credit within finished, boxed
+    # answers (each problem's share right among them, on the problems with one at both ends)
+    for metric in ("greedy_boxed", "sampled_boxed"):
+        for other, name in (("grpo", "grpo"), ("random-credit", "random_credit")):
+            ran = [arm for arm in ("capo", other) if at("heldout_accuracy", arm, K)]
+            if "capo" not in ran:
+                continue
+            row = {"bench": "learning", "metric": metric, f"{metric}_capo_beat_{name}": "not run"}
+            if len(ran) == 2:
+                head = arm_minus_other(a, changes or {}, metric, "capo", other)
+                row[f"{metric}_capo_minus_{name}_pooled"] = head
+                row[f"{metric}_capo_beat_{name}"] = (bool(head["lo"] > 0) if head["seeds"] >= 2 else None) if head else None
+            out.append(row)
     return out
 
 
@@ -597,7 +736,7 @@ def arm_minus_other(a: argparse.Namespace, changes: dict[tuple[str, int], dict |
     from pipeline.core.significance import pooled_over_seeds
 
     pairs = [(c[metric], g[metric]) for seed in a.seeds
-             if (c := changes.get((arm, seed))) and (g := changes.get((other, seed))) and c[metric] and g[metric]]
+             if (c := changes.get((arm, seed))) and (g := changes.get((other, seed))) and c.get(metric) and g.get(metric)]
     if not pairs:
         return None
     items = sorted(set.intersection(*(set(c) & set(g) for c, g in pairs)))
@@ -704,6 +843,11 @@ def parser() -> argparse.ArgumentParser:
                     help="where to write the plot of this invocation's arms and seeds (default: <runs-dir>/learning.png, "
                          "rewritten by every invocation)")
     ap.add_argument("--data-dir", default=str(ROOT / "data"))
+    ap.add_argument("--heldout-dedup", action=argparse.BooleanOptionalAction, default=True,
+                    help="train without the problems that are template twins of a held-out one (same text once "
+                         "numbers are masked); --no-heldout-dedup repeats runs made before this check existed")
+    ap.add_argument("--hygiene-only", action="store_true",
+                    help="print the held-out hygiene line (training problems removed as twins) and stop")
     ap.add_argument("--select-only", action="store_true", help=argparse.SUPPRESS)  # child mode
     return ap
 
@@ -722,6 +866,13 @@ def main() -> None:
     # a given selection needs no engine: read in this process (relative paths stay the caller's)
     a.selection = shipped_selection(a)
     train_file = select_training_items(a) if a.selection else selection_in_child(a)
+    if a.heldout_dedup or a.hygiene_only:  # held-out hygiene: no training problem is a held-out one in other numbers
+        clean, record = remove_heldout_twins(train_file, heldout_texts(a), a.prompts_per_round)
+        print(json.dumps({"bench": "learning", "hygiene": record, "dataset": a.dataset, "eval_size": a.eval_size}),
+              flush=True)
+        if a.hygiene_only:
+            return
+        train_file = clean
     round0 = earlier_round0(a)
     # the training arms of every seed first, the control (no update) last
     order = [(arm, seed) for seed in a.seeds for arm in a.arms if arm != "control"]

@@ -149,3 +149,49 @@ def test_capo_is_compared_with_its_own_signal_on_random_steps(bench):
     assert [r["capo_beat_random_credit"] for r in alone if "capo_beat_random_credit" in r] == ["not run"]
     cfg = bench.arm_config(a, "random-credit", 0, Path("train.jsonl"))
     assert cfg.vote.random_credit and cfg.critique.enabled and cfg.reward.process_weight > 0 and cfg.variant == "random-credit"
+
+
+def _row(pid: str, decoding: str, text: str, correct: bool, finish: str = "stop") -> dict:
+    return {"benchmark": "mawps", "prompt_id": pid, "decoding": decoding, "response_text": text,
+            "finish_reason": finish, "correct": correct}
+
+
+def test_format_breakdown_by_hand(bench):
+    """Four sampled answers: a right boxed one, a wrong boxed one, a program with a box (boxed), a
+    bare program, and one cut at the budget: shares and accuracy within boxed answers by hand."""
+    rows = [_row("a", "sample", "so \\boxed{5}", True),
+            _row("a", "sample", "so \\boxed{6}", False),
+            _row("b", "sample", "```python\nprint(2 + 3)\n```\nThe answer is \\boxed{5}", True),
+            _row("b", "sample", "def f():\n    return 5", False),
+            _row("b", "sample", "Let me think step by step and", False, "length"),
+            _row("a", "greedy", "\\boxed{5}", True)]
+    assert [bench.answer_format(r["response_text"], r["finish_reason"]) for r in rows] == \
+        ["boxed", "boxed", "boxed", "program", "cut", "boxed"]
+    f = bench.format_breakdown(rows, "sample")
+    assert f["n"] == 5 and f["share_cut"] == 0.2 and f["share_boxed"] == 0.6 and f["share_program"] == 0.4
+    assert f["share_finished_unboxed"] == 0.2 and f["accuracy"] == 0.4
+    assert f["accuracy_boxed"] == pytest.approx(2 / 3)  # 2 of the 3 boxed answers are right
+    assert bench.format_breakdown(rows, "greedy")["accuracy_boxed"] == 1.0
+    assert bench.format_breakdown([r for r in rows if r["decoding"] == "sample"], "greedy") is None
+    # per problem: a = 1 of 2 boxed right, b = 1 of 1 (the bare program and the cut one do not count)
+    assert bench.boxed_rates(rows, "sample") == {("mawps", "a"): 0.5, ("mawps", "b"): 1.0}
+
+
+def test_verdicts_within_boxed_answers_say_not_run_without_the_other_arm(bench):
+    """A run that learned to box its answers: sampled accuracy up, accuracy within boxed answers
+    unchanged. The boxed verdicts come out per metric, "not run" where random credit is missing."""
+    a = bench.parser().parse_args(["--arms", "grpo", "capo", "--seeds", "0", "1", "--rounds", "2"])
+    rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": 0.6} for arm in ("grpo", "capo") for s in (0, 1)]
+    items = [("mawps", f"p{i}") for i in range(100)]
+    same = {i: 0.0 for i in items}
+    # CAPO: +1 on 20 items within boxed answers in both seeds; GRPO: nothing
+    capo = {"greedy": same, "sampled": same, "greedy_boxed": {i: float(n < 20) for n, i in enumerate(items)},
+            "sampled_boxed": same}
+    grpo = {"greedy": same, "sampled": same, "greedy_boxed": same, "sampled_boxed": same}
+    changes = {("capo", 0): capo, ("capo", 1): capo, ("grpo", 0): grpo, ("grpo", 1): grpo}
+    out = [r for r in bench.summarize(a, rows, {}, changes) if r.get("metric", "").endswith("_boxed")]
+    by = {k: v for r in out for k, v in r.items() if "_capo_beat_" in k}
+    assert by == {"greedy_boxed_capo_beat_grpo": True, "greedy_boxed_capo_beat_random_credit": "not run",
+                  "sampled_boxed_capo_beat_grpo": False, "sampled_boxed_capo_beat_random_credit": "not run"}
+    head = next(r for r in out if "greedy_boxed_capo_minus_grpo_pooled" in r)
+    assert head["greedy_boxed_capo_minus_grpo_pooled"]["diff"] == pytest.approx(0.2)
