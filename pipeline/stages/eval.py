@@ -98,7 +98,7 @@ def evaluate_policy(model: str, benchmarks: list[str], sample_size: int | None, 
                     max_tokens: int, pass_k: int = 1, instruction: str = "", *,
                     pass_k_benchmarks: list[str] | None = None, run_id: str = "", round_idx: int = 0,
                     variant: str | None = None, eval_root: Path | None = None, workers: int = 2,
-                    answer: str = "boxed", truncated: str = "zero") -> pa.Table:
+                    answer: str = "boxed", truncated: str = "zero", sample_seed: int | None = None) -> pa.Table:
     """Generate and grade ``model``'s answers on the benchmarks -> an :data:`EVAL_SCHEMA` table.
 
     Every problem gets one greedy answer (temperature 0, n=1); with ``pass_k > 1`` the problems of
@@ -106,6 +106,9 @@ def evaluate_policy(model: str, benchmarks: list[str], sample_size: int | None, 
     The engine is loaded once; each decoding mode is one ``generate`` call over all benchmarks.
     ``eval_root`` is where benchmark tables live (default ``<data_dir>/eval``). ``answer`` and
     ``truncated`` are the verifier's rule (:class:`pipeline.config.VerifyConfig`, :func:`pipeline.grading.grade`).
+    ``seed`` picks the problems and seeds the engine; ``sample_seed`` (None: ``seed``) seeds the engine
+    alone, so the same problems can be sampled again under other random numbers (the sampled
+    accuracy's own noise).
     """
     from pipeline.engines.host import policy_engine
 
@@ -117,7 +120,7 @@ def evaluate_policy(model: str, benchmarks: list[str], sample_size: int | None, 
     runs = [("greedy", problems, 1, SamplingConfig(temperature=0.0, top_p=1.0, max_tokens=max_tokens))]
     if sampled:
         runs.append(("sample", sampled, pass_k, SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=max_tokens)))
-    engine = policy_engine(model, engine_cfg, seed=seed)  # the persistent host's, when one runs
+    engine = policy_engine(model, engine_cfg, seed=seed if sample_seed is None else sample_seed)  # the host's, when one runs
     rows = []
     try:
         for decoding, probs, n, sampling in runs:

@@ -140,7 +140,7 @@ def scripted(monkeypatch, data_dir):
 
     def factory(model, cfg, seed=0):
         box["engine"] = ScriptedEngine(golds, right)
-        box["model"] = model
+        box["model"], box["seed"] = model, seed
         return box["engine"]
 
     monkeypatch.setattr(pipeline.engines, "make_engine", factory)
@@ -169,6 +169,18 @@ def test_evaluate_policy_prompts_calls_and_pass_k(scripted, data_dir):
     n_even = sum(p["prompt_id"] in even for p in aime)
     assert s["aime24"]["pass_at_k"] == n_even / 4 and s["aime24"]["sampled_accuracy"] == pytest.approx(n_even / 4 / 3)
     assert s["gsm8k"]["pass_k"] is None and s["aime24"]["pass_k"] == 3
+
+
+def test_sample_seed_seeds_the_engine_and_keeps_the_problems(scripted, data_dir):
+    """The noise floor's re-evaluations: ``sample_seed`` reseeds the engine only; the problems are
+    the subset of ``seed``, as in the eval they are compared with."""
+    args = (["gsm8k"], 4, 7, TransformersEngineConfig(), 32)
+    kw = {"instruction": INSTRUCTION, "eval_root": data_dir / "eval", "workers": 1}
+    base = evaluate_policy("m", *args, **kw)
+    assert scripted["seed"] == 7
+    again = evaluate_policy("m", *args, sample_seed=3, **kw)
+    assert scripted["seed"] == 3
+    assert again.column("prompt_id").to_pylist() == base.column("prompt_id").to_pylist()
 
 
 # ------------------------------------------------------------------------------------------- stage

@@ -195,3 +195,25 @@ def test_verdicts_within_boxed_answers_say_not_run_without_the_other_arm(bench):
                   "sampled_boxed_capo_beat_grpo": False, "sampled_boxed_capo_beat_random_credit": "not run"}
     head = next(r for r in out if "greedy_boxed_capo_minus_grpo_pooled" in r)
     assert head["greedy_boxed_capo_minus_grpo_pooled"]["diff"] == pytest.approx(0.2)
+
+
+def test_sampled_gain_is_held_to_the_noise_floor_of_sample_seeds(bench):
+    """The start sampled again under other seeds moved 3 points (spread 0.03): a pooled sampled
+    change whose interval starts above 0.03 is beyond the noise, one that starts below is not."""
+    a = bench.parser().parse_args(["--arms", "grpo", "capo", "--seeds", "0", "1", "--rounds", "2"])
+    rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": 0.6} for arm in ("grpo", "capo") for s in (0, 1)]
+    items = [("mawps", f"p{i}") for i in range(200)]
+
+    def run(up: int) -> dict:  # the first `up` items gained a whole sample share, the rest nothing
+        d = {i: float(n < up) for n, i in enumerate(items)}
+        return {"greedy": {i: 0.0 for i in items}, "sampled": d}
+
+    changes = {("grpo", s): run(10) for s in (0, 1)} | {("capo", s): run(40) for s in (0, 1)}
+    noise = {"sample": {"accuracy": [0.45, 0.47, 0.48], "spread": 0.03, "sd": 0.0153}}
+    by = {r["summary"]: r for r in bench.summarize(a, rows, {}, changes, noise) if "summary" in r}
+    # capo: +20 points, se ~ sqrt(0.2 * 0.8 / 200) = 0.028 -> lower end about 0.145 > 0.03
+    assert by["capo"]["sampled_beyond_noise"] is True
+    # grpo: +5 points, lower end about 0.02 < 0.03
+    assert by["grpo"]["pooled_change_from_round0"]["sampled"]["lo"] < 0.03
+    assert by["grpo"]["sampled_beyond_noise"] is False
+    assert {r["summary"]: r for r in bench.summarize(a, rows, {}, changes) if "summary" in r}["capo"]["sampled_beyond_noise"] is None
