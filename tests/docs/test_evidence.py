@@ -1,0 +1,62 @@
+"""The figures the README and the docs quote match the evidence committed under ``docs/data/``
+(the JSON lines the command next to each figure printed): a rerun that changes a number must change
+the text too, and a figure edited by hand without its evidence fails here."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from tests.conftest import REPO
+
+DATA = REPO / "docs" / "data"
+
+
+def _lines(name: str) -> list[dict]:
+    return [json.loads(line) for line in (DATA / name).read_text().splitlines() if line.strip()]
+
+
+def _text(path: str) -> str:
+    return " ".join((REPO / path).read_text().split())  # line breaks as spaces
+
+
+def test_every_evidence_file_the_docs_link_exists():
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for name in re.findall(r"(?:docs/)?data/([\w.+-]+\.jsonl?)\b", text):
+            assert (DATA / name).is_file(), f"{doc.name} names docs/data/{name}, which is not committed"
+
+
+def test_held_out_hygiene_figures():
+    (line,) = _lines("heldout-hygiene-mawps.jsonl")
+    h = line["hygiene"]
+    assert h["kept"] == h["training_rows"] - h["removed"] and len(h["removed_origins"]) == h["removed"]
+    assert f"**{h['removed']} of {h['training_rows']}**" in _text("docs/benchmarks.md")
+    assert f"train on the other {h['kept']}" in _text("docs/benchmarks.md")
+
+
+def test_default_round_minutes():
+    rec = json.loads((DATA / "round-default-avx512bf16.json").read_text())
+    minutes = round(rec["wall_seconds"] / 60)
+    assert f"A round took {minutes} minutes on a 2-core AMD EPYC with native bf16" in _text("README.md")
+
+
+def test_readout_headline_on_new_rollouts():
+    rows = {(r["variant"], r["source"], r["scope"]): r for r in _lines("signal-readout-heldout-56x4.jsonl")
+            if r.get("kind") == "summary"}
+    text = _text("docs/benchmarks.md")
+    for scope in ("all_steps", "before_answer"):
+        r = rows[("capo-logprob-arithmetic-t0.8", "logprob+arithmetic", scope)]
+        pen = f"{100 * r['right_penalized']:.1f} % / {100 * r['wrong_penalized']:.1f} %"
+        auc = f"{r['auroc']:.3f} [{r['auroc_low']:.3f}, {r['auroc_high']:.3f}]"
+        assert pen in text and auc in text, (scope, pen, auc)
+
+
+def test_suite_time_in_the_readme():
+    suite = next(r for r in _lines("test-suite-avx512bf16.jsonl") if r["kind"] == "suite")
+    text = _text("README.md")
+    assert f"took {round(suite['wall_seconds_with_install'] / 60)} minutes" in text
+    assert f"{suite['pytest_seconds'] / 60:.1f} of tests" in text
+    for tier in ("slow", "flows", "stages", "unit"):
+        assert f"`tests/{tier}` {suite['seconds_per_tier'][tier] / 60:.1f}" in text, tier
