@@ -304,6 +304,29 @@ def _prefect_api():
         yield
 
 
+@contextmanager
+def environment_kept():
+    """Leave ``os.environ`` as the block found it.
+
+    Dask's nanny writes its workers' settings into the environment of the process that starts a
+    ``LocalCluster`` (``distributed.nanny.pre-spawn-environ``: ``OMP_NUM_THREADS=1``,
+    ``MKL_NUM_THREADS=1``, ``OPENBLAS_NUM_THREADS=1``, ``MALLOC_TRIM_THRESHOLD_``) and leaves them
+    there; Ray's ``init`` adds its own (``RAY_*``, ``PYTHONBREAKPOINT``). Every later stage child
+    of the orchestrator inherits that environment: after a fan-out the train and eval stages ran
+    torch on one thread of a 2-core machine, about twice as slow. Variables the block added are
+    removed, changed ones set back, removed ones restored.
+    """
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for k in [k for k in os.environ if k not in before]:
+            del os.environ[k]
+        for k, v in before.items():
+            if os.environ.get(k) != v:
+                os.environ[k] = v
+
+
 def run_critique_fanout(cfg: CAPOConfig, round_idx: int, logger: logging.Logger | None = None,
                         force: bool = False) -> StageResult:
     """Run the critique stage of ``round_idx`` as the ``critique-fanout`` flow on the task runner
@@ -328,7 +351,7 @@ def run_critique_fanout(cfg: CAPOConfig, round_idx: int, logger: logging.Logger 
     conf = write_resolved_config(cfg, round_idx)
     logger.info("[critique] running on %s with %d workers%s (scale.critique)", fan.runner, fan.workers,
                 f" at {fan.address}" if fan.address else ", local cluster")
-    with _prefect_api():
+    with environment_kept(), _prefect_api():  # the cluster's thread settings stay out of later stages
         out: dict[str, Any] = critique_fanout.with_options(task_runner=runner)(str(conf), round_idx, force)
     res = StageResult(**out)
     logger.info(res.line())

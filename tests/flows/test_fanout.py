@@ -437,16 +437,21 @@ def dask_vllm(harness, inputs, repo, data_dir, module_tmp):
     cfg = _tiny(repo, data_dir, runs, **{"scale.critique.runner": "dask", "scale.critique.workers": 2})
     assert cfg.critique.engine.type == "vllm"
     _copy_inputs(inputs, runs, cfg)
+    env = dict(os.environ)
     first = run_stage("critique", cfg, 1)
     second = run_stage("critique", cfg, 1)
-    return cfg, first, second
+    return cfg, first, second, env
 
 
 @pytest.mark.slow
 def test_dask_fanout_through_vllm(dask_vllm, repo, data_dir):
     from flows.runner import check_current
 
-    cfg, first, second = dask_vllm
+    cfg, first, second, env = dask_vllm
+    # Dask's nanny writes OMP_NUM_THREADS=1 (and more) into the starting process: none of it may stay,
+    # or every later stage child of the orchestrator runs torch on one thread
+    assert dict(os.environ) == env, {k: os.environ.get(k) for k in set(env) ^ set(os.environ) | {
+        k for k in env if env[k] != os.environ.get(k)}}
     assert not first.skipped and first.rows == 6 * (cfg.critique.num_critiques + 1)  # + the arithmetic rows
     _check_complete(cfg)
     man = storage.read_manifest(round_paths(cfg, 1)["critiques"])
@@ -468,14 +473,16 @@ def ray_transformers(harness, inputs, repo, data_dir, module_tmp):
     cfg = _tiny(repo, data_dir, runs, **TRANSFORMERS_CRITIC,
                 **{"scale.critique.runner": "ray", "scale.critique.workers": 2})
     _copy_inputs(inputs, runs, cfg)
-    return cfg, run_stage("critique", cfg, 1), run_stage("critique", cfg, 1)
+    env = dict(os.environ)
+    return cfg, run_stage("critique", cfg, 1), run_stage("critique", cfg, 1), env
 
 
 @pytest.mark.slow
 def test_ray_fanout_through_transformers(ray_transformers, repo, data_dir):
     from flows.runner import check_current
 
-    cfg, first, second = ray_transformers
+    cfg, first, second, env = ray_transformers
+    assert dict(os.environ) == env, "ray.init's variables (RAY_*, PYTHONBREAKPOINT) stayed in the orchestrator"
     assert not first.skipped
     _check_complete(cfg)
     man = storage.read_manifest(round_paths(cfg, 1)["critiques"])
@@ -592,3 +599,20 @@ def test_reference_guided_critiques_show_each_problems_reference(tmp_path, monke
             assert "He eats 6 / 2 = 3.\nThen 3 + 2 = 5." in ref and "<<" not in ref and "####" not in ref
         else:
             assert "A kilogram is 1,000 grams." in ref
+
+
+def test_environment_kept_undoes_what_a_cluster_writes(monkeypatch):
+    """What Dask's nanny does to the starting process (OMP_NUM_THREADS=1 among others) is undone:
+    added variables removed, changed ones set back, removed ones restored; also when the block fails."""
+    from flows.fanout import environment_kept
+
+    monkeypatch.setenv("CAPO_TEST_KEEP", "a")
+    monkeypatch.setenv("CAPO_TEST_GONE", "b")
+    monkeypatch.delenv("CAPO_TEST_NEW", raising=False)
+    before = dict(os.environ)
+    with pytest.raises(RuntimeError, match="a chunk failed"):
+        with environment_kept():
+            os.environ.update(CAPO_TEST_KEEP="changed", CAPO_TEST_NEW="1", OMP_NUM_THREADS="1")
+            del os.environ["CAPO_TEST_GONE"]
+            raise RuntimeError("a chunk failed")
+    assert dict(os.environ) == before
