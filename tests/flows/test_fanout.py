@@ -428,6 +428,11 @@ def _check_workers(man: dict, runner: str, chunks: list[list[int]]) -> None:
     assert man["engine"]["requests"] == sum(w["engine"]["requests"] for w in workers)
 
 
+def _env() -> dict[str, str]:
+    """This process's environment, less pytest's own record of the running test and phase."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
 @pytest.fixture(scope="module")
 def dask_vllm(harness, inputs, repo, data_dir, module_tmp):
     """Fan-out on a local Dask cluster (2 workers) through the engine the config names (vLLM)."""
@@ -437,7 +442,7 @@ def dask_vllm(harness, inputs, repo, data_dir, module_tmp):
     cfg = _tiny(repo, data_dir, runs, **{"scale.critique.runner": "dask", "scale.critique.workers": 2})
     assert cfg.critique.engine.type == "vllm"
     _copy_inputs(inputs, runs, cfg)
-    env = dict(os.environ)
+    env = _env()
     first = run_stage("critique", cfg, 1)
     second = run_stage("critique", cfg, 1)
     return cfg, first, second, env
@@ -450,8 +455,8 @@ def test_dask_fanout_through_vllm(dask_vllm, repo, data_dir):
     cfg, first, second, env = dask_vllm
     # Dask's nanny writes OMP_NUM_THREADS=1 (and more) into the starting process: none of it may stay,
     # or every later stage child of the orchestrator runs torch on one thread
-    assert dict(os.environ) == env, {k: os.environ.get(k) for k in set(env) ^ set(os.environ) | {
-        k for k in env if env[k] != os.environ.get(k)}}
+    now = _env()
+    assert now == env, {k: (env.get(k), now.get(k)) for k in set(env) | set(now) if env.get(k) != now.get(k)}
     assert not first.skipped and first.rows == 6 * (cfg.critique.num_critiques + 1)  # + the arithmetic rows
     _check_complete(cfg)
     man = storage.read_manifest(round_paths(cfg, 1)["critiques"])
@@ -473,7 +478,7 @@ def ray_transformers(harness, inputs, repo, data_dir, module_tmp):
     cfg = _tiny(repo, data_dir, runs, **TRANSFORMERS_CRITIC,
                 **{"scale.critique.runner": "ray", "scale.critique.workers": 2})
     _copy_inputs(inputs, runs, cfg)
-    env = dict(os.environ)
+    env = _env()
     return cfg, run_stage("critique", cfg, 1), run_stage("critique", cfg, 1), env
 
 
@@ -482,7 +487,7 @@ def test_ray_fanout_through_transformers(ray_transformers, repo, data_dir):
     from flows.runner import check_current
 
     cfg, first, second, env = ray_transformers
-    assert dict(os.environ) == env, "ray.init's variables (RAY_*, PYTHONBREAKPOINT) stayed in the orchestrator"
+    assert _env() == env, "ray.init's variables (RAY_*, PYTHONBREAKPOINT) stayed in the orchestrator"
     assert not first.skipped
     _check_complete(cfg)
     man = storage.read_manifest(round_paths(cfg, 1)["critiques"])
