@@ -60,3 +60,16 @@ def test_suite_time_in_the_readme():
     assert f"{suite['pytest_seconds'] / 60:.1f} of tests" in text
     for tier in ("slow", "flows", "stages", "unit"):
         assert f"`tests/{tier}` {suite['seconds_per_tier'][tier] / 60:.1f}" in text, tier
+
+
+def test_reference_guided_readout_table():
+    rows = {(r["variant"], r["scope"]): r for r in _lines("signal-readout-reference-heldout-56x4.jsonl")
+            if r.get("kind") == "summary" and r["source"] == "logprob+arithmetic"}
+    text = _text("docs/benchmarks.md")
+    for thr, variant in (("0.5", "capo-logprob-arithmetic"), ("0.7", "capo-logprob-arithmetic-t0.7"),
+                         ("0.8", "capo-logprob-arithmetic-t0.8"), ("0.9", "capo-logprob-arithmetic-t0.9")):
+        a, b = rows[(variant, "all_steps")], rows[(variant, "before_answer")]
+        cells = (f"| {thr} | {100 * a['right_penalized']:.1f} % / {100 * a['wrong_penalized']:.1f} % | "
+                 f"{a['auroc']:.3f} [{a['auroc_low']:.3f}, {a['auroc_high']:.3f}] | "
+                 f"{b['auroc']:.3f} [{b['auroc_low']:.3f}, {b['auroc_high']:.3f}] |")
+        assert cells in text, cells
