@@ -73,3 +73,19 @@ def test_reference_guided_readout_table():
                  f"{a['auroc']:.3f} [{a['auroc_low']:.3f}, {a['auroc_high']:.3f}] | "
                  f"{b['auroc']:.3f} [{b['auroc_low']:.3f}, {b['auroc_high']:.3f}] |")
         assert cells in text, cells
+
+
+def test_noise_floor_table():
+    rec = json.loads((DATA / "noise-floor-round0-default-avx512bf16.json").read_text())
+    text = _text("docs/benchmarks.md")
+    rows = {(arm, b["benchmark"]): b for arm, a in rec["arms"].items() for b in a["benchmarks"]}
+    assert all(rows[("repeat", b)]["diff"] == 0.0 and rows[("repeat", b)]["same_text"] == 1.0 for b in ("gsm8k", "math500"))
+    share = rec["arms"]["one_rounding"]["changed_share"]
+    for bench, name in (("gsm8k", "GSM8K"), ("math500", "MATH-500")):
+        r = rows[("one_rounding", bench)]
+        def pts(x: float) -> str:  # points, with the sign of a gain
+            return f"{100 * x:+.1f}" if round(100 * x, 1) > 0 else f"{100 * x:.1f}".replace("-0.0", "0.0")
+
+        cells = (f"| one bf16 step on {100 * share:.1f} % of the weights | {name} | {pts(r['diff'])} | "
+                 f"[{pts(r['lo'])}, {pts(r['hi'])}] | {r['n10']} / {r['n01']} | {100 * r['same_text']:.0f} % |")
+        assert cells in text, cells
