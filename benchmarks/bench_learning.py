@@ -9,7 +9,7 @@
    like any local prompt file). A group in which every response is right or every one wrong gives
    GRPO no advantage; these do. **Held-out hygiene**: MAWPS merges collections that share problems
    and templates, so rows disjoint by index can be one problem in other numbers; the training rows
-   whose question equals a held-out question once numbers, case and punctuation are masked
+   whose question equals a held-out question once numbers, names, case and punctuation are masked
    (:mod:`pipeline.assets.overlap`) are dropped, from a made selection and from a given
    ``--selection`` alike, into ``<selection>.heldout-clean.jsonl``, and a ``hygiene`` JSON line says
    how many (``--hygiene-only`` prints it and stops; ``--no-heldout-dedup`` trains on the selection
@@ -299,7 +299,7 @@ def heldout_texts(a: argparse.Namespace) -> list[str]:
 def remove_heldout_twins(train_file: Path, held_out: list[str], min_rows: int = 1) -> tuple[Path, dict]:
     """Write ``<train_file stem>.heldout-clean.jsonl`` beside ``train_file``: its rows without the
     template twins of ``held_out`` (:func:`pipeline.assets.overlap.template_twins`: the same
-    question once numbers, case and punctuation are masked). Returns that path and a record of what
+    question once numbers, names, case and punctuation are masked). Returns that path and a record of what
     was removed (``training_rows``, ``held_out``, ``removed``, ``removed_origins``, ``kept``).
 
     An existing clean file is reused when identical and never overwritten otherwise.
