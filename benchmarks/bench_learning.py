@@ -283,17 +283,14 @@ def selection_in_child(a: argparse.Namespace) -> Path:
 
 
 def heldout_texts(a: argparse.Namespace) -> list[str]:
-    """The questions of ``--dataset``'s held-out subset (the rows every round's eval grades)."""
-    import pyarrow.parquet as pq
-
-    from pipeline.assets.benchmarks import ensure_benchmark
+    """The questions of ``--dataset``'s held-out subset (the rows every round's eval grades:
+    :func:`pipeline.stages.eval.load_problems`)."""
     from pipeline.config import load_config
-    from pipeline.stages.eval import select_problems
+    from pipeline.stages.eval import load_problems
 
     cfg = load_config(ROOT / "configs" / "default.yaml", base_overrides(a, 0))
-    table = pq.read_table(ensure_benchmark(a.dataset, Path(a.data_dir) / "eval", cache_dir=Path(a.data_dir) / "cache"))
-    questions = table.column("question").to_pylist()
-    return [questions[i] for i in select_problems(len(questions), cfg.eval.sample_size, cfg.eval.seed, a.dataset)]
+    return [p["question"] for p in load_problems([a.dataset], cfg.eval.sample_size, cfg.eval.seed,
+                                                 Path(a.data_dir) / "eval")]
 
 
 def remove_heldout_twins(train_file: Path, held_out: list[str], min_rows: int = 1) -> tuple[Path, dict]:
