@@ -47,6 +47,11 @@ class EvalItem:
         critiques: (K,) parsed wrong-step lists in sampling order; None = parse failure.
         critic_tokens: (K,) generated tokens of each critique.
         step_labels: (S,) 1 = the step is wrong, 0 = right; None when unknown.
+        step_scores: (S,) a log-prob readout's calibrated P(wrong) per step, which sets the
+            weights instead of the critiques (:func:`predict`); None for sampled critiques and checks.
+
+    A check (the log-prob readout, the arithmetic check) gives one verdict per item; it is given as
+    that verdict repeated for every N, which is what voting N identical lists gives under every rule.
     """
 
     label: int
@@ -54,6 +59,7 @@ class EvalItem:
     critiques: tuple[tuple[int, ...] | None, ...]
     critic_tokens: tuple[int, ...]
     step_labels: tuple[int, ...] | None = None
+    step_scores: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -105,18 +111,34 @@ def processbench_f1(acc_erroneous: float, acc_correct: float) -> float:
     return 2 * acc_erroneous * acc_correct / total if total > 0 else 0.0
 
 
-def predict(item: EvalItem, n: int, rule: str, majority_threshold: float = 0.5,
-            threshold: float = FLAG_THRESHOLD) -> Prediction:
+def predict(item: EvalItem | tuple[EvalItem, ...], n: int, rule: str, majority_threshold: float = 0.5,
+            threshold: float = FLAG_THRESHOLD, logprob_threshold: float = 0.5) -> Prediction:
     """Vote the first ``n`` critiques of ``item`` with ``rule`` (CAPO §3; docs/design.md §1.6).
+
+    An item with ``step_scores`` (the log-prob readout) weighs step i by its P(wrong) q_i under
+    ``average`` and by ``q_i > logprob_threshold`` under the other rules, as ``vote.sources:
+    [logprob]`` does in training. A tuple of items (the same solution under several sources, a
+    union) weighs each step by the largest of their weights, as ``vote.sources`` with several
+    entries does; its ``n_valid`` is the members' sum.
 
     Raises:
         ValueError: the item has fewer than ``n`` critiques, or an unknown rule.
     """
+    if isinstance(item, tuple):
+        preds = [predict(m, n, rule, majority_threshold, threshold, logprob_threshold) for m in item]
+        weights_S = np.max(np.stack([p.weights for p in preds]), axis=0)
+        return Prediction(weights_S, sum(p.n_valid for p in preds), earliest_flagged(weights_S, threshold))
     if len(item.critiques) < n:
         raise ValueError(f"item has {len(item.critiques)} critiques, N={n} needs at least {n}; "
                          "sample more (critic n_max) or drop N")
     n_valid, n_flagged_S = flag_counts(item.critiques[:n], item.n_steps)
-    weights_S = vote(n_flagged_S, n_valid, rule, majority_threshold)
+    if item.step_scores is not None:
+        q_S = np.asarray(item.step_scores, dtype=np.float32)
+        if rule not in VOTING_RULES:
+            raise ValueError(f"unknown voting rule {rule!r}; valid: {list(VOTING_RULES)}")
+        weights_S = q_S if rule == "average" else (q_S > logprob_threshold).astype(np.float32)
+    else:
+        weights_S = vote(n_flagged_S, n_valid, rule, majority_threshold)
     return Prediction(weights_S, n_valid, earliest_flagged(weights_S, threshold))
 
 
@@ -124,34 +146,42 @@ def _share(hits: int, total: int) -> float:
     return hits / total if total else math.nan
 
 
-def score_items(items: Sequence[EvalItem], n: int, rule: str, majority_threshold: float = 0.5,
-                threshold: float = FLAG_THRESHOLD, seconds_per_token: float = math.nan) -> Score:
+def score_items(items: Sequence[EvalItem | tuple[EvalItem, ...]], n: int, rule: str, majority_threshold: float = 0.5,
+                threshold: float = FLAG_THRESHOLD, seconds_per_token: float = math.nan,
+                logprob_threshold: float = 0.5, seconds_per_item: float = math.nan) -> Score:
     """ProcessBench scores of ``rule`` over the first ``n`` critiques of every item.
 
     Args:
-        items: the benchmark items with at least ``n`` critiques each.
+        items: the benchmark items with at least ``n`` critiques each; a tuple of items is the
+            same solution under several sources voting together (:func:`predict`).
         n: N, critiques voted per item.
         rule: a key of :data:`pipeline.core.voting.VOTING_RULES`.
         majority_threshold: share a majority must exceed (``majority`` rule).
         threshold: flag a step when its weight is >= this.
         seconds_per_token: critic seconds per generated token (measured over the run), used for
             ``seconds_per_item``; NaN when unknown.
+        logprob_threshold: a readout's step is flagged by the hard rules when P(wrong) is above this.
+        seconds_per_item: critic seconds per item that are not per generated token (a readout or
+            a check), added to ``critic_tokens_per_item * seconds_per_token``; NaN when none.
     """
     from pipeline.process_signal import auroc
 
     err_hits = err_total = ok_hits = ok_total = label_hits = 0
-    tp = fp = fn = flagged_steps = total_steps = failed = no_valid = tokens = 0
+    tp = fp = fn = flagged_steps = total_steps = failed = no_valid = tokens = voted = 0
     item_scores, item_wrong = [], []
     for item in items:
-        pred = predict(item, n, rule, majority_threshold, threshold)
+        parts = item if isinstance(item, tuple) else (item,)
+        item = parts[0]
+        pred = predict(parts if len(parts) > 1 else item, n, rule, majority_threshold, threshold, logprob_threshold)
         item_scores.append(float(np.mean(pred.weights)) if item.n_steps else 0.0)
         item_wrong.append(item.label >= 0)
         flagged_S = pred.weights >= threshold  # (S,) bool
         flagged_steps += int(flagged_S.sum())
         total_steps += item.n_steps
-        failed += sum(c is None for c in item.critiques[:n])
+        failed += sum(c is None for m in parts for c in m.critiques[:n])
+        voted += n * len(parts)
         no_valid += pred.n_valid == 0
-        tokens += sum(item.critic_tokens[:n])
+        tokens += sum(t for m in parts for t in m.critic_tokens[:n])
         if item.label >= 0:
             err_total += 1
             err_hits += pred.earliest == item.label
@@ -172,16 +202,21 @@ def score_items(items: Sequence[EvalItem], n: int, rule: str, majority_threshold
         auroc=math.nan if (a := auroc(item_scores, item_wrong)) is None else a,
         label_flagged=_share(label_hits, err_total), step_precision=_share(tp, tp + fp),
         step_recall=_share(tp, tp + fn), flag_rate=_share(flagged_steps, total_steps),
-        parse_failure_rate=_share(failed, n * len(items)), no_valid_rate=_share(no_valid, len(items)),
-        critic_tokens_per_item=tokens_per_item, seconds_per_item=tokens_per_item * seconds_per_token,
+        parse_failure_rate=_share(failed, voted), no_valid_rate=_share(no_valid, len(items)),
+        critic_tokens_per_item=tokens_per_item,
+        seconds_per_item=(math.nan if math.isnan(seconds_per_token) and math.isnan(seconds_per_item) else
+                          (0.0 if math.isnan(seconds_per_token) else tokens_per_item * seconds_per_token)
+                          + (0.0 if math.isnan(seconds_per_item) else seconds_per_item)),
     )
 
 
-def score_grid(items: Sequence[EvalItem], ns: Sequence[int], rules: Sequence[str] = tuple(VOTING_RULES),
-               majority_threshold: float = 0.5, threshold: float = FLAG_THRESHOLD,
-               seconds_per_token: float = math.nan) -> list[Score]:
+def score_grid(items: Sequence[EvalItem | tuple[EvalItem, ...]], ns: Sequence[int],
+               rules: Sequence[str] = tuple(VOTING_RULES), majority_threshold: float = 0.5,
+               threshold: float = FLAG_THRESHOLD, seconds_per_token: float = math.nan,
+               logprob_threshold: float = 0.5, seconds_per_item: float = math.nan) -> list[Score]:
     """:func:`score_items` for every rule and N (rules outer, N inner)."""
-    return [score_items(items, n, rule, majority_threshold, threshold, seconds_per_token)
+    return [score_items(items, n, rule, majority_threshold, threshold, seconds_per_token, logprob_threshold,
+                        seconds_per_item)
             for rule in rules for n in ns]
 
 
@@ -189,13 +224,17 @@ def score_grid(items: Sequence[EvalItem], ns: Sequence[int], rules: Sequence[str
 ADVERSARIAL_PREFIX = "adv_"
 
 
-def subsets(kinds: Sequence[str], labels: Sequence[int]) -> dict[str, list[int]]:
+def subsets(kinds: Sequence[str], labels: Sequence[int],
+            source_ids: Sequence[str | None] | None = None) -> dict[str, list[int]]:
     """Item indices of each reported subset.
 
     ``all`` always. When some kinds start with ``adv_`` (adversarial items): ``plain`` = every
     non-adversarial item, ``adversarial`` = the adversarial items plus the plain set's all-right
     items (so that its F1 is defined and its correct-item accuracy is the plain set's). When there
-    are several kinds, each kind on its own as well.
+    are several kinds, each kind as well: its items plus the all-right items (label -1) made from
+    the same problems (same ``source_ids``), so that every kind has a defined F1 (ProcessBench's,
+    on that kind's errors and their right twins); without ``source_ids``, or for a kind of
+    all-right items, the kind's items alone.
     """
     out = {"all": list(range(len(kinds)))}
     adv = [k.startswith(ADVERSARIAL_PREFIX) for k in kinds]
@@ -204,7 +243,13 @@ def subsets(kinds: Sequence[str], labels: Sequence[int]) -> dict[str, list[int]]
         out["adversarial"] = [i for i, a in enumerate(adv) if a or labels[i] < 0]
     if len(set(kinds)) > 1:
         for kind in sorted(set(kinds)):
-            out[kind] = [i for i, k in enumerate(kinds) if k == kind]
+            mine = [i for i, k in enumerate(kinds) if k == kind]
+            if source_ids is not None and any(labels[i] >= 0 for i in mine):
+                srcs = {source_ids[i] for i in mine if source_ids[i] is not None}
+                twins = {i for i, (sid, lab) in enumerate(zip(source_ids, labels))
+                         if lab < 0 and sid in srcs and kinds[i] != kind}
+                mine = sorted(set(mine) | twins)
+            out[kind] = mine
     return out
 
 
@@ -290,6 +335,26 @@ def render_report(meta: dict, scores: Sequence[dict]) -> str:
                            [[st, ", ".join(f"{k} {v}" for k, v in sorted(d["statuses"].items())), d["non_empty_lists"],
                              "; ".join(f"{v} ({k}, {100 * sh:.0f} %)" for v, k, sh in d["top_lists"])]
                             for st, d in meta["verdicts"].items()]),
+        ]
+    kind_cols = [k for k in meta["kinds"] if not k.startswith(ADVERSARIAL_PREFIX)
+                 and any(s["subset"] == k and s["n_erroneous"] and s["n_correct"] for s in scores)]
+    if kind_cols:
+        def _kind_row(st: str, r: str) -> list:
+            f1s = [by[(st, k, r, n_max)]["f1"] if (st, k, r, n_max) in by else None for k in kind_cols]
+            got = [f for f in f1s if f is not None]
+            return ([st, r] + f1s + [float(np.mean(got)) if got else None, min(got) if got else None]
+                    + [by[(st, k, r, n_max)]["auroc"] if (st, k, r, n_max) in by else None for k in kind_cols])
+
+        parts += [
+            f"## F1 and AUROC per kind of error (N={n_max})",
+            "Each kind's erroneous items with the all-right solutions of the same problems: F1 is "
+            "ProcessBench's on that kind (right step found, and nothing flagged on the right twin), AUROC "
+            "that of the item's mean step weight against \"has an error\". Calculation errors "
+            "(`carried`, `as_was`) are what a calculator finds; the reasoning errors keep every "
+            "calculation right.",
+            markdown_table(["setup", "rule"] + [f"F1: {k}" for k in kind_cols] + ["F1 mean", "F1 min"]
+                           + [f"AUROC: {k}" for k in kind_cols],
+                           [_kind_row(st, r) for st in setups for r in rules]),
         ]
     robust = [k for k in ("plain", "adversarial") if any(s["subset"] == k for s in scores)]
     if "adversarial" in robust:

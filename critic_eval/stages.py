@@ -71,12 +71,20 @@ class _Strict(BaseModel):
 
 
 class CriticSpec(_Strict):
-    """One critic (GenPRM) to evaluate."""
+    """One critic (GenPRM) or step check to evaluate, as a signal source of ``vote.sources`` in training."""
 
     name: str = Field(pattern=_NAME)
     """Label in tables and the report, e.g. ``embedded-1.5b``."""
-    model: str
-    """Embedded model name, local checkpoint, HF id, or the model name an ``openai`` engine serves."""
+    source: Literal["llm", "logprob", "arithmetic"] = "llm"
+    """``llm``: ``n_max`` sampled critiques per item (the paper's GenPRM). ``logprob``: the
+    model's calibrated P(wrong) of every step from one teacher-forced pass
+    (:mod:`pipeline.core.readout`, ``critique.logprob_readout`` in training), run with the
+    transformers engine at ``engine.dtype``. ``arithmetic``: the exact check of every written
+    calculation (:mod:`pipeline.core.arithmetic`); no model, no gold answer, milliseconds. A check
+    gives one verdict per item, which stands for every N."""
+    model: str = ""
+    """Embedded model name, local checkpoint, HF id, or the model name an ``openai`` engine serves
+    (``llm``, ``logprob``; empty for ``arithmetic``)."""
     engine: EngineConfig = VLLMEngineConfig(max_model_len=4096, kv_cache_gib=3.0)
     """How to run it (vllm, transformers, or an OpenAI-compatible endpoint); as ``critique.engine``."""
     sampling: SamplingConfig = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=320)
@@ -88,8 +96,29 @@ class CriticSpec(_Strict):
 
     @model_validator(mode="after")
     def _structured_engine(self) -> "CriticSpec":
-        check_structured_engine(self.structured_output, self.engine.type, f"critics[{self.name}]")
+        where = f"critics[{self.name}]"
+        if self.source == "arithmetic":
+            if self.model:
+                raise ValueError(f"{where}: source 'arithmetic' runs no model; drop model={self.model!r}")
+        elif not self.model:
+            raise ValueError(f"{where}: source {self.source!r} needs a model (an embedded model name, a local "
+                             "checkpoint or an HF id)")
+        if self.source != "llm" and self.structured_output:
+            raise ValueError(f"{where}: structured_output constrains sampled critiques; source {self.source!r} samples none")
+        if self.source == "logprob":
+            if self.engine.type == "openai":
+                raise ValueError(f"{where}: the log-prob readout needs the critic's weights (engine type vllm or "
+                                 "transformers); a served (openai) critic cannot give prompt log-probs here")
+            if self.template == "capo-genprm-v3":
+                raise ValueError(f"{where}: the log-prob readout is calibrated per template; capo-genprm-v3's example "
+                                 "changes with every solution, use capo-genprm-v1 or capo-genprm-v2")
+        check_structured_engine(self.structured_output, self.engine.type, where)
         return self
+
+    @property
+    def uses_gold(self) -> bool:
+        """Whether ``include_gold_answer`` changes what this critic sees (not for ``arithmetic``)."""
+        return self.source != "arithmetic"
 
 
 class BenchmarkConfig(_Strict):
@@ -136,6 +165,13 @@ class CriticEvalConfig(_Strict):
     """N values scored; the critic samples ``max(n_values)`` critiques per item once."""
     majority_threshold: float = Field(0.5, ge=0, lt=1)
     """As ``vote.majority_threshold`` in training."""
+    logprob_threshold: float = Field(0.5, gt=0, lt=1)
+    """As ``vote.logprob_threshold`` in training: a ``logprob`` critic flags a step when its calibrated
+    P(wrong) is above this (under ``average`` the weight is P(wrong) itself)."""
+    unions: list[list[str]] = []
+    """Sources voting together, as ``vote.sources`` with several entries: each a list of two or more
+    critic names, scored as one setup whose step weight is the largest of its members' (per gold
+    setting, rule and N), e.g. ``[[embedded-1.5b, arithmetic], [readout-1.5b, arithmetic]]``."""
     partial_critiques: list[Literal["list", "lines", "drop"]] = ["list", "lines", "drop"]
     """Policies scored for critiques that did not judge every step in its own line or whose
     lines contradict their list (``vote.partial_critiques`` in training); each is a scored setup."""
@@ -157,6 +193,9 @@ class CriticEvalConfig(_Strict):
         if not self.partial_critiques or len(set(self.partial_critiques)) != len(self.partial_critiques):
             raise ValueError(f"partial_critiques must list distinct policies of list, lines, drop; got "
                              f"{self.partial_critiques}")
+        for u in self.unions:
+            if len(u) < 2 or len(set(u)) != len(u) or any(m not in names for m in u):
+                raise ValueError(f"each of unions must name two or more distinct critics of {names}; got {u}")
         return self
 
     @property
@@ -167,14 +206,42 @@ class CriticEvalConfig(_Strict):
         return Path(self.runs_dir).resolve() / "critic_eval" / self.name
 
     def setups(self) -> dict[str, tuple[CriticSpec, bool]]:
-        """``{setup id: (critic, include_gold_answer)}`` in report order."""
-        return {f"{c.name}+{'gold' if g else 'nogold'}": (c, g)
-                for c in self.critics for g in dict.fromkeys(self.include_gold_answer)}
+        """``{setup id: (critic, include_gold_answer)}`` in report order: ``<name>+gold`` /
+        ``<name>+nogold`` per gold setting, and ``<name>`` alone for a check that reads no gold
+        answer (``arithmetic``)."""
+        out: dict[str, tuple[CriticSpec, bool]] = {}
+        for c in self.critics:
+            if not c.uses_gold:
+                out[c.name] = (c, False)
+                continue
+            for g in dict.fromkeys(self.include_gold_answer):
+                out[f"{c.name}+{'gold' if g else 'nogold'}"] = (c, g)
+        return out
 
-    def scored_setups(self) -> dict[str, tuple[str, str]]:
-        """``{label: (setup, partial-critique policy)}``: the setups as the scores and report name them."""
+    def _member_setup(self, name: str, gold: bool) -> str:
+        c = next(c for c in self.critics if c.name == name)
+        return f"{name}+{'gold' if gold else 'nogold'}" if c.uses_gold else name
+
+    def scored_setups(self) -> dict[str, tuple[tuple[str, ...], str]]:
+        """``{label: (member setups, partial-critique policy)}``: the setups as the scores and report
+        name them; a setup of sampled critiques once per policy (``<setup>/<policy>`` when there are
+        several), a check once, and each of ``unions`` once per gold setting and policy (``a|b+gold``)."""
         one = len(self.partial_critiques) == 1
-        return {(s if one else f"{s}/{pol}"): (s, pol) for s in self.setups() for pol in self.partial_critiques}
+        out: dict[str, tuple[tuple[str, ...], str]] = {}
+        for s, (c, _) in self.setups().items():
+            pols = self.partial_critiques if c.source == "llm" else self.partial_critiques[:1]
+            for pol in pols:
+                out[s if one or c.source != "llm" else f"{s}/{pol}"] = ((s,), pol)
+        for u in self.unions:
+            crit = [next(c for c in self.critics if c.name == m) for m in u]
+            golds = dict.fromkeys(self.include_gold_answer) if any(c.uses_gold for c in crit) else {False: None}
+            pols = self.partial_critiques if any(c.source == "llm" for c in crit) else self.partial_critiques[:1]
+            for g in golds:
+                members = tuple(self._member_setup(m, g) for m in u)
+                base = "|".join(u) + (f"+{'gold' if g else 'nogold'}" if any(c.uses_gold for c in crit) else "")
+                for pol in pols:
+                    out[base if one or len(pols) == 1 else f"{base}/{pol}"] = (members, pol)
+        return out
 
 
 def load_eval_config(path: str | Path | None = None, overrides: list[str] | None = None) -> CriticEvalConfig:
@@ -275,18 +342,68 @@ def critique_path(cfg: CriticEvalConfig, setup: str) -> Path:
 
 def critique_key(cfg: CriticEvalConfig, setup: str) -> dict:
     critic, gold = cfg.setups()[setup]
+    bench = _benchmark_fingerprint(cfg)
+    if critic.source == "arithmetic":
+        from pipeline.core.arithmetic import VERSION as ARITHMETIC_VERSION
+
+        return {"benchmark": bench, "source": "arithmetic", "checker": ARITHMETIC_VERSION}
     spec = critic.model_dump(mode="json")
-    key = {"benchmark": _benchmark_fingerprint(cfg), "critic": spec,
+    spec.pop("source")  # sampled-critique setups keep the keys they had before the option
+    key = {"benchmark": bench, "critic": spec,
            "include_gold_answer": gold, "n_max": cfg.n_max, "template_version": critic.template,
            "parser": PARSER_VERSION, "data_escape": DATA_ESCAPE_VERSION, "seed": cfg.seed,
            "model": model_fingerprint(resolve_model(critic.model, cfg))}
-    if spec.pop("structured_output"):  # free-text setups keep the keys they had before the option
+    if critic.source == "logprob":
+        from pipeline.core.readout import VERSION as READOUT_VERSION
+
+        for k in ("sampling", "n_max", "seed", "parser", "structured_output"):
+            spec.pop(k, None)
+            key.pop(k, None)
+        key.update(source="logprob", readout=READOUT_VERSION, dtype=critic.engine.dtype)
+    elif spec.pop("structured_output"):  # free-text setups keep the keys they had before the option
         key["structured"] = STRUCTURED_VERSION
     return key
 
 
+def _check_rows(cfg: CriticEvalConfig, setup: str, items: list[dict]) -> tuple[list[dict], dict]:
+    """The arithmetic check of every item: one row each (:func:`pipeline.core.arithmetic.critique_steps`)."""
+    from pipeline.core.arithmetic import VERSION, critique_steps
+
+    t0 = time.perf_counter()
+    rows = []
+    for it in items:
+        c = critique_steps([t or "" for t in it["steps"]])
+        rows.append({"critic_model": "arithmetic", "template_version": VERSION, "include_gold_answer": False,
+                     "item_id": it["id"], "n_steps": len(it["steps"]), "raw_text": c.text,
+                     "wrong_steps": list(c.wrong_steps), "steps_judged": list(c.steps_judged),
+                     "steps_wrong_lines": list(c.wrong_steps), "parse_status": "complete", "source": "arithmetic"})
+    return rows, {"seconds": round(time.perf_counter() - t0, 4)}
+
+
+def _readout_rows(cfg: CriticEvalConfig, setup: str, items: list[dict]) -> tuple[list[dict], dict]:
+    """The log-prob readout of every item: one row each with ``step_scores``
+    (:func:`pipeline.stages.critique.readout_scores`)."""
+    from pipeline.core.readout import readout_text
+    from pipeline.stages.critique import ReadoutJob, readout_scores
+
+    critic, gold = cfg.setups()[setup]
+    model = resolve_model(critic.model, cfg)
+    jobs = [ReadoutJob(it["problem"], list(it["steps"]), it["gold_answer"] if gold else None) for it in items]
+    t0 = time.perf_counter()
+    results, stats = readout_scores(model, critic.engine.dtype, critic.template, jobs, label=f"readout {setup}")
+    thr = cfg.logprob_threshold
+    rows = [{"critic_model": model, "template_version": critic.template, "include_gold_answer": gold,
+             "item_id": it["id"], "n_steps": len(it["steps"]), "raw_text": readout_text(q, raw, cf, thr),
+             "wrong_steps": [i for i, x in enumerate(q) if x > thr], "steps_judged": list(range(len(q))),
+             "steps_wrong_lines": [i for i, x in enumerate(q) if x > thr], "parse_status": "complete",
+             "source": "logprob", "step_scores": q} for it, (q, raw, cf) in zip(items, results)]
+    return rows, {**stats, "seconds": round(time.perf_counter() - t0, 3)}
+
+
 def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> StageResult:
-    """``n_max`` critiques per benchmark item from one setup -> ``critiques/<setup>.parquet``.
+    """One setup's verdicts on every benchmark item -> ``critiques/<setup>.parquet``: ``n_max``
+    sampled critiques per item (``llm``), or one readout / check row per item (``logprob``,
+    ``arithmetic``).
 
     Raises:
         KeyError: unknown setup (lists the valid ones).
@@ -301,33 +418,39 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
     if (res := check_outputs("critique", [out], key, force)).skipped:
         return res
     items = read_benchmark(cfg)
-    model = resolve_model(critic.model, cfg)
-    seed = int(np.random.default_rng([cfg.seed, zlib.crc32(setup.encode())]).integers(0, 2**31 - 1))
     t0 = time.perf_counter()
-    engine = make_engine(model, critic.engine, seed=seed)
-    convs = [build_critique_messages(it["problem"], it["steps"], it["gold_answer"] if gold else None, critic.template)
-             for it in items]
-    constraints = [critique_regex(len(it["steps"])) for it in items] if critic.structured_output else None
-    gens = engine.generate(convs, cfg.n_max, critic.sampling, constraints=constraints)
-    stats = engine.stats.as_dict()
-    engine.close()
-    rows = []
-    for it, gen in zip(items, gens):
-        for k, s in enumerate(gen.samples):
-            parsed = parse_critique(s.text, len(it["steps"]))
-            rows.append({"eval_name": cfg.name, "setup": setup, "item_id": it["id"], "critique_idx": k,
-                         "critic_model": model, "template_version": critic.template, "include_gold_answer": gold,
-                         "n_steps": len(it["steps"]), "raw_text": s.text,
-                         "wrong_steps": None if parsed.wrong_steps is None else list(parsed.wrong_steps),
-                         "steps_judged": list(parsed.judged), "steps_wrong_lines": list(parsed.wrong_by_lines),
-                         "parse_status": parsed.status, "critic_tokens": len(s.token_ids),
-                         "finish_reason": s.finish_reason})
+    base = {"eval_name": cfg.name, "setup": setup, "critique_idx": 0, "critic_tokens": 0, "finish_reason": None,
+            "step_scores": None}
+    if critic.source != "llm":
+        made, stats = (_check_rows if critic.source == "arithmetic" else _readout_rows)(cfg, setup, items)
+        rows, model = [{**base, **r} for r in made], made[0]["critic_model"] if made else critic.source
+    else:
+        model = resolve_model(critic.model, cfg)
+        seed = int(np.random.default_rng([cfg.seed, zlib.crc32(setup.encode())]).integers(0, 2**31 - 1))
+        engine = make_engine(model, critic.engine, seed=seed)
+        convs = [build_critique_messages(it["problem"], it["steps"], it["gold_answer"] if gold else None, critic.template)
+                 for it in items]
+        constraints = [critique_regex(len(it["steps"])) for it in items] if critic.structured_output else None
+        gens = engine.generate(convs, cfg.n_max, critic.sampling, constraints=constraints)
+        stats = engine.stats.as_dict()
+        engine.close()
+        rows = []
+        for it, gen in zip(items, gens):
+            for k, s in enumerate(gen.samples):
+                parsed = parse_critique(s.text, len(it["steps"]))
+                rows.append({**base, "item_id": it["id"], "critique_idx": k,
+                             "critic_model": model, "template_version": critic.template, "include_gold_answer": gold,
+                             "n_steps": len(it["steps"]), "raw_text": s.text,
+                             "wrong_steps": None if parsed.wrong_steps is None else list(parsed.wrong_steps),
+                             "steps_judged": list(parsed.judged), "steps_wrong_lines": list(parsed.wrong_by_lines),
+                             "parse_status": parsed.status, "critic_tokens": len(s.token_ids),
+                             "finish_reason": s.finish_reason, "source": "llm"})
     secs = time.perf_counter() - t0
     log.info("[critique] %s: %s", setup, json.dumps(stats))
     man = storage.write_table(pa.Table.from_pylist(rows, schema=CRITIC_EVAL_CRITIQUES_SCHEMA), out,
                               "critic_eval_critiques", stage="critique", key=key, extra={"elapsed_s": round(secs, 3), "engine": stats,
-                                                         "critic": model, "setup": setup})
-    return StageResult("critique", str(out), False, "sampled", man["rows"], secs)
+                                                         "critic": model, "setup": setup, "source": critic.source})
+    return StageResult("critique", str(out), False, "sampled" if critic.source == "llm" else "scored", man["rows"], secs)
 
 
 # -------------------------------------------------------------------------------------------- score
@@ -337,9 +460,11 @@ def _seconds_per_token(manifest: dict) -> float:
     return secs / toks if toks else math.nan
 
 
-def _eval_items(items: list[dict], crit: list[dict], setup: str, partial: str = "list"):
+def _eval_items(items: list[dict], crit: list[dict], setup: str, partial: str = "list", n_max: int = 1):
     """The benchmark items with their critiques as votes (:func:`pipeline.core.critique.critique_votes`
-    under the ``partial`` policy; None = the critique does not vote)."""
+    under the ``partial`` policy; None = the critique does not vote). A check's single row per item
+    (``logprob``, ``arithmetic``) stands for every N: it is repeated ``n_max`` times, with the
+    readout's ``step_scores``."""
     from critic_eval.scores import EvalItem
     from pipeline.core.critique import critique_votes
 
@@ -351,23 +476,39 @@ def _eval_items(items: list[dict], crit: list[dict], setup: str, partial: str = 
         cs = sorted(by.get(it["id"], []), key=lambda c: c["critique_idx"])
         if not cs:
             raise ValueError(f"setup {setup!r} has no critiques of item {it['id']!r}; run its critique stage again")
+        scores = None
+        if (cs[0].get("source") or "llm") != "llm":
+            cs = cs[:1] * n_max
+            scores = None if cs[0].get("step_scores") is None else tuple(float(x) for x in cs[0]["step_scores"])
         out.append(EvalItem(it["label"], len(it["steps"]),
                             tuple(critique_votes(c["parse_status"], c["wrong_steps"], c["steps_wrong_lines"], partial)
                                   for c in cs),
                             tuple(int(c["critic_tokens"] or 0) for c in cs),
-                            None if it["step_labels"] is None else tuple(it["step_labels"])))
+                            None if it["step_labels"] is None else tuple(it["step_labels"]), scores))
     return out
 
 
 def score_key(cfg: CriticEvalConfig) -> dict:
     fps = {s: (storage.read_manifest(critique_path(cfg, s)) or {}).get("fingerprint") for s in cfg.setups()}
-    return {"benchmark": _benchmark_fingerprint(cfg), "critiques": fps, "n_values": cfg.n_values,
-            "majority_threshold": cfg.majority_threshold, "partial_critiques": cfg.partial_critiques,
-            "scores": "auroc-v1"}  # the scores' columns: a table written before the AUROC is recomputed
+    key = {"benchmark": _benchmark_fingerprint(cfg), "critiques": fps, "n_values": cfg.n_values,
+           "majority_threshold": cfg.majority_threshold, "partial_critiques": cfg.partial_critiques,
+           "scores": "auroc-v1"}  # the scores' columns: a table written before the AUROC is recomputed
+    if cfg.unions or cfg.logprob_threshold != 0.5 or any(c.source != "llm" for c in cfg.critics):
+        key.update(scores="sources-v1", unions=cfg.unions, logprob_threshold=cfg.logprob_threshold)
+    return key
+
+
+def _setup_seconds_per_item(manifest: dict, n_items: int) -> float:
+    """A check's seconds per item: its stage's elapsed seconds over the items (engine load included)."""
+    secs = manifest.get("elapsed_s")
+    return secs / n_items if secs is not None and n_items else math.nan
 
 
 def score_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
-    """Score every setup, subset, rule and N -> ``scores.parquet`` and ``predictions.parquet``."""
+    """Score every setup and union, subset, rule and N -> ``scores.parquet`` and ``predictions.parquet``.
+
+    Subsets (:func:`critic_eval.scores.subsets`): ``all``, ``plain`` / ``adversarial``, and each
+    kind with the all-right twins of its problems, so F1 is defined per kind."""
     from critic_eval.scores import predict, score_grid, subsets
     from pipeline.core.voting import VOTING_RULES
 
@@ -377,25 +518,40 @@ def score_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
         return res
     t0 = time.perf_counter()
     items = read_benchmark(cfg)
-    groups = subsets([it["kind"] for it in items], [it["label"] for it in items])
+    groups = subsets([it["kind"] for it in items], [it["label"] for it in items], [it.get("source_id") for it in items])
     scores, preds = [], []
-    for label, (setup, partial) in cfg.scored_setups().items():
+    evals_by: dict[tuple[str, str], list] = {}
+    timing: dict[str, tuple[float, float]] = {}  # setup -> (seconds per token, seconds per item)
+    for setup, (critic, _) in cfg.setups().items():
         path = critique_path(cfg, setup)
-        if storage.read_manifest(path) is None:
+        man = storage.read_manifest(path)
+        if man is None:
             raise FileNotFoundError(f"{path} is missing or uncommitted; run the critique stage of setup {setup!r} first")
         crit = storage.read_table(path, "critic_eval_critiques").to_pylist()
-        evals = _eval_items(items, crit, setup, partial)
-        spt = _seconds_per_token(storage.read_manifest(path) or {})
+        pols = cfg.partial_critiques if critic.source == "llm" else cfg.partial_critiques[:1]
+        for pol in pols:
+            evals_by[(setup, pol)] = _eval_items(items, crit, setup, pol, cfg.n_max)
+        timing[setup] = ((_seconds_per_token(man), math.nan) if critic.source == "llm"
+                         else (math.nan, _setup_seconds_per_item(man, len(items))))
+    for label, (members, partial) in cfg.scored_setups().items():
+        ev = [evals_by[(m, partial if (m, partial) in evals_by else cfg.partial_critiques[0])] for m in members]
+        evals = ev[0] if len(ev) == 1 else [tuple(parts) for parts in zip(*ev)]
+        # a union costs its members together: its critiques' tokens at the sampled members' mean
+        # seconds per token, plus the checks' seconds per item
+        spts = [timing[m][0] for m in members if not math.isnan(timing[m][0])]
+        spis = [timing[m][1] for m in members if not math.isnan(timing[m][1])]
+        spt = float(np.mean(spts)) if spts else math.nan
+        spi = float(sum(spis)) if spis else math.nan
         for subset, idx in groups.items():
-            for s in score_grid([evals[i] for i in idx], cfg.n_values, tuple(VOTING_RULES),
-                                cfg.majority_threshold, seconds_per_token=spt):
+            for s in score_grid([evals[i] for i in idx], cfg.n_values, tuple(VOTING_RULES), cfg.majority_threshold,
+                                seconds_per_token=spt, logprob_threshold=cfg.logprob_threshold, seconds_per_item=spi):
                 row = {k: None if isinstance(v, float) and math.isnan(v) else v  # undefined -> SQL NULL
                        for k, v in s.as_dict().items()}
                 scores.append({"eval_name": cfg.name, "setup": label, "partial": partial, "subset": subset, **row})
-        for it, ev in zip(items, evals):
+        for it, e in zip(items, evals):
             for rule in VOTING_RULES:
                 for n in cfg.n_values:
-                    pr = predict(ev, n, rule, cfg.majority_threshold)
+                    pr = predict(e, n, rule, cfg.majority_threshold, logprob_threshold=cfg.logprob_threshold)
                     preds.append({"eval_name": cfg.name, "setup": label, "partial": partial, "item_id": it["id"],
                                   "kind": it["kind"],
                                   "rule": rule, "n": n, "label": it["label"], "earliest_flagged": pr.earliest,
@@ -470,16 +626,29 @@ def report_stage(cfg: CriticEvalConfig) -> StageResult:
     for it in items:
         kinds[it["kind"]] = kinds.get(it["kind"], 0) + 1
     setups = []
-    for label, (setup, partial) in cfg.scored_setups().items():
-        critic, gold = cfg.setups()[setup]
-        man = storage.read_manifest(critique_path(cfg, setup)) or {}
-        eng = man.get("engine") or {}
-        s = critic.sampling
-        setups.append({"setup": label, "model": critic.model, "include_gold_answer": gold,
-                       "template": critic.template + (" + structured" if critic.structured_output else ""),
-                       "partial": partial, "engine": critic.engine.type,
-                       "sampling": f"T={s.temperature} top_p={s.top_p} max={s.max_tokens}",
-                       "critic_seconds": eng.get("seconds"), "tokens_per_s": eng.get("generated_tokens_per_s")})
+    for label, (members, partial) in cfg.scored_setups().items():
+        parts = []
+        for setup in members:
+            critic, gold = cfg.setups()[setup]
+            man = storage.read_manifest(critique_path(cfg, setup)) or {}
+            eng = man.get("engine") or {}
+            s = critic.sampling
+            llm = critic.source == "llm"
+            parts.append({"model": critic.model or critic.source, "include_gold_answer": gold and critic.uses_gold,
+                          "template": (critic.template if critic.uses_gold else "–")
+                          + (" + structured" if critic.structured_output else "")
+                          + ("" if llm else f" ({critic.source})"),
+                          "engine": critic.engine.type if llm else ("transformers" if critic.source == "logprob" else "–"),
+                          "sampling": f"T={s.temperature} top_p={s.top_p} max={s.max_tokens}" if llm else "–",
+                          "critic_seconds": eng.get("seconds") if llm else man.get("elapsed_s"),
+                          "tokens_per_s": eng.get("generated_tokens_per_s") if llm else None})
+        row = parts[0] if len(parts) == 1 else {
+            k: " ∪ ".join(str(x[k]) for x in parts) for k in ("model", "template", "engine", "sampling")}
+        if len(parts) > 1:
+            secs = [x["critic_seconds"] for x in parts]
+            row.update(include_gold_answer=any(x["include_gold_answer"] for x in parts), tokens_per_s=None,
+                       critic_seconds=None if any(v is None for v in secs) else sum(secs))
+        setups.append({"setup": label, "partial": partial, **row})
     verdicts = {}
     for setup in cfg.setups():
         path = critique_path(cfg, setup)

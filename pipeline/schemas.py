@@ -191,6 +191,8 @@ CRITIC_EVAL_CRITIQUES_SCHEMA = pa.schema([
     pa.field("parse_status", pa.string(), nullable=False),
     pa.field("critic_tokens", pa.int32()),
     pa.field("finish_reason", pa.string()),
+    pa.field("source", pa.string()),  # llm (a sampled critique), logprob (the readout) or arithmetic (the check)
+    pa.field("step_scores", pa.list_(pa.float32())),  # logprob: calibrated P(wrong) per step; else null
 ])
 
 CRITIC_EVAL_SCORES_SCHEMA = pa.schema(
@@ -239,6 +241,7 @@ SCHEMAS: dict[str, pa.Schema] = {
 
 ADDED_COLUMNS: dict[str, dict[str, object]] = {
     "critiques": {"source": "llm", "step_scores": None},
+    "critic_eval_critiques": {"source": "llm", "step_scores": None},
 }
 """Columns added to a table since earlier releases wrote it, and the value they take in an older table
 (:func:`fill_added_columns`): a table whose stage key did not change (GenORM critiques) stays readable."""

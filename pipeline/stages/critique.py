@@ -111,18 +111,86 @@ def reusable_llm_critiques(path: Path, key: dict) -> pa.Table | None:
     return table.filter(pc.equal(table.column("source"), "llm"))
 
 
-def readout_rows(cfg: CAPOConfig, round_idx: int, inp: "_CritiqueInputs") -> tuple[list[dict], dict]:
-    """One ``logprob`` critique row per rollout: the critic's calibrated P(wrong) of every step
-    (:mod:`pipeline.core.readout`) in ``step_scores``, the steps above 0.5 as its list (what the
-    browser shows; the vote applies ``vote.logprob_threshold`` to the scores). Runs the critic's checkpoint with the transformers engine at ``critique.engine.dtype``;
-    the content-free calibration pass is made once per step count. Returns the rows and the engine
-    stats (``readout_seconds``, ``prefill_tokens``, ``load_seconds``)."""
+@dataclass(frozen=True)
+class ReadoutJob:
+    """One solution for :func:`readout_scores`: the problem, its steps (S >= 1), the gold answer
+    (None: not shown) and the reference solution (None: not shown)."""
+
+    question: str
+    steps: list[str]
+    gold_answer: str | None = None
+    reference_solution: str | None = None
+
+
+def readout_scores(critic: str, dtype: str, template: str, jobs: list[ReadoutJob],
+                   label: str = "log-prob readout") -> tuple[list[tuple[list[float], list[float], list[float]]], dict]:
+    """The critic's calibrated P(wrong) of every step of every job (:mod:`pipeline.core.readout`).
+
+    One teacher-forced pass per job with the transformers engine at ``dtype``; the content-free
+    calibration pass (Zhao et al. 2021, arXiv 2102.09690, §4) is made once per step count and per
+    whether a gold answer / reference is shown. Used by the critique stage and by critic-eval.
+
+    Args:
+        critic: the critic's local checkpoint directory.
+        dtype: ``critique.engine.dtype`` (``auto``, ``bfloat16``, ``float32``).
+        template: the critique prompt template (:func:`pipeline.core.critique.build_critique_messages`).
+        jobs: the solutions to score, each with at least one step.
+        label: what the progress log lines call the pass.
+
+    Returns:
+        ``(results, stats)``: per job ``(calibrated, raw, content_free)``, three lists of S floats
+        in [0, 1]; and the engine stats (``readout_seconds``, ``prefill_tokens``, ``load_seconds``).
+
+    Raises:
+        ValueError: a job without steps, or a critic tokenizer that cannot tell the verdicts apart.
+    """
     from pipeline.config import TransformersEngineConfig
     from pipeline.core.critique import build_critique_messages
-    from pipeline.core.readout import CONTENT_FREE, binary_wrong, calibrate, forced_answer, readout_text, \
-        verdict_token_ids
+    from pipeline.core.readout import CONTENT_FREE, binary_wrong, calibrate, forced_answer, verdict_token_ids
     from pipeline.engines.base import apply_chat_template
     from pipeline.engines.transformers_engine import TransformersEngine
+
+    if not jobs:
+        return [], {}
+    engine = TransformersEngine(critic, TransformersEngineConfig(dtype=dtype))
+    try:
+        tok = engine.tokenizer
+        cand = list(verdict_token_ids(tok))
+        cf_cache: dict[tuple[int, bool, bool], list[float]] = {}
+
+        def binary(messages: list[dict], n_steps: int) -> list[float]:
+            ids, pos = forced_answer(apply_chat_template(tok, messages), n_steps, tok)
+            probs = engine.token_probs([ids], [pos], cand)[0]
+            return [binary_wrong(float(pc_), float(pw)) for pc_, pw in probs]
+
+        out = []
+        t0 = time.perf_counter()
+        for i, job in enumerate(jobs):
+            S = len(job.steps)
+            raw = binary(build_critique_messages(job.question, job.steps, job.gold_answer, template,
+                                                 reference_solution=job.reference_solution), S)
+            ck = (S, job.gold_answer is not None, job.reference_solution is not None)
+            if ck not in cf_cache:
+                cf_cache[ck] = binary(build_critique_messages(
+                    CONTENT_FREE, [CONTENT_FREE] * S, CONTENT_FREE if ck[1] else None, template,
+                    reference_solution=CONTENT_FREE if ck[2] else None), S)
+            out.append(([calibrate(p, c) for p, c in zip(raw, cf_cache[ck])], raw, cf_cache[ck]))
+            if (i + 1) % 16 == 0 or i + 1 == len(jobs):
+                el = time.perf_counter() - t0
+                log.info("[critique] %s: %d/%d solutions (%.0fs elapsed, ~%.0fs left)", label, i + 1, len(jobs),
+                         el, el / (i + 1) * (len(jobs) - i - 1))
+        return out, engine.stats.as_dict()
+    finally:
+        engine.close()
+
+
+def readout_rows(cfg: CAPOConfig, round_idx: int, inp: "_CritiqueInputs") -> tuple[list[dict], dict]:
+    """One ``logprob`` critique row per rollout: the critic's calibrated P(wrong) of every step
+    (:func:`readout_scores`) in ``step_scores``, the steps above 0.5 as its list (what the
+    browser shows; the vote applies ``vote.logprob_threshold`` to the scores). Runs the critic's
+    checkpoint with the transformers engine at ``critique.engine.dtype``. Returns the rows and the
+    engine stats (``readout_seconds``, ``prefill_tokens``, ``load_seconds``)."""
+    from pipeline.core.readout import readout_text
 
     thr = 0.5
     live = [rid for rid in inp.rollouts if rid not in inp.empty]
@@ -136,44 +204,18 @@ def readout_rows(cfg: CAPOConfig, round_idx: int, inp: "_CritiqueInputs") -> tup
             rows.append({**base, "rollout_id": rid, "n_steps": len(inp.steps.get(rid, [])), "raw_text": "",
                          "wrong_steps": None, "steps_judged": None, "step_scores": None,
                          "parse_status": "skipped_empty_response"})
-    if not live:
-        return rows, {}
-    engine = TransformersEngine(inp.critic, TransformersEngineConfig(dtype=cfg.critique.engine.dtype))
-    try:
-        tok = engine.tokenizer
-        cand = list(verdict_token_ids(tok))
-        gold_on = cfg.critique.include_gold_answer
-        cf_cache: dict[tuple[int, bool], list[float]] = {}  # by step count and whether a reference is shown
-
-        def binary(messages: list[dict], n_steps: int) -> list[float]:
-            ids, pos = forced_answer(apply_chat_template(tok, messages), n_steps, tok)
-            probs = engine.token_probs([ids], [pos], cand)[0]
-            return [binary_wrong(float(pc_), float(pw)) for pc_, pw in probs]
-
-        t0 = time.perf_counter()
-        for i, rid in enumerate(live):
-            r, steps = inp.rollouts[rid], inp.steps[rid]
-            pr = inp.prompts[r["prompt_id"]]
-            ref = pr["gold_solution"] if cfg.critique.include_reference else None
-            raw = binary(build_critique_messages(pr["question"], steps, pr["gold_answer"] if gold_on else None,
-                                                 cfg.critique.template, reference_solution=ref), len(steps))
-            S = len(steps)
-            ck = (S, bool(ref))
-            if ck not in cf_cache:
-                cf_cache[ck] = binary(build_critique_messages(CONTENT_FREE, [CONTENT_FREE] * S,
-                                                              CONTENT_FREE if gold_on else None, cfg.critique.template,
-                                                              reference_solution=CONTENT_FREE if ref else None), S)
-            scores = [calibrate(p, c) for p, c in zip(raw, cf_cache[ck])]
-            rows.append({**base, "rollout_id": rid, "n_steps": S, "raw_text": readout_text(scores, raw, cf_cache[ck], thr),
-                         "wrong_steps": [s for s, q in enumerate(scores) if q > thr], "steps_judged": list(range(S)),
-                         "step_scores": scores, "parse_status": "complete"})
-            if (i + 1) % 16 == 0 or i + 1 == len(live):
-                el = time.perf_counter() - t0
-                log.info("[critique] log-prob readout: %d/%d rollouts (%.0fs elapsed, ~%.0fs left)", i + 1, len(live),
-                         el, el / (i + 1) * (len(live) - i - 1))
-        return rows, engine.stats.as_dict()
-    finally:
-        engine.close()
+    gold_on = cfg.critique.include_gold_answer
+    jobs = []
+    for rid in live:
+        pr = inp.prompts[inp.rollouts[rid]["prompt_id"]]
+        jobs.append(ReadoutJob(pr["question"], inp.steps[rid], pr["gold_answer"] if gold_on else None,
+                               pr["gold_solution"] if cfg.critique.include_reference else None))
+    results, stats = readout_scores(inp.critic, cfg.critique.engine.dtype, cfg.critique.template, jobs)
+    for rid, job, (scores, raw, cf) in zip(live, jobs, results):
+        rows.append({**base, "rollout_id": rid, "n_steps": len(job.steps), "raw_text": readout_text(scores, raw, cf, thr),
+                     "wrong_steps": [s for s, q in enumerate(scores) if q > thr], "steps_judged": list(range(len(job.steps))),
+                     "step_scores": scores, "parse_status": "complete"})
+    return rows, stats
 
 
 def arithmetic_rows(cfg: CAPOConfig, round_idx: int, steps: dict[str, list[str]], empty: set[str],

@@ -117,6 +117,39 @@ def test_stages_with_a_scripted_critic(tmp_path, scripted, data_dir):
     assert list((cfg.run_dir() / "superseded").glob("scores-*.parquet"))
 
 
+def test_the_arithmetic_check_and_a_union_with_a_critic(tmp_path, scripted, data_dir):
+    """The arithmetic check as a critic-eval source (real, no model) and its union with the scripted
+    critic: it finds every planted calculation error at its step, flags no step of the original
+    solutions, and finds none of the reasoning errors (their calculations are right)."""
+    cfg = ces.load_eval_config(_cfg(tmp_path, critics=[{"name": "fake", "model": "scripted-critic"},
+                                                       {"name": "calc", "source": "arithmetic"}],
+                                    unions=[["fake", "calc"]], include_gold_answer=[True]),
+                               [f"data_dir={data_dir}"])
+    assert list(cfg.setups()) == ["fake+gold", "calc"]
+    assert list(cfg.scored_setups()) == ["fake+gold/list", "fake+gold/lines", "fake+gold/drop", "calc",
+                                         "fake|calc+gold/list", "fake|calc+gold/lines", "fake|calc+gold/drop"]
+    _run(cfg, scripted)
+    rows = pq.read_table(ces.critique_path(cfg, "calc")).to_pylist()
+    assert len(rows) == len(scripted["items"]) and {r["source"] for r in rows} == {"arithmetic"}
+    assert {r["critique_idx"] for r in rows} == {0} and all(r["critic_tokens"] == 0 for r in rows)
+    scores = pq.read_table(cfg.run_dir() / "scores.parquet").to_pylist()
+    by = {(s["setup"], s["subset"], s["rule"], s["n"]): s for s in scores}
+    for n in (1, 2, 4):  # one verdict per item stands for every N
+        for kind in ("carried", "as_was"):
+            s = by[("calc", kind, "majority", n)]
+            assert (s["acc_erroneous"], s["acc_correct"], s["f1"]) == (1.0, 1.0, 1.0), (kind, s)
+        for kind in ("wrong_operation", "wrong_quantity", "missing_step", "misread_relation"):
+            s = by[("calc", kind, "majority", n)]
+            if s["n_erroneous"]:
+                assert (s["acc_erroneous"], s["acc_correct"], s["f1"]) == (0.0, 1.0, 0.0), (kind, s)
+        # the union of a perfect critic and a check that flags only true errors is perfect too
+        assert by[("fake|calc+gold/list", "plain", "majority", n)]["f1"] == 1.0
+        assert by[("calc", "plain", "majority", n)]["seconds_per_item"] >= 0
+    report = (cfg.run_dir() / "report.md").read_text()
+    assert "## F1 and AUROC per kind of error" in report and "| calc | majority |" in report
+    assert "scripted-critic ∪ arithmetic" in report
+
+
 def test_a_processbench_file_and_a_perfect_critic(tmp_path, scripted, data_dir):
     items = [{"id": f"q{i}", "problem": f"Problem number {i}?", "steps": ["a", "b", "c"], "label": lbl,
               "step_labels": [int(j == lbl) for j in range(3)] if lbl >= 0 else [0, 0, 0]}
@@ -163,8 +196,22 @@ def test_config_errors_name_the_fix(tmp_path):
         ces.load_eval_config(_cfg(tmp_path), ["n_values=[0]"])
     with pytest.raises(ValueError, match="extra"):
         ces.load_eval_config(_cfg(tmp_path), ["critic=x"])
+    with pytest.raises(ValueError, match="runs no model"):
+        ces.load_eval_config(_cfg(tmp_path, critics=[{"name": "a", "source": "arithmetic", "model": "m"}]))
+    with pytest.raises(ValueError, match="needs a model"):
+        ces.load_eval_config(_cfg(tmp_path, critics=[{"name": "a", "source": "logprob"}]))
+    with pytest.raises(ValueError, match="served"):
+        ces.load_eval_config(_cfg(tmp_path, critics=[{"name": "a", "source": "logprob", "model": "m",
+                                                      "engine": {"type": "openai", "base_url": "http://h:1/v1"}}]))
+    with pytest.raises(ValueError, match="samples none"):
+        ces.load_eval_config(_cfg(tmp_path, critics=[{"name": "a", "source": "logprob", "model": "m",
+                                                      "structured_output": True}]))
+    with pytest.raises(ValueError, match="two or more distinct critics"):
+        ces.load_eval_config(_cfg(tmp_path, unions=[["fake", "nope"]]))
     cfg = ces.load_eval_config("configs/critic_eval.yaml")
-    assert list(cfg.setups()) == ["embedded-1.5b+gold", "embedded-1.5b+nogold", "policy-self+gold", "policy-self+nogold"]
+    assert list(cfg.setups()) == ["embedded-1.5b+gold", "embedded-1.5b+nogold", "policy-self+gold", "policy-self+nogold",
+                                  "readout-1.5b+gold", "readout-1.5b+nogold", "arithmetic"]
+    assert cfg.unions == [["embedded-1.5b", "arithmetic"], ["readout-1.5b", "arithmetic"]]
     assert cfg.n_values == [1, 2, 4, 8] and cfg.n_max == 8
 
 
@@ -176,14 +223,17 @@ def test_flow_with_the_tiny_model(tmp_path, data_dir, repo, harness):
 
     # the transformers engine: the flow's stages and skips are under test; vLLM critiques are tested in
     # tests/stages/test_engines.py and every real round
-    config = _cfg(tmp_path, critics=[{**TINY, "engine": {"type": "transformers"}}], benchmark={"n_problems": 2, "adversarial": False, "reasoning_errors": False},
-                  n_values=[1, 2])
+    readout = {"name": "tiny-readout", "source": "logprob", "model": TINY["model"],
+               "engine": {"type": "transformers", "dtype": "float32"}}
+    config = _cfg(tmp_path, critics=[{**TINY, "engine": {"type": "transformers"}}, readout],
+                  benchmark={"n_problems": 2, "adversarial": False, "reasoning_errors": False},
+                  n_values=[1, 2], unions=[["tiny", "tiny-readout"]])
     over = [f"data_dir={data_dir}"]
     first = critic_eval(config=str(config), name="e2e", overrides=over)
     second = critic_eval(config=str(config), name="e2e", overrides=over)
-    assert [s["stage"] for s in first["stages"]] == ["benchmark", "critique", "critique", "score", "report"]
+    assert [s["stage"] for s in first["stages"]] == ["benchmark"] + ["critique"] * 4 + ["score", "report"]
     assert not any(s["skipped"] for s in first["stages"])
-    assert all(s["skipped"] for s in second["stages"][:4])
+    assert all(s["skipped"] for s in second["stages"][:6])
     run = tmp_path / "runs" / "critic_eval" / "e2e"
     items = pq.read_table(run / "benchmark.parquet").to_pylist()
     assert len(items) == 4 and sorted(it["label"] >= 0 for it in items) == [False, False, True, True]
@@ -196,9 +246,17 @@ def test_flow_with_the_tiny_model(tmp_path, data_dir, repo, harness):
             assert c["critic_model"].endswith("smollm2-135m-instruct")
         man = json.loads((run / "critiques" / f"{setup}.parquet.manifest.json").read_text())
         assert man["engine"]["generated_tokens"] == sum(c["critic_tokens"] for c in crit)
+    for setup in ("tiny-readout+gold", "tiny-readout+nogold"):  # one readout row per item, a P(wrong) per step
+        crit = pq.read_table(run / "critiques" / f"{setup}.parquet").to_pylist()
+        assert len(crit) == 4 and {c["source"] for c in crit} == {"logprob"}
+        for c in crit:
+            assert len(c["step_scores"]) == c["n_steps"] and all(0 < q < 1 for q in c["step_scores"])
+            assert c["wrong_steps"] == [i for i, q in enumerate(c["step_scores"]) if q > 0.5]
     scores = pq.read_table(run / "scores.parquet").to_pylist()
     assert {s["subset"] for s in scores} == {"all", "original", "carried", "as_was"}
-    assert len(scores) == 2 * 3 * 4 * 4 * 2  # setups x partial policies x subsets x rules x N
+    # (critic setups x partial policies + readout setups + unions x policies) x subsets x rules x N
+    assert len(scores) == (2 * 3 + 2 + 2 * 3) * 4 * 4 * 2
+    assert {s["setup"] for s in scores} >= {"tiny-readout+gold", "tiny|tiny-readout+nogold/drop"}
     for s in scores:
         for k in ("acc_erroneous", "acc_correct", "f1", "parse_failure_rate", "no_valid_rate"):
             assert s[k] is None or 0.0 <= s[k] <= 1.0  # undefined (NULL) or a share

@@ -218,3 +218,58 @@ def test_verdict_distribution_counts_statuses_and_the_most_common_lists():
     rows = [{"setup": "a+gold", "subset": "plain", **x.as_dict()} for x in score_grid(ITEMS, [1])]
     text = render_report(meta, rows)
     assert "| a+gold | complete 4, incomplete 1, no_verdict 1 | 4 | [1] (3, 75 %); [0, 2] (1, 25 %) |" in text
+
+
+# ------------------------------------------------------------------------ checks and unions of sources
+def _check(label, n_steps, wrong, scores=None, n=4, step_labels=None):
+    """A check's single verdict (``wrong``), repeated for every N as critic_eval.stages gives it."""
+    return EvalItem(label, n_steps, (tuple(wrong),) * n, (0,) * n, step_labels, scores)
+
+
+def test_a_readout_weighs_steps_by_p_wrong_under_average_and_by_the_threshold_otherwise():
+    # q = (0.2, 0.7, 0.55): average keeps q; the hard rules flag q > 0.6 -> step 1 only.
+    it = _check(1, 3, [1], scores=(0.2, 0.7, 0.55))
+    avg = predict(it, 4, "average", logprob_threshold=0.6)
+    assert np.allclose(avg.weights, [0.2, 0.7, 0.55]) and avg.earliest == 1
+    for rule in ("intersection", "union", "majority"):
+        p = predict(it, 2, rule, logprob_threshold=0.6)
+        assert p.weights.tolist() == [0.0, 1.0, 0.0] and p.earliest == 1
+    # at the default 0.5 the hard rules flag steps 1 and 2; the same N=1 as N=4 (one verdict)
+    assert predict(it, 1, "majority").weights.tolist() == [0.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="unknown voting rule"):
+        predict(it, 1, "mode")
+
+
+def test_a_union_takes_the_largest_weight_of_its_members():
+    # the same solution (wrong at step 2 of 3) under a critic and a check:
+    llm = _item(2, 3, [(0,), (0, 2), (), None])  # majority of 3 valid at N=4: step 0 (2 of 3), step 2 (1 of 3)
+    arith = _check(2, 3, [2])
+    u = predict((llm, arith), 4, "majority")
+    assert u.weights.tolist() == [1.0, 0.0, 1.0] and u.earliest == 0  # the critic's step 0 comes first
+    assert u.n_valid == 3 + 4
+    avg = predict((llm, arith), 4, "average")
+    assert np.allclose(avg.weights, [2 / 3, 0.0, 1.0])
+    # scored: the union finds step 0 (wrong: label 2), the check alone finds step 2
+    s_u = score_items([(llm, arith)], 4, "majority")
+    s_a = score_items([arith], 4, "majority")
+    assert (s_u.acc_erroneous, s_a.acc_erroneous) == (0.0, 1.0)
+    assert s_u.parse_failure_rate == 1 / 8  # one failed critique among 4 + 4 verdicts
+    assert s_u.critic_tokens_per_item == 10 + 20 + 30 + 40
+
+
+def test_seconds_per_item_of_a_check_is_given_directly():
+    s = score_items([_check(-1, 2, [])], 1, "union", seconds_per_token=0.5, seconds_per_item=1.25)
+    assert s.seconds_per_item == 1.25 and s.critic_tokens_per_item == 0
+
+
+def test_each_kind_is_scored_with_the_right_twins_of_its_problems():
+    kinds = ["original", "carried", "wrong_operation", "original", "as_was", "wrong_operation", "adv_verdict"]
+    labels = [-1, 1, 0, -1, 2, 1, 1]
+    sources = ["p0", "p0", "p0", "p1", "p1", "p1", "p0"]
+    got = subsets(kinds, labels, sources)
+    assert got["carried"] == [0, 1]  # p0's error and p0's original
+    assert got["as_was"] == [3, 4]
+    assert got["wrong_operation"] == [0, 2, 3, 5]  # both problems' errors and both originals
+    assert got["adv_verdict"] == [0, 6]
+    assert got["original"] == [0, 3]  # all right: the kind alone
+    assert got["plain"] == [0, 1, 2, 3, 4, 5] and got["adversarial"] == [0, 3, 6]
