@@ -170,7 +170,7 @@ def run(
 
 @app.command()
 def critique(
-    setup: str = typer.Option(..., help="<critic name>+gold or <critic name>+nogold"),
+    setup: str = typer.Option(..., help="<critic name>+gold, <critic name>+nogold, or the name alone for an arithmetic check"),
     config: str = typer.Option(DEFAULT_CONFIG),
     force: bool = typer.Option(False),
     overrides: Optional[list[str]] = typer.Argument(None),

@@ -619,7 +619,7 @@ class CAPOConfig(_Strict):
                              "critique.num_critiques=0 samples none: set critique.num_critiques to 1 or more, or "
                              "vote.sources to checkers only, e.g. [arithmetic] or [logprob, arithmetic] (with "
                              "critique.logprob_readout=true)")
-        if "logprob" in self.vote.sources and not c.logprob_readout:
+        if "logprob" in self.vote.sources and not c.logprob_readout and c.enabled and c.mode == "process":
             raise ValueError("vote.sources names logprob, which needs critique.logprob_readout=true (the readout "
                              "writes the scores it votes)")
         if r.estimator == "grpo" and r.process_weight > 0:
@@ -780,7 +780,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     """Load a YAML config (built-in defaults when ``path`` is None), then a preset, then overrides.
 
     A preset (``configs/presets/<name>.yaml``) is applied over the file and names the variant
-    after itself unless the overrides name one.
+    after itself unless the overrides name one. A preset whose variant trains on sampled critiques
+    (``vote.sources`` naming ``llm``, or outcome critiques) over a file that samples none
+    (``critique.num_critiques: 0``, as ``configs/default.yaml`` does for its ``capo-readout``
+    variant) takes the field's default N (4), so ``--preset capo-majority`` works on the default
+    config; an override of ``critique.num_critiques`` still wins, and a file's own N > 0 is kept.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -790,7 +794,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     """
     raw = read_config_file(path, "configs/default.yaml") if path is not None else {}
     if preset:
-        raw = deep_merge(raw, {"variant": preset, **load_preset(preset)})
+        overlay = load_preset(preset)
+        raw = deep_merge(raw, {"variant": preset, **overlay})
+        crit = raw.get("critique") or {}
+        samples = crit.get("enabled", True) and (crit.get("mode") == "outcome"
+                                                 or "llm" in (raw.get("vote") or {}).get("sources", ["llm"]))
+        if samples and crit.get("num_critiques") == 0:
+            raw = deep_merge(raw, {"critique": {"num_critiques": CritiqueConfig.model_fields["num_critiques"].default}})
     extra = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
     return CAPOConfig.model_validate(deep_merge(raw, extra))
 

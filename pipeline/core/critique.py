@@ -444,25 +444,31 @@ def parse_critique(text: str, n_steps: int) -> ParsedCritique:
     return ParsedCritique(tuple(sorted(indices)), status, judged, by_lines)
 
 
-STRUCTURED_VERSION = "lines-then-sorted-list-v1"
+STRUCTURED_VERSION = "lines-then-sorted-list-v2"
 """Version of :func:`critique_regex` (in the critique stage's key when ``critique.structured_output``
-is on)."""
+is on). v2: a wrong step's reason is unbounded (v1 held it to 160 characters)."""
 
-REASON_CHARS = 160
-"""Longest reason a structured critique may give for a wrong step (characters)."""
+REASON_CHARS: int | None = None
+"""Longest reason a structured critique may give for a wrong step (characters); None: unbounded, the
+critique's length held by ``critique.sampling.max_tokens`` alone. A bound costs compile time in the
+structured-output backend (xgrammar) that grows with it, whatever the step count: about 38 ms per
+character on a 2-core CPU, so 160 characters took 6 to 8 s per step count, past vLLM's 5 s regex
+compile timeout (``VLLM_REGEX_COMPILATION_TIMEOUT_S``); unbounded, 0.03 s (1 step) to 0.7 s (20
+steps). ``benchmarks/bench_structured.py`` measures it."""
 
 
-def critique_regex(n_steps: int, reason_chars: int = REASON_CHARS) -> str:
+def critique_regex(n_steps: int, reason_chars: int | None = REASON_CHARS) -> str:
     """The regular expression a structured critique of an ``n_steps``-step solution must match
     in full (``critique.structured_output``; vLLM structured outputs).
 
     Exactly one line per step, in order, ``Step i: correct`` or ``Step i: wrong - <reason>``
-    (reason: 1 to ``reason_chars`` characters, no line break), then ``Wrong step list: [...]``
-    whose indices are strictly increasing and in ``[0, n_steps)`` (so never ``duplicate`` or
-    ``out_of_range``). The list is not tied to the lines (that would take 2^S grammar states): a
-    critique whose list contradicts its own lines is still possible and is parsed as
-    ``inconsistent``. Any text matching it parses (:func:`parse_critique`) as ``complete`` or
-    ``inconsistent``.
+    (reason: at least one character, no line break, at most ``reason_chars`` when given), then
+    ``Wrong step list: [...]`` whose indices are strictly increasing and in ``[0, n_steps)`` (so
+    never ``duplicate`` or ``out_of_range``). The list is not tied to the lines (that would take
+    2^S grammar states): a critique whose list contradicts its own lines is still possible and is
+    parsed as ``inconsistent``. Any text matching it parses (:func:`parse_critique`) as
+    ``complete`` or ``inconsistent``; a critique cut by ``max_tokens`` before its list parses as
+    ``incomplete`` or ``no_verdict``, as free text does.
 
     Size: O(S^2) characters (the increasing list: ``[`` then a first index i and, for each later
     index j > i, an optional ``, j``).
@@ -472,9 +478,10 @@ def critique_regex(n_steps: int, reason_chars: int = REASON_CHARS) -> str:
     """
     if n_steps < 1:
         raise ValueError(f"n_steps must be >= 1 (a response has at least one step), got {n_steps}")
-    if reason_chars < 1:
-        raise ValueError(f"reason_chars must be >= 1, got {reason_chars}")
-    lines = "".join(rf"Step {i}: (?:correct|wrong - [^\n]{{1,{reason_chars}}})\n" for i in range(n_steps))
+    if reason_chars is not None and reason_chars < 1:
+        raise ValueError(f"reason_chars must be >= 1 or None (unbounded), got {reason_chars}")
+    reason = r"[^\n]+" if reason_chars is None else rf"[^\n]{{1,{reason_chars}}}"
+    lines = "".join(rf"Step {i}: (?:correct|wrong - {reason})\n" for i in range(n_steps))
     firsts = "|".join(f"{i}" + "".join(f"(?:, {j})?" for j in range(i + 1, n_steps)) for i in range(n_steps))
     return rf"{lines}Wrong step list: \[(?:{firsts})?\]"
 

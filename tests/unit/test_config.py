@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pydantic
 import pytest
 from pydantic import ValidationError
 
@@ -22,20 +23,35 @@ TINY = REPO / "configs" / "tiny.yaml"
 def test_default_yaml_loads_and_matches_embedded_defaults():
     cfg = load_config(DEFAULT)
     assert cfg.rollout.policy == "qwen2.5-coder-0.5b-instruct"
-    assert (cfg.rollout.group_size, cfg.critique.num_critiques) == (4, 4)
+    # the main job trains capo-readout: the readout and the arithmetic check, no sampled critique
+    assert (cfg.rollout.group_size, cfg.critique.num_critiques) == (4, 0)
+    assert cfg.variant == "capo-readout" and cfg.critique.logprob_readout
+    assert (cfg.vote.sources, cfg.vote.logprob_threshold) == (["arithmetic", "logprob"], 0.8)
     assert (cfg.reward.correct_weight, cfg.reward.process_weight) == (2.0, 1.0)
-    assert cfg.vote.rule == "majority" and cfg.variant == "capo-majority" and cfg.steps.mode == "blank_line"
+    assert cfg.vote.rule == "majority" and cfg.steps.mode == "blank_line"
+    # the paper's presets over it sample N = 4 critiques; a file's own N and an override are kept
+    assert load_config(DEFAULT, preset="capo-majority").critique.num_critiques == 4
+    assert load_config(DEFAULT, preset="grpo-genorm").critique.num_critiques == 4
+    assert load_config(DEFAULT, ["critique.num_critiques=2"], preset="capo-union").critique.num_critiques == 2
+    assert load_config(TINY, preset="capo-union").critique.num_critiques == 2
+    assert load_config(DEFAULT, preset="grpo").critique.num_critiques == 0
     # structured critiques: on with the vllm critic, off (and not refused) with the others
     assert cfg.critique.structured_output is True
     for engine in ("{type: transformers}", "{type: openai, base_url: 'http://127.0.0.1:8000/v1'}"):
-        assert load_config(DEFAULT, [f"critique.engine={engine}"]).critique.structured_output is False
+        assert load_config(DEFAULT, [f"critique.engine={engine}"], preset="capo-majority").critique.structured_output is False
     assert load_config(DEFAULT, ["critique.engine={type: openai, base_url: 'http://127.0.0.1:8000/v1'}",
-                                 "critique.structured_output=true"]).critique.structured_output is True
+                                 "critique.structured_output=true"], preset="capo-majority").critique.structured_output is True
+    # the readout needs the critic's weights: a served critic is refused with the fix named
+    with pytest.raises(pydantic.ValidationError, match="logprob_readout=false"):
+        load_config(DEFAULT, ["critique.engine={type: openai, base_url: 'http://127.0.0.1:8000/v1'}"])
     assert cfg.critique.engine.type == "vllm" and cfg.critique.engine.max_model_len == 4096
     # the verifier reads a boxed answer of a finished response (outcome reward and eval alike)
     assert (cfg.verify.answer, cfg.verify.truncated) == ("boxed", "zero")
-    # one source of defaults: the YAML and the pydantic field defaults agree
-    assert load_config(DEFAULT) == load_config(None) == CAPOConfig()
+    # one source of defaults: the YAML is the pydantic field defaults (the paper's capo-majority)
+    # under the capo-readout preset
+    assert load_config(DEFAULT) == load_config(None, preset="capo-readout")
+    assert load_config(None) == CAPOConfig() and CAPOConfig().variant == "capo-majority"
+    assert load_config(None, preset="capo-majority") == CAPOConfig()
 
 
 def test_tiny_yaml_loads():
@@ -81,7 +97,9 @@ def test_bad_choice_lists_the_valid_ones():
 
 def test_bad_number_is_rejected():
     with pytest.raises(ValidationError, match="num_critiques"):
-        load_config(DEFAULT, ["critique.num_critiques=0"])
+        load_config(DEFAULT, ["critique.num_critiques=-1"])
+    with pytest.raises(ValidationError, match="num_critiques=0 samples none"):  # the sampled critiques vote
+        load_config(DEFAULT, ["critique.num_critiques=0"], preset="capo-majority")
     with pytest.raises(ValidationError, match="group_size"):
         load_config(DEFAULT, ["rollout.group_size=four"])
 
@@ -111,7 +129,7 @@ def test_switching_engine_type_by_override_drops_the_old_variants_fields():
     cfg = load_config(DEFAULT, ["critique.engine.type=transformers"])
     assert cfg.critique.engine == TransformersEngineConfig()
     assert cfg.rollout.engine.type == "vllm"
-    cfg = load_config(DEFAULT, ["critique.engine.type=openai", "critique.engine.max_concurrency=4"])
+    cfg = load_config(DEFAULT, ["critique.engine.type=openai", "critique.engine.max_concurrency=4"], preset="capo-majority")
     assert cfg.critique.engine.type == "openai" and cfg.critique.engine.max_concurrency == 4
     # same type: fields merge as usual
     cfg = load_config(DEFAULT, ["critique.engine.max_num_seqs=4"])

@@ -436,6 +436,10 @@ def test_the_structured_regex_of_a_two_step_solution_written_out():
     assert critique_regex(2, reason_chars=5) == (
         r"Step 0: (?:correct|wrong - [^\n]{1,5})\nStep 1: (?:correct|wrong - [^\n]{1,5})\n"
         r"Wrong step list: \[(?:0(?:, 1)?|1)?\]")
+    # the default: an unbounded reason (its length held by max_tokens)
+    assert critique_regex(2) == (
+        r"Step 0: (?:correct|wrong - [^\n]+)\nStep 1: (?:correct|wrong - [^\n]+)\n"
+        r"Wrong step list: \[(?:0(?:, 1)?|1)?\]")
 
 
 @pytest.mark.parametrize("text,ok", [
@@ -449,13 +453,22 @@ def test_the_structured_regex_of_a_two_step_solution_written_out():
     ("Step 0: correct\nStep 1: correct\nStep 2: correct\nWrong step list: [2, 1]", False),  # unsorted
     ("Step 0: correct\nStep 1: correct\nStep 2: correct\nWrong step list: [3]", False),  # out of range
     ("Step 0: correct\nStep 1: wrong - \nStep 2: correct\nWrong step list: [1]", False),  # no reason
-    ("Step 0: correct\nStep 1: wrong - " + "x" * 161 + "\nStep 2: correct\nWrong step list: [1]", False),
+    ("Step 0: correct\nStep 1: wrong - " + "x" * 161 + "\nStep 2: correct\nWrong step list: [1]", True),
+    ("Step 0: correct\nStep 1: wrong - a\nb\nStep 2: correct\nWrong step list: [1]", False),  # a line break
     ("Step 0: correct\nStep 1: correct\nStep 2: correct\nWrong step list: [<the numbers>]", False),
 ])
 def test_the_structured_regex_admits_exactly_the_verdict_format(text, ok):
     import re
 
     assert bool(re.fullmatch(critique_regex(3), text)) is ok
+
+
+def test_a_bounded_reason_refuses_a_longer_one():
+    import re
+
+    text = "Step 0: correct\nStep 1: wrong - {}\nStep 2: correct\nWrong step list: [1]"
+    assert re.fullmatch(critique_regex(3, reason_chars=160), text.format("x" * 160))
+    assert not re.fullmatch(critique_regex(3, reason_chars=160), text.format("x" * 161))
 
 
 @given(st.data(), st.integers(min_value=1, max_value=6))
@@ -470,7 +483,7 @@ def test_every_critique_the_regex_admits_parses_with_every_step_judged(data, n_s
 def test_the_structured_regex_refuses_no_steps_and_grows_quadratically():
     with pytest.raises(ValueError, match="n_steps must be >= 1"):
         critique_regex(0)
-    with pytest.raises(ValueError, match="reason_chars"):
+    with pytest.raises(ValueError, match="reason_chars must be >= 1 or None"):
         critique_regex(2, reason_chars=0)
     # quadratic, not exponential: 4x the steps gives at most 16x the characters
     assert len(critique_regex(40)) <= 16 * len(critique_regex(10))

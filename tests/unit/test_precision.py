@@ -119,5 +119,5 @@ def test_default_config_keeps_the_policy_in_float32_and_the_critic_on_auto():
     assert (rec["rollout_dtype"], rec["critique_dtype"], rec["train_mixed_precision"], rec["train_save_dtype"]) == \
         ("bfloat16", "bfloat16", "bf16", "bfloat16")
     # an OpenAI critic: the server picks its dtype
-    cfg = load_config("configs/default.yaml", ["critique.engine.type=openai"])
+    cfg = load_config("configs/default.yaml", ["critique.engine.type=openai"], preset="capo-majority")
     assert precision_record(cfg, AVX2)["critique_dtype"] == "server"

@@ -48,7 +48,7 @@ def test_unknown_preset_lists_the_valid_ones():
 @pytest.mark.parametrize("overrides, message", [
     (["reward.estimator=grpo"], "sequence-level and would ignore the process reward"),
     (["critique.enabled=false"], "needs step critiques"),
-    (["critique.mode=outcome"], "needs step critiques"),
+    (["critique.mode=outcome", "critique.num_critiques=4"], "needs step critiques"),
     (["reward.outcome=genorm", "reward.process_weight=0"], "reward.outcome=genorm needs critique.enabled=true"),
     (["reward.correct_weight=1", "reward.process_weight=1"], "must be > reward.process_weight"),
     (["vote.rule=plurality"], "intersection"),
