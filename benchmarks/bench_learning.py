@@ -14,8 +14,9 @@
    ``--selection`` alike, into ``<selection>.heldout-clean.jsonl``, and a ``hygiene`` JSON line says
    how many (``--hygiene-only`` prints it and stops; ``--no-heldout-dedup`` trains on the selection
    as it is, as runs made before the check did).
-2. **Arms.** ``grpo`` (preset ``grpo``: rule outcome, no critic), ``capo`` (the default critic and
-   voting rule, ``--n`` critiques per response), ``control`` (preset ``grpo`` with
+2. **Arms.** ``grpo`` (preset ``grpo``: rule outcome, no critic), ``capo`` (the shipped default
+   variant, ``capo-readout``: the critic's log-prob readout over 0.8 or the arithmetic check; with
+   ``--capo-preset`` another CAPO preset, e.g. ``capo-majority`` with ``--n`` sampled critiques), ``control`` (preset ``grpo`` with
    ``train.learning_rate=0``: every round runs, forward passes and metrics included, but no
    backward and no optimizer step, so no weight moves; its eval at round K re-measures the starting
    policy, the eval's own noise), and, when asked for, ``shuffled`` (preset ``grpo`` with
@@ -117,7 +118,7 @@ def base_overrides(a: argparse.Namespace, seed: int) -> list[str]:
     return [f"runs_dir={a.runs_dir}", f"data_dir={a.data_dir}", f"seed={seed}",
             f"data.prompts_per_round={a.prompts_per_round}", f"rollout.group_size={a.group}",
             f"rollout.policy={a.policy}", f"rollout.sampling.max_tokens={a.max_tokens}",
-            f"critique.critic={a.critic}", f"critique.num_critiques={a.n}",
+            f"critique.critic={a.critic}", *([f"critique.num_critiques={a.n}"] if a.n is not None else []),
             f"train.learning_rate={a.lr}", f"train.num_mini_batches={a.mini_batches}",
             f"train.save_dtype={a.save_dtype}", "train.keep_states=1", "train.measure_kl_to_start=true",
             f"eval.benchmarks=[{a.dataset}]", f"eval.sample_size={a.eval_size}", f"eval.max_tokens={a.max_tokens}",
@@ -146,13 +147,18 @@ def run_id(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> str:
     """``learn-<arm>-s<seed>-<hash>``: the hash covers every setting of the arm's rounds (and the
     training file), so a run resumes only under the settings it started with; other settings start
     another run instead of continuing one whose checkpoints were trained otherwise. ``--eval-samples``
-    is left out: it changes the evaluations of a run, not its rounds."""
+    is left out: it changes the evaluations of a run, not its rounds. ``--capo-preset capo-majority``
+    is left out too: it is the configuration the default was before ``capo-readout``, so with ``--n 2``
+    it gives the ids of the runs made then."""
     from pipeline.config import section_hash
 
     # the eval's samples change no training round: a run evaluated with more of them is the same run
     train_only = argparse.Namespace(**{**vars(a), "eval_samples": 1})
     return f"learn-{arm}-s{seed}-" + section_hash({"overrides": base_overrides(train_only, seed),
-                                                   "train_file": str(train_file)})[:8]
+                                                   "train_file": str(train_file),
+                                                   **({"capo_preset": a.capo_preset} if a.capo_preset not in
+                                                      (None, "capo-majority") and arm in ("capo", "random-credit")
+                                                      else {})})[:8]
 
 
 def arm_config(a: argparse.Namespace, arm: str, seed: int, train_file: Path):
@@ -167,7 +173,7 @@ def arm_config(a: argparse.Namespace, arm: str, seed: int, train_file: Path):
     if arm == "random-credit":
         over.append("vote.random_credit=true")
     return load_config(ROOT / "configs" / "default.yaml", over,
-                       preset=None if arm in ("capo", "random-credit") else "grpo")
+                       preset=(a.capo_preset or None) if arm in ("capo", "random-credit") else "grpo")
 
 
 # ------------------------------------------------------------------------------------- selection
@@ -876,7 +882,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dataset", default="mawps", help="an eval benchmark: train on rows outside its eval subset")
     ap.add_argument("--policy", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--critic", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--n", type=int, default=2, help="critiques per response (CAPO arm)")
+    ap.add_argument("--n", type=int, default=None,
+                    help="sampled critiques per response (critique.num_critiques); default: the CAPO variant's own "
+                         "(none for the shipped capo-readout, 4 for a preset that votes critiques)")
+    ap.add_argument("--capo-preset", default=None,
+                    help="the CAPO and random-credit arms' preset (default: the shipped default variant, capo-readout)")
     ap.add_argument("--lr", type=float, default=2e-6,
                     help="train.learning_rate (the shipped default); 2e-6 moved the 0.5B policy by a k3 KL of only 0.015 nats per token in 10 GRPO rounds "
                          "(docs/benchmarks.md); KL grows about as lr squared")

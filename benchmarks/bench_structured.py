@@ -72,9 +72,10 @@ def solutions(lengths: list[int], per_length: int, data_dir: Path) -> list[dict]
     """MATH-500 reference solutions with exactly S lines, ``per_length`` of each S (first in file order)."""
     import pyarrow.parquet as pq
 
+    from pipeline.assets.benchmarks import ensure_benchmark
     from pipeline.core.segment import split_steps
 
-    rows = pq.read_table(data_dir / "eval" / "math500.parquet").to_pylist()
+    rows = pq.read_table(ensure_benchmark("math500", data_dir / "eval")).to_pylist()
     out = []
     for S in lengths:
         got = []

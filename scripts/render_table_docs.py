@@ -39,7 +39,7 @@ rewards, advantages) are list columns with one row per response. Ids are strings
 ## Where the tables live
 
 One folder per run, one per round, one per variant under `variants/`. The *variant* is the name
-of a training method on the same round: `capo-majority` by default, or a preset's name. Tables
+of a training method on the same round: `capo-readout` in `configs/default.yaml`, or a preset's name. Tables
 that depend on how the critiques are used are kept per variant. The rollouts, outcomes, steps and
 critiques are shared by every variant of the round.
 

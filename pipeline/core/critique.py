@@ -451,10 +451,10 @@ is on). v2: a wrong step's reason is unbounded (v1 held it to 160 characters).""
 REASON_CHARS: int | None = None
 """Longest reason a structured critique may give for a wrong step (characters); None: unbounded, the
 critique's length held by ``critique.sampling.max_tokens`` alone. A bound costs compile time in the
-structured-output backend (xgrammar) that grows with it, whatever the step count: about 38 ms per
-character on a 2-core CPU, so 160 characters took 6 to 8 s per step count, past vLLM's 5 s regex
-compile timeout (``VLLM_REGEX_COMPILATION_TIMEOUT_S``); unbounded, 0.03 s (1 step) to 0.7 s (20
-steps). ``benchmarks/bench_structured.py`` measures it."""
+structured-output backend (xgrammar) that grows with it, whatever the step count: 160 characters
+took 2.8 to 3.2 s per step count on a 2-core Zen 4 EPYC, and 6 to 8 s there with one compile thread
+beside other work, near or past vLLM's 5 s regex compile timeout (``VLLM_REGEX_COMPILATION_TIMEOUT_S``);
+unbounded, 0.01 s (1 step) to 0.24 s (20 steps). ``benchmarks/bench_structured.py`` measures it."""
 
 
 def critique_regex(n_steps: int, reason_chars: int | None = REASON_CHARS) -> str:

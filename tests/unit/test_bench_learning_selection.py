@@ -105,7 +105,8 @@ def test_the_bare_command_continues_the_documented_fp32_runs(bench, tmp_path):
 
 
 @pytest.mark.parametrize("flags, want", [
-    # run ids as the benchmark computed them before its defaults changed (6dd67b5), on fixed paths
+    # run ids as the benchmark computed them before its defaults changed (6dd67b5), on fixed paths; the CAPO
+    # arm was then capo-majority with 2 critiques, which these flags name (the test adds them)
     (["--lr", "2e-6", "--max-tokens", "320", "--prompts-per-round", "8", "--dynamic-sampling", "--precision", "auto"],
      "learn-capo-s0-7cd48174"),
     (["--lr", "2e-6", "--max-tokens", "320", "--prompts-per-round", "8", "--dynamic-sampling", "--precision", "fp32"],
@@ -115,5 +116,14 @@ def test_the_bare_command_continues_the_documented_fp32_runs(bench, tmp_path):
 ])
 def test_run_ids_of_earlier_runs_are_kept(bench, flags, want):
     """Runs made before the defaults changed resume under the flags that spell their settings out."""
-    a = bench.parser().parse_args(["--runs-dir", "/r", "--data-dir", "/d"] + flags)
+    a = bench.parser().parse_args(["--runs-dir", "/r", "--data-dir", "/d", "--capo-preset", "capo-majority",
+                                   "--n", "2"] + flags)
     assert bench.run_id(a, "capo", 0, Path("/d/prompts/learning.jsonl")) == want
+    # the CAPO arm of today's default (capo-readout, no sampled critique) is another run
+    today = bench.parser().parse_args(["--runs-dir", "/r", "--data-dir", "/d"] + flags)
+    assert bench.run_id(today, "capo", 0, Path("/d/prompts/learning.jsonl")) != want
+    assert bench.arm_config(today, "capo", 0, Path("/d/prompts/learning.jsonl")).variant == "capo"
+    cfg = bench.arm_config(today, "capo", 0, Path("/d/prompts/learning.jsonl"))
+    assert (cfg.vote.sources, cfg.critique.num_critiques) == (["arithmetic", "logprob"], 0)
+    old = bench.arm_config(a, "capo", 0, Path("/d/prompts/learning.jsonl"))
+    assert (old.vote.sources, old.critique.num_critiques, old.critique.logprob_readout) == (["llm"], 2, False)
