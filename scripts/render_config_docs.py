@@ -80,8 +80,10 @@ def render() -> str:
     lines = ["# Configuration reference", "",
              "Generated from `pipeline/config.py` by `scripts/render_config_docs.py`; do not edit by hand.",
              "Set a field in a YAML config (`configs/default.yaml`) or on the command line as a dotted",
-             "override (`train.learning_rate=1e-5`). Defaults are those of an empty config; the embedded",
-             "`configs/default.yaml` sets a few of them. A stage re-runs when a field in its key changes",
+             "override (`train.learning_rate=1e-5`). Defaults are those of an empty config, the paper's",
+             "method (variant `capo-majority`); the embedded `configs/default.yaml` is that config under the",
+             "`capo-readout` preset (the critic's log-prob readout and the arithmetic check vote, no sampled",
+             "critiques; `configs/presets/capo-readout.yaml`). A stage re-runs when a field in its key changes",
              "(docs/design.md §2.1).", ""]
     queue: list[tuple[str, type[BaseModel], BaseModel | None]] = [("", CAPOConfig, CAPOConfig())]
     while queue:
