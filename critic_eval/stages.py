@@ -490,12 +490,11 @@ def _eval_items(items: list[dict], crit: list[dict], setup: str, partial: str = 
 
 def score_key(cfg: CriticEvalConfig) -> dict:
     fps = {s: (storage.read_manifest(critique_path(cfg, s)) or {}).get("fingerprint") for s in cfg.setups()}
-    key = {"benchmark": _benchmark_fingerprint(cfg), "critiques": fps, "n_values": cfg.n_values,
-           "majority_threshold": cfg.majority_threshold, "partial_critiques": cfg.partial_critiques,
-           "scores": "auroc-v1"}  # the scores' columns: a table written before the AUROC is recomputed
-    if cfg.unions or cfg.logprob_threshold != 0.5 or any(c.source != "llm" for c in cfg.critics):
-        key.update(scores="sources-v1", unions=cfg.unions, logprob_threshold=cfg.logprob_threshold)
-    return key
+    # "scores" names what the rows mean: a table written before per-kind subsets held their right twins
+    # (or before the AUROC column) is recomputed
+    return {"benchmark": _benchmark_fingerprint(cfg), "critiques": fps, "n_values": cfg.n_values,
+            "majority_threshold": cfg.majority_threshold, "partial_critiques": cfg.partial_critiques,
+            "scores": "kind-twins-v1", "unions": cfg.unions, "logprob_threshold": cfg.logprob_threshold}
 
 
 def _setup_seconds_per_item(manifest: dict, n_items: int) -> float:
