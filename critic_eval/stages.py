@@ -391,7 +391,7 @@ def _readout_rows(cfg: CriticEvalConfig, setup: str, items: list[dict]) -> tuple
     jobs = [ReadoutJob(it["problem"], list(it["steps"]), it["gold_answer"] if gold else None) for it in items]
     t0 = time.perf_counter()
     results, stats = readout_scores(model, critic.engine.dtype, critic.template, jobs, label=f"readout {setup}")
-    thr = cfg.logprob_threshold
+    thr = 0.5  # the list shown and stored, as training's readout rows; scoring applies logprob_threshold
     rows = [{"critic_model": model, "template_version": critic.template, "include_gold_answer": gold,
              "item_id": it["id"], "n_steps": len(it["steps"]), "raw_text": readout_text(q, raw, cf, thr),
              "wrong_steps": [i for i, x in enumerate(q) if x > thr], "steps_judged": list(range(len(q))),

@@ -793,15 +793,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
             message names them and the valid choices).
     """
     raw = read_config_file(path, "configs/default.yaml") if path is not None else {}
-    if preset:
-        overlay = load_preset(preset)
-        raw = deep_merge(raw, {"variant": preset, **overlay})
-        crit = raw.get("critique") or {}
-        samples = crit.get("enabled", True) and (crit.get("mode") == "outcome"
-                                                 or "llm" in (raw.get("vote") or {}).get("sources", ["llm"]))
-        if samples and crit.get("num_critiques") == 0:
-            raw = deep_merge(raw, {"critique": {"num_critiques": CritiqueConfig.model_fields["num_critiques"].default}})
     extra = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
+    if preset:
+        raw = deep_merge(raw, {"variant": preset, **load_preset(preset)})
+        merged = deep_merge(raw, extra)
+        crit = merged.get("critique") or {}
+        samples = crit.get("enabled", True) and (crit.get("mode") == "outcome"
+                                                 or "llm" in (merged.get("vote") or {}).get("sources", ["llm"]))
+        if samples and (raw.get("critique") or {}).get("num_critiques") == 0 \
+                and "num_critiques" not in (extra.get("critique") or {}):
+            raw = deep_merge(raw, {"critique": {"num_critiques": CritiqueConfig.model_fields["num_critiques"].default}})
     return CAPOConfig.model_validate(deep_merge(raw, extra))
 
 

@@ -169,7 +169,7 @@ def readout_scores(critic: str, dtype: str, template: str, jobs: list[ReadoutJob
             S = len(job.steps)
             raw = binary(build_critique_messages(job.question, job.steps, job.gold_answer, template,
                                                  reference_solution=job.reference_solution), S)
-            ck = (S, job.gold_answer is not None, job.reference_solution is not None)
+            ck = (S, job.gold_answer is not None, bool(job.reference_solution))
             if ck not in cf_cache:
                 cf_cache[ck] = binary(build_critique_messages(
                     CONTENT_FREE, [CONTENT_FREE] * S, CONTENT_FREE if ck[1] else None, template,

@@ -119,9 +119,15 @@ def test_run_ids_of_earlier_runs_are_kept(bench, flags, want):
     a = bench.parser().parse_args(["--runs-dir", "/r", "--data-dir", "/d", "--capo-preset", "capo-majority",
                                    "--n", "2"] + flags)
     assert bench.run_id(a, "capo", 0, Path("/d/prompts/learning.jsonl")) == want
-    # the CAPO arm of today's default (capo-readout, no sampled critique) is another run
+    # the CAPO arm of today's default (capo-readout, no sampled critique) is another run, named or not;
+    # capo-majority with its own N is a third; the GRPO arm of the bare command keeps its earlier id
     today = bench.parser().parse_args(["--runs-dir", "/r", "--data-dir", "/d"] + flags)
-    assert bench.run_id(today, "capo", 0, Path("/d/prompts/learning.jsonl")) != want
+    learning = Path("/d/prompts/learning.jsonl")
+    named = bench.parser().parse_args(["--runs-dir", "/r", "--data-dir", "/d", "--capo-preset", "capo-readout"] + flags)
+    majority4 = bench.parser().parse_args(["--runs-dir", "/r", "--data-dir", "/d", "--capo-preset", "capo-majority"] + flags)
+    ids = {bench.run_id(x, "capo", 0, learning) for x in (today, majority4)} | {want}
+    assert len(ids) == 3 and bench.run_id(named, "capo", 0, learning) == bench.run_id(today, "capo", 0, learning)
+    assert bench.run_id(today, "grpo", 0, learning) == bench.run_id(a, "grpo", 0, learning)
     assert bench.arm_config(today, "capo", 0, Path("/d/prompts/learning.jsonl")).variant == "capo"
     cfg = bench.arm_config(today, "capo", 0, Path("/d/prompts/learning.jsonl"))
     assert (cfg.vote.sources, cfg.critique.num_critiques) == (["arithmetic", "logprob"], 0)

@@ -35,6 +35,10 @@ def test_default_yaml_loads_and_matches_embedded_defaults():
     assert load_config(DEFAULT, ["critique.num_critiques=2"], preset="capo-union").critique.num_critiques == 2
     assert load_config(TINY, preset="capo-union").critique.num_critiques == 2
     assert load_config(DEFAULT, preset="grpo").critique.num_critiques == 0
+    # the overrides decide whether critiques vote: none sampled when they do not, N = 4 when they do
+    assert load_config(DEFAULT, ["vote.sources=[arithmetic]"], preset="capo-majority").critique.num_critiques == 0
+    assert load_config(DEFAULT, ["vote.sources=[llm]", "critique.logprob_readout=false"],
+                       preset="capo-logprob-arithmetic").critique.num_critiques == 4
     # structured critiques: on with the vllm critic, off (and not refused) with the others
     assert cfg.critique.structured_output is True
     for engine in ("{type: transformers}", "{type: openai, base_url: 'http://127.0.0.1:8000/v1'}"):
