@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from pipeline.core.answer_format import FORMAT_CODE, answer_format  # noqa: E402
 
 log = logging.getLogger("capo.bench_budget")
 
@@ -57,11 +60,24 @@ def finished_runs(runs_dir: Path) -> list[dict]:
             continue
         ek = evals[-1]
         man = storage.read_manifest(ek)
-        _, arm, seed, _ = run.name.split("-", 3)
-        out.append({"name": run.name, "arm": arm_label(arm, man["resolved_config"]), "seed": int(seed.lstrip("s")),
+        arm, seed = parse_run_name(run.name)
+        out.append({"name": run.name, "arm": arm_label(arm, man["resolved_config"]), "seed": seed,
                     "round": int(ek.parts[-4].split("_")[1]), "eval0": e0, "evalK": ek,
                     "checkpoint": ek.parent / "checkpoint", "config": man["resolved_config"]})
     return out
+
+
+def parse_run_name(name: str) -> tuple[str, int]:
+    """``(arm, seed)`` of a learning run's name, ``learn-<arm>-s<seed>-<settings hash>`` (arms may
+    hold dashes: ``random-credit``).
+
+    Raises:
+        ValueError: ``name`` is not of that form.
+    """
+    m = re.fullmatch(r"learn-(.+)-s(\d+)-([0-9a-f]+)", name)
+    if m is None:
+        raise ValueError(f"{name!r} is not a learning run's name (learn-<arm>-s<seed>-<hash>)")
+    return m.group(1), int(m.group(2))
 
 
 def arm_label(arm: str, rc: dict) -> str:
@@ -90,7 +106,10 @@ def budget_change(before: list[dict], after: list[dict]) -> dict:
     ``acc_b``, ``diff``, bootstrap ``lo``/``hi``, ``p_mcnemar``, ``significant``), ``cut_a`` /
     ``cut_b`` (shares of answers cut at the budget, ``finish_reason == "length"``) and
     ``finished_acc_a`` / ``finished_acc_b`` (accuracy among the answers that finished; None when none
-    did), and ``item_change`` (``{item: -1.0 / 0.0 / 1.0}``, for pooling over seeds).
+    did), ``boxed_a`` / ``boxed_b`` (shares of answers finished with a box:
+    :func:`pipeline.core.answer_format.answer_format`) and ``boxed_acc_a`` / ``boxed_acc_b`` (accuracy
+    among those; None without any), ``item_change`` (``{item: -1.0 / 0.0 / 1.0}``, for pooling over
+    seeds) and ``boxed_item_change`` (the same over the items boxed at both ends).
 
     Raises:
         ValueError: the two tables share no greedy item.
@@ -107,6 +126,17 @@ def budget_change(before: list[dict], after: list[dict]) -> dict:
         ok = [bool(g[i]["correct"]) for i in ids if g[i]["finish_reason"] != "length"]
         return float(np.mean(ok)) if ok else None
 
+    def boxed(g, i):
+        return answer_format(g[i].get("response_text"), g[i]["finish_reason"]) == "boxed"
+
+    def boxed_acc(g):
+        ok = [bool(g[i]["correct"]) for i in ids if boxed(g, i)]
+        return float(np.mean(ok)) if ok else None
+
+    out.update(boxed_a=float(np.mean([boxed(g0, i) for i in ids])), boxed_b=float(np.mean([boxed(gk, i) for i in ids])),
+               boxed_acc_a=boxed_acc(g0), boxed_acc_b=boxed_acc(gk),
+               boxed_item_change={f"{b}/{p}": float(bool(gk[(b, p)]["correct"])) - float(bool(g0[(b, p)]["correct"]))
+                                  for b, p in ids if boxed(g0, (b, p)) and boxed(gk, (b, p))})
     out.update(cut_a=float(np.mean([g0[i]["finish_reason"] == "length" for i in ids])),
                cut_b=float(np.mean([gk[i]["finish_reason"] == "length" for i in ids])),
                finished_acc_a=finished_acc(g0), finished_acc_b=finished_acc(gk),
@@ -124,6 +154,51 @@ def pooled(changes: list[dict[str, float]]) -> dict | None:
         return None
     items = sorted(set.intersection(*(set(c) for c in changes)))
     return pooled_over_seeds([[c[i] for i in items] for c in changes]).as_dict() if items else None
+
+
+def item_record(arm: str, seed: int | None, rows: list[dict], max_tokens: int, run: str | None = None) -> dict:
+    """One eval's per-item results, for the evidence file: ``ids`` (``benchmark/prompt_id``, sorted),
+    ``greedy`` (a string of 0/1) and ``greedy_format`` (a letter per answer:
+    :data:`pipeline.core.answer_format.FORMAT_CODE`). ``arm`` ``"start"`` is the starting policy."""
+    g = greedy_rows(rows)
+    ids = sorted(g)
+    return {"bench": "budget", "items": arm, "seed": seed, "run": run, "max_tokens": max_tokens,
+            "ids": [f"{b}/{p}" for b, p in ids], "greedy": "".join("1" if g[i]["correct"] else "0" for i in ids),
+            "greedy_format": "".join(FORMAT_CODE[answer_format(g[i].get("response_text"), g[i]["finish_reason"])]
+                                     for i in ids)}
+
+
+def verdicts(per_arm: dict[str, dict], max_tokens: int) -> list[dict]:
+    """CAPO against GRPO and against random credit at the larger budget, for every CAPO label
+    (``capo <settings>``) whose other arm ran under the same settings: the difference of their
+    greedy changes from round 0, paired by seed and item, with the crossed seeds x items interval
+    (:func:`pooled`), over all answers and within answers boxed at both ends; ``capo_beat_<other>``
+    true only where that interval lies above 0, None below 2 shared seeds.
+
+    ``per_arm``: ``{label: {"seeds": {seed: {"big": budget_change(...)}}}}``."""
+    out = []
+    for label, d in per_arm.items():
+        arm, _, settings = label.partition(" ")
+        if arm != "capo":
+            continue
+        for other in ("grpo", "random-credit"):
+            o = per_arm.get(f"{other} {settings}".strip())
+            name = other.replace("-", "_")
+            row = {"bench": "budget", "verdict": f"capo_vs_{name}", "settings": settings, "max_tokens": max_tokens}
+            if o is None:
+                out.append({**row, f"capo_beat_{name}": "not run"})
+                continue
+            seeds = sorted(set(d["seeds"]) & set(o["seeds"]))
+            for key, tag in (("item_change", ""), ("boxed_item_change", "boxed_")):
+                diffs = []
+                for sd in seeds:
+                    c, g = d["seeds"][sd]["big"][key], o["seeds"][sd]["big"][key]
+                    diffs.append({i: c[i] - g[i] for i in set(c) & set(g)})
+                head = pooled(diffs)
+                row[f"{tag}capo_minus_{name}"] = head
+                row[f"{tag}capo_beat_{name}"] = (bool(head["lo"] > 0) if len(seeds) >= 2 else None) if head else None
+            out.append({**row, "seeds": seeds})
+    return out
 
 
 def eval_key(policy: str, rc: dict, max_tokens: int) -> dict:
@@ -182,6 +257,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--runs-dir", default="runs/bench_learning", help="where bench_learning.py wrote its runs")
     ap.add_argument("--max-tokens", type=int, default=512, help="the larger budget of the second eval")
     ap.add_argument("--runs", nargs="*", default=None, help="run names to include (default: every finished run)")
+    ap.add_argument("--evidence", default=None,
+                    help="also write every JSON line printed, plus each eval's per-item results, to this "
+                         "JSON-lines file (e.g. under docs/data/)")
     return ap
 
 
@@ -203,7 +281,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no finished learning run with its last checkpoint under {runs_dir}")
     folder = runs_dir / f"budget-{a.max_tokens}"
     start: dict[str, list[dict]] = {}  # the starting policy's eval, per starting policy
-    per_arm: dict[str, dict[str, list]] = {}
+    per_arm: dict[str, dict] = {}
+    lines: list[dict] = []
+    items: list[dict] = []
+
+    def emit(line: dict) -> None:
+        print(json.dumps(line), flush=True)
+        lines.append(line)
+
+    hidden = ("item_change", "boxed_item_change")
     for r in runs:
         rows0, rowsk = pq.read_table(r["eval0"]).to_pylist(), pq.read_table(r["evalK"]).to_pylist()
         budget = r["config"]["eval"]["max_tokens"]
@@ -213,20 +299,30 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         if policy0 not in start:
             start[policy0] = evaluate(policy0, r["evalK"], a.max_tokens, folder / "start.parquet")
+            items.append(item_record("start", None, start[policy0], a.max_tokens))
         big_k = evaluate(str(r["checkpoint"]), r["evalK"], a.max_tokens, folder / f"{r['name']}.parquet")
+        items.append(item_record(r["arm"], r["seed"], big_k, a.max_tokens, run=r["name"]))
         small, big = budget_change(rows0, rowsk), budget_change(start[policy0], big_k)
-        row = {"bench": "budget", "run": r["name"], "arm": r["arm"], "seed": r["seed"], "round": r["round"],
-               f"at_{budget}": {k: v for k, v in small.items() if k != "item_change"},
-               f"at_{a.max_tokens}": {k: v for k, v in big.items() if k != "item_change"},
-               "seconds": round(time.perf_counter() - t0, 1)}
-        print(json.dumps(row), flush=True)
-        arm = per_arm.setdefault(r["arm"], {"small": [], "big": [], "budget": budget})
-        arm["small"].append(small["item_change"])
-        arm["big"].append(big["item_change"])
+        emit({"bench": "budget", "run": r["name"], "arm": r["arm"], "seed": r["seed"], "round": r["round"],
+              f"at_{budget}": {k: v for k, v in small.items() if k not in hidden},
+              f"at_{a.max_tokens}": {k: v for k, v in big.items() if k not in hidden},
+              "seconds": round(time.perf_counter() - t0, 1)})
+        arm = per_arm.setdefault(r["arm"], {"budget": budget, "seeds": {}})
+        arm["seeds"][r["seed"]] = {"small": small, "big": big}
     for arm, d in per_arm.items():
-        print(json.dumps({"bench": "budget", "summary": arm, "seeds": len(d["big"]),
-                          f"pooled_at_{d['budget']}": pooled(d["small"]),
-                          f"pooled_at_{a.max_tokens}": pooled(d["big"])}), flush=True)
+        seeds = d["seeds"].values()
+        emit({"bench": "budget", "summary": arm, "seeds": len(d["seeds"]),
+              f"pooled_at_{d['budget']}": pooled([x["small"]["item_change"] for x in seeds]),
+              f"pooled_at_{a.max_tokens}": pooled([x["big"]["item_change"] for x in seeds]),
+              f"pooled_boxed_at_{a.max_tokens}": pooled([x["big"]["boxed_item_change"] for x in seeds])})
+    for line in verdicts(per_arm, a.max_tokens):
+        emit(line)
+    if a.evidence:  # the printed lines and each eval's per-item results, as committed evidence
+        out = Path(a.evidence)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text("".join(json.dumps(line) + "\n" for line in lines + items))
+        tmp.replace(out)
 
 
 if __name__ == "__main__":

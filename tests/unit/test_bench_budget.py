@@ -64,3 +64,57 @@ def test_pooled_over_seeds_on_shared_items(bench):
     assert p["n"] == 2 and p["diff"] == pytest.approx(0.5)
     assert p["lo"] == pytest.approx(0.0) and p["hi"] == pytest.approx(1.0)
     assert bench.pooled([]) is None and bench.pooled([{"a": 1.0}, {"b": 1.0}]) is None
+
+
+def test_run_names_with_dashed_arms(bench):
+    assert bench.parse_run_name("learn-random-credit-s2-1a2b3c4d") == ("random-credit", 2)
+    assert bench.parse_run_name("learn-capo-s0-175a5b96") == ("capo", 0)
+    with pytest.raises(ValueError, match="'budget-512' is not a learning run's name"):
+        bench.parse_run_name("budget-512")
+
+
+def _boxed_rows(spec: str) -> list[dict]:
+    """One greedy row per character: B right and boxed, b wrong and boxed, P right as a program
+    (no box), C cut at the budget (wrong)."""
+    text = {"B": "so \\boxed{3}", "b": "so \\boxed{4}", "P": "```python\nprint(3)\n```", "C": "and then"}
+    return [{"benchmark": "mawps", "prompt_id": f"p{i}", "decoding": "greedy", "correct": c in "BP",
+             "finish_reason": "length" if c == "C" else "stop", "response_text": text[c]} for i, c in enumerate(spec)]
+
+
+def test_budget_change_within_boxed_answers_by_hand(bench):
+    # round 0: P P b B C (2 boxed: 1 right); round K: B B b b B (5 boxed: 3 right, p0, p1, p4)
+    # the gain on p0, p1 (program -> boxed) and p4 (cut -> boxed) is format: within answers boxed at
+    # both ends (p2, p3) the change is 0 and -1
+    c = bench.budget_change(_boxed_rows("PPbBC"), _boxed_rows("BBbbB"))
+    assert c["acc_a"] == pytest.approx(3 / 5) and c["acc_b"] == pytest.approx(3 / 5)
+    assert c["boxed_a"] == pytest.approx(2 / 5) and c["boxed_b"] == pytest.approx(1.0)
+    assert c["boxed_acc_a"] == pytest.approx(1 / 2) and c["boxed_acc_b"] == pytest.approx(3 / 5)
+    assert c["boxed_item_change"] == {"mawps/p2": 0.0, "mawps/p3": -1.0}
+
+
+def test_item_record_is_compact_and_ordered(bench):
+    rec = bench.item_record("capo", 1, _boxed_rows("BPbC"), 512, run="learn-capo-s1-abc")
+    assert rec["ids"] == ["mawps/p0", "mawps/p1", "mawps/p2", "mawps/p3"]
+    assert rec["greedy"] == "1100" and rec["greedy_format"] == "bpbc"
+    assert (rec["items"], rec["seed"], rec["max_tokens"]) == ("capo", 1, 512)
+
+
+def test_verdicts_pair_capo_with_its_rivals_by_seed_and_item(bench):
+    def seed(change: dict, boxed: dict) -> dict:
+        return {"big": {"item_change": change, "boxed_item_change": boxed}}
+
+    # two seeds, 4 items: CAPO gains 2 items per seed, GRPO 0 -> a paired difference of +0.5 per item
+    # mean; every resample of seeds and items keeps it >= 0 (items 0/1 gain 1, items 2/3 gain 0)
+    up = {"a": 1.0, "b": 1.0, "c": 0.0, "d": 0.0}
+    flat = {"a": 0.0, "b": 0.0, "c": 0.0, "d": 0.0}
+    per_arm = {"capo lr=2e-06 ds": {"seeds": {0: seed(up, {"a": 1.0}), 1: seed(up, {"a": 1.0})}},
+               "grpo lr=2e-06 ds": {"seeds": {0: seed(flat, {"a": 0.0}), 1: seed(flat, {"a": 1.0})}}}
+    v = {r["verdict"]: r for r in bench.verdicts(per_arm, 512)}
+    g = v["capo_vs_grpo"]
+    assert g["seeds"] == [0, 1] and g["capo_minus_grpo"]["diff"] == pytest.approx(0.5)
+    assert g["capo_minus_grpo"]["lo"] >= 0.0 and g["capo_beat_grpo"] is False  # lo = 0: not above 0
+    assert g["boxed_capo_minus_grpo"]["diff"] == pytest.approx(0.5)  # item a: +1 - 0 and +1 - 1
+    assert v["capo_vs_random_credit"]["capo_beat_random_credit"] == "not run"
+    # one shared seed: a difference, no verdict
+    per_arm["grpo lr=2e-06 ds"]["seeds"].pop(1)
+    assert bench.verdicts(per_arm, 512)[0]["capo_beat_grpo"] is None

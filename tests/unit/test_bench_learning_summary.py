@@ -227,3 +227,52 @@ def test_sampled_gain_is_held_to_the_noise_floor_of_sample_seeds(bench):
     (alone,) = [r for r in bench.summarize(one, [r for r in rows if r["seed"] == 0], {}, {("capo", 0): run(40)}, noise)
                 if "summary" in r]
     assert alone["sampled_beyond_noise"] is None
+
+
+def test_item_records_recompute_the_paired_figures(bench, monkeypatch):
+    """The per-item evidence lines of one run: greedy right/format per problem and, per problem, the
+    samples right, boxed, and right among the boxed; round 0's and round K's, on sorted ids."""
+    a = bench.parser().parse_args(["--arms", "capo", "--seeds", "0", "--rounds", "3"])
+    rows0 = [_row("b", "greedy", "def f():\n    return 5", False), _row("a", "greedy", "x", False, "length"),
+             _row("a", "sample", "\\boxed{5}", True), _row("a", "sample", "\\boxed{6}", False),
+             _row("b", "sample", "so 5", True), _row("b", "sample", "cut", False, "length")]
+    rowsk = [_row("a", "greedy", "\\boxed{5}", True), _row("b", "greedy", "\\boxed{5}", True),
+             _row("a", "sample", "\\boxed{5}", True), _row("a", "sample", "\\boxed{5}", True),
+             _row("b", "sample", "\\boxed{4}", False), _row("b", "sample", "\\boxed{5}", True)]
+    monkeypatch.setattr(bench, "eval_tables", lambda *args: (rows0, rowsk))
+    r0, rk = bench.item_records(a, "capo", 0, Path("train.jsonl"))
+    assert (r0["items"], r0["seed"], r0["round"], rk["round"]) == ("capo", 0, 0, 3)
+    assert r0["ids"] == ["mawps/a", "mawps/b"] and r0["greedy"] == "00" and r0["greedy_format"] == "cp"
+    assert r0["samples"] == 2 and r0["sampled_right"] == [1, 1] and r0["sampled_boxed"] == [2, 0]
+    assert r0["sampled_boxed_right"] == [1, 0]
+    assert rk["greedy"] == "11" and rk["greedy_format"] == "bb" and rk["sampled_right"] == [2, 1]
+    assert rk["sampled_boxed"] == [2, 2] and rk["sampled_boxed_right"] == [2, 1]
+    monkeypatch.setattr(bench, "eval_tables", lambda *args: None)
+    assert bench.item_records(a, "capo", 0, Path("train.jsonl")) == []
+
+
+def test_a_finished_run_gives_back_its_final_training_state(bench, tmp_path):
+    """Round K's training state (7.6 GB for the 0.5B policy) goes once round K is trained and
+    evaluated; the checkpoint stays, the manifest stays marked pruned; not before, not with
+    --keep-final-state, not with --until short of K."""
+    from pipeline import storage
+    from pipeline.stages.base import round_paths
+
+    args = ["--arms", "grpo", "--seeds", "0", "--rounds", "2", "--runs-dir", str(tmp_path)]
+    a = bench.parser().parse_args(args)
+    cfg = bench.arm_config(a, "grpo", 0, Path("train.jsonl"))
+    p = round_paths(cfg, 2)
+    for d in (p["train_state"], p["checkpoint"]):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x")
+        storage.commit_manifest(d, stage="train", key={"k": 1}, rows=None)
+    assert bench._prune_final_state(a, cfg) is False  # round 2 not trained yet: nothing goes
+    for name in ("train_metrics", "eval"):
+        p[name].write_bytes(b"")
+        storage.commit_manifest(p[name], stage=name, key={"k": 1}, rows=0)
+    for extra in (["--keep-final-state"], ["--until", "1"]):
+        assert bench._prune_final_state(bench.parser().parse_args(args + extra), cfg) is False
+    assert p["train_state"].is_dir()
+    assert bench._prune_final_state(a, cfg) is True
+    assert not p["train_state"].exists() and storage.read_manifest(p["train_state"])["pruned"] is True
+    assert (p["checkpoint"] / "model.safetensors").exists()
