@@ -33,12 +33,13 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline import storage
 from pipeline.config import (
     EngineConfig,
     SamplingConfig,
+    Strict,
     VLLMEngineConfig,
     check_structured_engine,
     deep_merge,
@@ -66,11 +67,7 @@ _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 # ------------------------------------------------------------------------------------------- config
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class CriticSpec(_Strict):
+class CriticSpec(Strict):
     """One critic (GenPRM) or step check to evaluate, as a signal source of ``vote.sources`` in training."""
 
     name: str = Field(pattern=_NAME)
@@ -121,7 +118,7 @@ class CriticSpec(_Strict):
         return self.source != "arithmetic"
 
 
-class BenchmarkConfig(_Strict):
+class BenchmarkConfig(Strict):
     source: str = BUILTIN_BENCHMARK
     """``gsm8k-corrupt`` (GSM8K reference solutions, one corrupted copy each; see
     :mod:`critic_eval.items`) or a ProcessBench-format ``.jsonl``/``.json``/``.parquet`` file:
@@ -147,7 +144,7 @@ def _default_critics() -> list[CriticSpec]:
             CriticSpec(name="policy-self", model="qwen2.5-coder-0.5b-instruct")]
 
 
-class CriticEvalConfig(_Strict):
+class CriticEvalConfig(Strict):
     """A critic evaluation: one benchmark, several critics x gold answer on/off, several N."""
 
     name: str = Field("default", pattern=_NAME)

