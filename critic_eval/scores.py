@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from pipeline.core.voting import VOTING_RULES, flag_counts, vote
+from pipeline.core.voting import VOTING_RULES, flag_counts, score_weights, vote
 
 FLAG_THRESHOLD = 0.5
 """A step is flagged when its vote weight is >= this (see the module docstring)."""
@@ -133,10 +133,7 @@ def predict(item: EvalItem | tuple[EvalItem, ...], n: int, rule: str, majority_t
                          "sample more (critic n_max) or drop N")
     n_valid, n_flagged_S = flag_counts(item.critiques[:n], item.n_steps)
     if item.step_scores is not None:
-        q_S = np.asarray(item.step_scores, dtype=np.float32)
-        if rule not in VOTING_RULES:
-            raise ValueError(f"unknown voting rule {rule!r}; valid: {list(VOTING_RULES)}")
-        weights_S = q_S if rule == "average" else (q_S > logprob_threshold).astype(np.float32)
+        weights_S = score_weights(item.step_scores, rule, logprob_threshold)
     else:
         weights_S = vote(n_flagged_S, n_valid, rule, majority_threshold)
     return Prediction(weights_S, n_valid, earliest_flagged(weights_S, threshold))

@@ -21,6 +21,9 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pipeline.core.rewards import ADVANTAGE_ESTIMATORS
+from pipeline.core.voting import VOTING_RULES
+
 
 class Strict(BaseModel):
     """The base of every configuration model: unknown keys refused (a typo is an error, not a
@@ -326,7 +329,7 @@ def check_structured_engine(structured: bool, engine_type: str, where: str) -> N
 
 
 class VoteConfig(Strict):
-    rule: Literal["intersection", "union", "majority", "average"] = "majority"
+    rule: Literal[tuple(VOTING_RULES)] = "majority"  # type: ignore[valid-type]
     """Rule whose step weights train the policy (all four are always computed and stored).
     The paper found intersection best for 1B-1.5B policies with its 72B critic; with the embedded
     1.5B critic, critic-eval (24 gsm8k-corrupt problems, N=4) gives majority the best or tied-best
@@ -379,9 +382,10 @@ class RewardConfig(Strict):
     so updates of GRPO's size and noise that carry no information about which response was right.
     The ``token_rewards`` table keeps the true ``outcome_correct`` beside the shuffled
     ``outcome_reward``."""
-    estimator: Literal["capo-token-group", "grpo"] = "capo-token-group"
-    """capo-token-group: normalize token rewards over all tokens of the group (docs/design.md §1.8);
-    grpo: sequence-level group-normalized outcome advantage broadcast to tokens."""
+    estimator: Literal[tuple(ADVANTAGE_ESTIMATORS)] = "capo-token-group"  # type: ignore[valid-type]
+    """The advantage estimator (:data:`pipeline.core.rewards.ADVANTAGE_ESTIMATORS`): capo-token-group
+    normalizes token rewards over all tokens of the group (docs/design.md §1.8); grpo is the
+    sequence-level group-normalized outcome advantage broadcast to tokens."""
     scale_by_std: bool = True
     """Divide by the group std (Dr.GRPO argues against it)."""
     eps: float = Field(1e-6, gt=0)

@@ -37,6 +37,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline.core.arithmetic import count_checkable, step_verdict
+from pipeline.core.voting import score_weights
 
 SOURCES = ("vote", "arithmetic", "vote+arithmetic", "logprob", "logprob+arithmetic", "random-credit")
 SCOPES = ("all_steps", "before_answer")
@@ -253,7 +254,7 @@ def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: s
                 for rid, idx, r, q in zip(*(sv.column(c).to_pylist() for c in ("rollout_id", "step_idx", "rule",
                                                                                "logprob_score"))):
                     if r == rule and q is not None:
-                        lp.setdefault(rid, {})[idx] = q if rule == "average" else float(q > thr)
+                        lp.setdefault(rid, {})[idx] = float(score_weights(np.array([q]), rule, thr)[0])
             logprob = {rid: [float(lp.get(rid, {}).get(i, 0.0)) for i in range(len(n_tok[rid]))] for rid in rids} \
                 if lp else None
             # the random-credit control trains on its sources' weights moved to random steps: measure

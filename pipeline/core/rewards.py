@@ -13,6 +13,8 @@ int64 are the row boundaries (as in a pyarrow list array): response ``b`` owns t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 
@@ -279,3 +281,54 @@ def grpo_sequence_advantages(
             f"outcome_reward {reward_B.shape} and group_ids {groups_B.shape} must both be (B,)"
         )
     return group_run_advantages(reward_B, np.ones(len(reward_B), np.int64), groups_B, scale_by_std, eps)
+
+
+@dataclass(frozen=True)
+class RoundRewards:
+    """What an advantage estimator reads: one round's rewards in run-length form (a run is a step
+    of a response under a process signal, the whole response otherwise).
+
+    Attributes:
+        run_rewards: (S,) float, each run's token reward (:func:`token_rewards`, plus any overlong penalty).
+        run_lengths: (S,) int, tokens per run.
+        run_response: (S,) int, the response (index into the B responses) each run belongs to; sorted.
+        outcome: (B,) float, each response's outcome reward r_v in [0, 1].
+        length_penalty: (B,) float, each response's overlong penalty (0 without it).
+        groups: (B,) int, each response's prompt group.
+        correct_weight: C, the reward of a right answer (``reward.correct_weight``).
+        scale_by_std: divide by the group's std (``reward.scale_by_std``).
+        eps: added to that std (``reward.eps``).
+    """
+
+    run_rewards: np.ndarray
+    run_lengths: np.ndarray
+    run_response: np.ndarray
+    outcome: np.ndarray
+    length_penalty: np.ndarray
+    groups: np.ndarray
+    correct_weight: float
+    scale_by_std: bool
+    eps: float
+
+
+def capo_token_group(r: RoundRewards) -> np.ndarray:
+    """CAPO's token-level group normalization (§3; docs/design.md §1.8): each run's reward
+    normalized over every token of its group (:func:`group_run_advantages`). Returns (S,) float32."""
+    return group_run_advantages(r.run_rewards, r.run_lengths, r.groups[r.run_response], r.scale_by_std, r.eps)
+
+
+def grpo_outcome(r: RoundRewards) -> np.ndarray:
+    """GRPO's sequence-level advantage (arXiv 2402.03300 §4.1.2): ``C * r_v`` (plus the overlong
+    penalty) normalized over the group's responses (:func:`grpo_sequence_advantages`), the same for
+    every run of a response; process penalties do not enter. Returns (S,) float32."""
+    return grpo_sequence_advantages(r.correct_weight * r.outcome + r.length_penalty, r.groups, r.scale_by_std,
+                                    r.eps)[r.run_response]
+
+
+ADVANTAGE_ESTIMATORS = {
+    "capo-token-group": capo_token_group,
+    "grpo": grpo_outcome,
+}
+"""``reward.estimator`` -> the function from a round's rewards (:class:`RoundRewards`) to one
+advantage per run, (S,) float32; the reward stage repeats it over each run's tokens. A new credit
+assignment method that works from the round's tables registers here."""

@@ -45,6 +45,33 @@ VOTING_RULES: dict[str, VoteRule] = {
 }
 
 
+GRADED_RULES = frozenset({"average"})
+"""The rules whose weight is a share in [0, 1], not a yes/no: under them a step score (the
+log-prob readout's probability that a step is wrong) is the weight itself (:func:`score_weights`)."""
+
+
+def score_weights(scores: np.ndarray, rule: str, threshold: float) -> np.ndarray:
+    """Step weights from step scores in [0, 1] (the critic's log-prob readout), the way ``rule``
+    turns votes into weights: a graded rule (:data:`GRADED_RULES`) keeps the score, the others flag a
+    step whose score is above ``threshold`` (``vote.logprob_threshold``; docs/design.md on the readout).
+
+    Args:
+        scores: (S,) float scores in [0, 1].
+        rule: a key of ``VOTING_RULES``.
+        threshold: a score above it flags the step (yes/no rules).
+
+    Returns:
+        (S,) float32 weights in [0, 1].
+
+    Raises:
+        ValueError: unknown ``rule`` (lists the valid ones).
+    """
+    if rule not in VOTING_RULES:
+        raise ValueError(f"unknown voting rule {rule!r}; valid rules: {sorted(VOTING_RULES)}")
+    q = np.asarray(scores, dtype=np.float32)
+    return q if rule in GRADED_RULES else (q > threshold).astype(np.float32)
+
+
 def flag_counts(
     wrong_steps_per_critique: Sequence[tuple[int, ...] | None], n_steps: int
 ) -> tuple[int, np.ndarray]:

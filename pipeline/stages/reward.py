@@ -14,8 +14,8 @@ import pyarrow.compute as pc
 from pipeline import storage
 from pipeline.config import CAPOConfig
 from pipeline.core.rewards import (
-    group_run_advantages,
-    grpo_sequence_advantages,
+    ADVANTAGE_ESTIMATORS,
+    RoundRewards,
     overlong_penalty,
     shuffle_within_groups,
     token_rewards,
@@ -96,10 +96,8 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
         if rc.overlong_buffer:  # DAPO's soft overlong punishment, the same for every token of a response
             pen_B = overlong_penalty(n_tok, cfg.rollout.sampling.max_tokens, rc.overlong_buffer, rc.overlong_penalty)
             R_S = R_S + pen_B[pos_S]
-        if rc.estimator == "grpo":
-            A_S = grpo_sequence_advantages(rc.correct_weight * r_v + pen_B, groups, rc.scale_by_std, rc.eps)[pos_S]
-        else:
-            A_S = group_run_advantages(R_S, len_S, groups[pos_S], rc.scale_by_std, rc.eps)
+        A_S = ADVANTAGE_ESTIMATORS[rc.estimator](RoundRewards(R_S, len_S, pos_S, r_v, pen_B, groups, rc.correct_weight,
+                                                              rc.scale_by_std, rc.eps))
         R, A = np.repeat(R_S, len_S), np.repeat(A_S, len_S)  # (N,): the only per-token work
         pen_S = (w_S > 0) & (rc.process_weight > 0)
         n_pen = np.bincount(pos_S, weights=len_S * pen_S, minlength=B).astype(np.int64)

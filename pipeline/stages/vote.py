@@ -21,7 +21,7 @@ import pyarrow as pa
 from pipeline import storage
 from pipeline.config import CAPOConfig
 from pipeline.core.critique import critique_votes
-from pipeline.core.voting import VOTING_RULES, flag_counts, vote
+from pipeline.core.voting import VOTING_RULES, flag_counts, score_weights, vote
 from pipeline.schemas import STEP_VERDICTS_SCHEMA
 from pipeline.stages.base import (
     Stage,
@@ -103,7 +103,7 @@ def vote_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRes
             perm = random_step_order(cfg.seed, round_idx, rid, S) if cfg.vote.random_credit else None
             for rule in VOTING_RULES:
                 w_llm = vote(n_flagged, np.int32(n_valid), rule, cfg.vote.majority_threshold)
-                w_lp = q if rule == "average" else (q > cfg.vote.logprob_threshold).astype(np.float32)
+                w_lp = score_weights(q, rule, cfg.vote.logprob_threshold)
                 w = np.maximum.reduce([w_llm if use_llm else np.zeros(S, np.float32), a if use_arith else 0.0 * a,
                                        w_lp if use_lp else 0.0 * a]).astype(np.float32)
                 if perm is not None:  # the control: the same weights on randomly chosen steps

@@ -244,3 +244,26 @@ def test_shuffle_within_groups_keeps_each_groups_values():
 def test_shuffle_within_groups_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match=r"values \(3,\) and group_ids \(2,\)"):
         shuffle_within_groups(np.zeros(3), np.zeros(2, int), 0)
+
+
+# --- the estimator registry ---------------------------------------------------------------------
+def test_estimators_by_hand_on_one_group():
+    """One group of two responses: A right in 2 steps of 1 and 3 tokens, the second step flagged;
+    B wrong, one run of 2 tokens. C = 2, P = 1."""
+    from pipeline.config import RewardConfig
+    from pipeline.core.rewards import ADVANTAGE_ESTIMATORS, RoundRewards
+
+    assert sorted(ADVANTAGE_ESTIMATORS) == ["capo-token-group", "grpo"]
+    assert set(ADVANTAGE_ESTIMATORS) == set(RewardConfig.model_fields["estimator"].annotation.__args__)
+    # token rewards: A's step 1: C = 2; A's step 2: C - P = 1; B: 0
+    r = RoundRewards(run_rewards=np.array([2.0, 1.0, 0.0]), run_lengths=np.array([1, 3, 2]),
+                     run_response=np.array([0, 0, 1]), outcome=np.array([1.0, 0.0]), length_penalty=np.zeros(2),
+                     groups=np.array([0, 0]), correct_weight=2.0, scale_by_std=True, eps=0.0)
+    # capo: tokens 2,1,1,1,0,0: mean 5/6; squares of deviations 49/36 + 3 * 1/36 + 2 * 25/36 = 102/36,
+    # var (ddof 1) = 102/180 = 17/30; A = (R - 5/6) / sqrt(17/30)
+    sd = math.sqrt(17 / 30)
+    np.testing.assert_allclose(ADVANTAGE_ESTIMATORS["capo-token-group"](r),
+                               [(2 - 5 / 6) / sd, (1 - 5 / 6) / sd, (0 - 5 / 6) / sd], rtol=1e-5)
+    # grpo: sequence rewards 2 and 0: mean 1, std (ddof 1) sqrt(2); the flagged step changes nothing
+    s2 = math.sqrt(2)
+    np.testing.assert_allclose(ADVANTAGE_ESTIMATORS["grpo"](r), [1 / s2, 1 / s2, -1 / s2], rtol=1e-5)

@@ -123,3 +123,25 @@ def test_rules_are_nested_and_average_is_the_share(case, threshold):
         assert avg[s] == pytest.approx(share, abs=1e-6)
         assert inter[s] == float(bool(valid) and all(s in c for c in valid))
         assert union[s] == float(any(s in c for c in valid))
+
+
+def test_step_scores_become_weights_as_the_rule_says():
+    from pipeline.core.voting import score_weights
+
+    q = np.array([0.9, 0.5, 0.81, 0.0])
+    # average keeps the score; the yes/no rules flag a score strictly above the threshold
+    np.testing.assert_allclose(score_weights(q, "average", 0.8), [0.9, 0.5, 0.81, 0.0], rtol=1e-6)
+    for rule in ("majority", "intersection", "union"):
+        np.testing.assert_array_equal(score_weights(q, rule, 0.8), [1.0, 0.0, 1.0, 0.0])
+    np.testing.assert_array_equal(score_weights(q, "majority", 0.5), [1.0, 0.0, 1.0, 0.0])  # 0.5 is not above 0.5
+    with pytest.raises(ValueError, match=r"unknown voting rule 'mean'; valid rules: \['average', "):
+        score_weights(q, "mean", 0.5)
+
+
+def test_the_config_accepts_exactly_the_registered_rules():
+    from pipeline.config import VoteConfig
+
+    for rule in VOTING_RULES:
+        assert VoteConfig(rule=rule).rule == rule
+    with pytest.raises(ValueError, match="'intersection', 'union', 'majority' or 'average'"):
+        VoteConfig(rule="mean")
