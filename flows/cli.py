@@ -125,22 +125,16 @@ def _writing(cfg) -> contextlib.ExitStack:
 def _run_round(cfg, round_idx: int, force: list[str]) -> None:
     import time
 
-    from flows.runner import round_plan, run_stage, write_round_summary
-    from pipeline.faults import kill_point
+    from flows.runner import finish_round, round_plan, run_stage
     from pipeline.precision import describe, precision_record
-    from pipeline.report import write_report
-    from pipeline.storage import refresh_catalog
 
     typer.echo(describe(precision_record(cfg)))
     t0 = time.perf_counter()
     results = [dataclasses.asdict(run_stage(name, cfg, k, force=name in force)) for name, k in round_plan(round_idx)]
-    summary = write_round_summary(cfg, round_idx, results, time.perf_counter() - t0)
-    typer.echo(f"round {round_idx} summary: {summary}")
-    typer.echo(f"catalog: {refresh_catalog(Path(cfg.runs_dir), Path(cfg.data_dir))}")
-    report = write_report(Path(cfg.runs_dir), cfg.run_id)
-    typer.echo(f"report: {report.get('report_html', '')}")
-    kill_point("report.written", report.get("report_html", ""))
-    kill_point("round.finished", f"round_{round_idx:03d}")
+    done = finish_round(cfg, round_idx, results, time.perf_counter() - t0)
+    typer.echo(f"round {round_idx} summary: {done['summary']}")
+    typer.echo(f"catalog: {done['catalog']}")
+    typer.echo(f"report: {done.get('report_html', '')}")
 
 
 @app.command()

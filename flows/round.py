@@ -16,11 +16,10 @@ from typing import Optional
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.runner import round_plan, run_stage, write_round_summary
+from flows.runner import finish_round, round_plan, run_stage
 from pipeline.config import load_config
 from pipeline.engines.host import policy_engine_session
 from pipeline.runlock import run_lock
-from pipeline.storage import refresh_catalog
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.yaml")
 
@@ -33,24 +32,17 @@ def stage_task(name: str, config: str, overrides: list[str], round_idx: int, pre
 
 
 @task(cache_policy=NO_CACHE)
-def catalog_task(config: str, overrides: list[str], round_idx: int, results: list[dict], wall_s: float,
-                 preset: Optional[str] = None) -> str:
-    """Write the round summary and refresh the DuckDB catalog (the flow never keeps it open)."""
-    cfg = load_config(config, overrides, preset)
-    write_round_summary(cfg, round_idx, results, wall_s)
-    return str(refresh_catalog(Path(cfg.runs_dir), Path(cfg.data_dir)))
-
-
-@task(cache_policy=NO_CACHE)
-def report_task(config: str, overrides: list[str], preset: Optional[str] = None) -> dict:
-    """Write the run's report (plots, paper-style table) and publish it as Prefect artifacts."""
+def finish_task(config: str, overrides: list[str], round_idx: int, results: list[dict], wall_s: float,
+                preset: Optional[str] = None) -> dict:
+    """The round's tail (:func:`flows.runner.finish_round`: summary, DuckDB catalog, report; the flow
+    never keeps the catalog open), the report published as Prefect artifacts."""
     from flows.artifacts import publish_artifacts
-    from pipeline.report import write_report
 
     cfg = load_config(config, overrides, preset)
-    report = write_report(Path(cfg.runs_dir), cfg.run_id)
+    done = finish_round(cfg, round_idx, results, wall_s)
+    report = {k: v for k, v in done.items() if k not in ("summary", "catalog")}
     publish_artifacts(report, f"capo-{cfg.run_id}")
-    return {k: str(v) for k, v in report.items()}
+    return {k: str(v) for k, v in done.items()}
 
 
 @flow(name="capo-round", log_prints=True)
@@ -75,8 +67,7 @@ def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional
     with run_lock(cfg.run_dir()):  # one writer per run: a second one fails here, naming the holder
         with policy_engine_session(cfg, get_run_logger()):  # a no-op unless scale.policy_engine=persistent
             results = [stage_task(name, config, overrides, k, preset) for name, k in round_plan(round)]
-        catalog_task(config, overrides, round, results, time.perf_counter() - t0, preset)
-        report_task(config, overrides, preset)
+        finish_task(config, overrides, round, results, time.perf_counter() - t0, preset)
     logger = get_run_logger()
     for r in results:
         logger.info("%s: %s", r["stage"], "skipped" if r["skipped"] else f"ran in {r['seconds']:.1f}s")

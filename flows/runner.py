@@ -214,6 +214,27 @@ def process_signal(cfg: CAPOConfig, round_idx: int) -> list[dict] | None:
         return None
 
 
+def finish_round(cfg: CAPOConfig, round_idx: int, results: list[dict], wall_s: float | None = None) -> dict[str, Path]:
+    """The tail of every round, whoever ran it (the ``capo-round`` flow, ``capo round``, ``capo run``):
+    the round summary (:func:`write_round_summary`), the DuckDB catalog refreshed over the runs
+    dir (:func:`pipeline.storage.refresh_catalog`) and the run's report
+    (:func:`pipeline.report.write_report`).
+
+    Returns:
+        ``{"summary": path, "catalog": path, **report}`` (the report's paths: ``report_html`` ...).
+    """
+    from pipeline.faults import kill_point
+    from pipeline.report import write_report
+    from pipeline.storage import refresh_catalog
+
+    summary = write_round_summary(cfg, round_idx, results, wall_s)
+    catalog = refresh_catalog(Path(cfg.runs_dir), Path(cfg.data_dir))
+    report = write_report(Path(cfg.runs_dir), cfg.run_id)
+    kill_point("report.written", report.get("report_html", ""))
+    kill_point("round.finished", f"round_{round_idx:03d}")
+    return {"summary": summary, "catalog": catalog, **report}
+
+
 def write_round_summary(cfg: CAPOConfig, round_idx: int, results: list[dict], wall_s: float | None = None) -> Path:
     """``variants/<variant>/round_summary.json``: what each stage of this invocation did.
 
