@@ -148,14 +148,15 @@ def test_training_wrote_a_new_policy(tiny_round, data_dir):
     changed = [k for k in new if k in old and not np.array_equal(new[k].float().numpy(), old[k].float().numpy())]
     names = {m["name"] for m in _t(cfg, "train_metrics")}
     assert {"loss", "clip_frac", "approx_kl", "grad_norm", "export_update_share", "export_moved_frac"} <= names
-    if any(abs(a) > 0 for r in _t(cfg, "token_rewards") for a in r["advantages"]):
-        assert changed, "a non-zero advantage must move the weights"
-        # tiny.yaml saves float32: the checkpoint is the master weights, it carries the whole update
-        drift = {m["name"]: m["value"] for m in _t(cfg, "train_metrics") if m["name"].startswith(("export", "master"))}
-        assert drift["export_update_share"] == 1.0 == drift["export_update_share_from_start"]
-        assert drift["export_moved_frac"] == drift["master_moved_frac"] > 0
-    else:  # no signal anywhere in the round: the update must leave every weight as it was
-        assert not changed, f"every advantage is 0, yet {len(changed)} tensors moved"
+    # configs/tiny.yaml's round 1 has a signal (its process penalties make token advantages non-zero
+    # even where a group's outcomes agree); a round without one would test nothing here
+    n_nonzero = sum(abs(a) > 0 for r in _t(cfg, "token_rewards") for a in r["advantages"])
+    assert n_nonzero > 0, "tiny.yaml's round 1 has no non-zero advantage: choose a seed whose round has a signal"
+    assert changed, "a non-zero advantage must move the weights"
+    # tiny.yaml saves float32: the checkpoint is the master weights, it carries the whole update
+    drift = {m["name"]: m["value"] for m in _t(cfg, "train_metrics") if m["name"].startswith(("export", "master"))}
+    assert drift["export_update_share"] == 1.0 == drift["export_update_share_from_start"]
+    assert drift["export_moved_frac"] == drift["master_moved_frac"] > 0
 
 
 def test_manifests_record_the_resolved_precision_and_the_cpu(tiny_round):
