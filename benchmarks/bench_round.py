@@ -106,7 +106,8 @@ def cfg_for(config: str, runs_dir: Path, data_dir: Path, overrides: list[str]):
 
 def not_current(cfg, round_idx: int) -> list[str]:
     """Stages of the round (and its evals) that ``capo round`` would run, with the reason."""
-    from flows.runner import check_current, not_applicable, round_plan
+    from flows.runner import check_current, not_applicable
+    from pipeline.stages import round_plan
 
     todo = []
     for name, k in round_plan(round_idx):

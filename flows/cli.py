@@ -125,7 +125,8 @@ def _writing(cfg) -> contextlib.ExitStack:
 def _run_round(cfg, round_idx: int, force: list[str]) -> None:
     import time
 
-    from flows.runner import finish_round, round_plan, run_stage
+    from flows.runner import finish_round, run_stage
+    from pipeline.stages import round_plan
     from pipeline.precision import describe, precision_record
 
     typer.echo(describe(precision_record(cfg)))
@@ -157,22 +158,26 @@ def stage(
     from flows.runner import run_stage, stage_function
     from pipeline.stages.base import RESULT_TAG
 
+    from pipeline.stages import get_stage
+
     cfg = _cfg(config, overrides, preset)
+    try:
+        st = get_stage(name)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="NAME") from None
     if shards is not None:
-        if name != "critique":
-            raise typer.BadParameter(f"--shards applies to the critique stage only, not {name!r}")
+        if st.shard_function is None:
+            raise typer.BadParameter(f"--shards applies to a stage with shards (the critique stage), not {name!r}")
         try:
             ids = [int(x) for x in shards.split(",") if x.strip()]
         except ValueError:
             raise typer.BadParameter(f"--shards takes comma-separated shard ids (e.g. 0,3,5), got {shards!r}")
-        from pipeline.stages.critique import critique_shards
-
-        out = critique_shards(cfg, round, ids)
+        out = st.load_shards()(cfg, round, ids)
         out["peak_rss_mb"] = float(f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f}")
         print(RESULT_TAG + json.dumps(out), flush=True)
         return
     with _writing(cfg):  # a no-op in a stage child of the runner (it inherits its parent's lock)
-        if name == "critique" and cfg.scale.critique.runner != "local":
+        if st.fans_out(cfg):
             res = run_stage(name, cfg, round, force=force)  # skips when current, else fans out (flows/fanout.py)
         else:
             res = stage_function(name)(cfg, round, force=force)

@@ -16,10 +16,11 @@ from typing import Optional
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.runner import finish_round, round_plan, run_stage
+from flows.runner import finish_round, run_stage
 from pipeline.config import load_config
 from pipeline.engines.host import policy_engine_session
 from pipeline.runlock import run_lock
+from pipeline.stages import round_plan
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.yaml")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from flows.children import stream_child, write_resolved_config
 from pipeline import storage
 from pipeline.config import CAPOConfig, section_hash
-from pipeline.stages import STAGES, get_stage, stage_key
+from pipeline.stages import get_stage, round_plan, stage_key
 from pipeline.stages.base import StageResult, round_paths
 
 
@@ -30,18 +30,6 @@ def stage_function(name: str):
         ValueError: unknown stage (lists the valid ones).
     """
     return get_stage(name).load()
-
-
-def eval_rounds(round_idx: int) -> list[int]:
-    """Rounds to evaluate after training round ``round_idx``: its policy, and with round 1 also
-    round 0 (the starting policy)."""
-    return [0, round_idx] if round_idx == 1 else [round_idx]
-
-
-def round_plan(round_idx: int) -> list[tuple[str, int]]:
-    """``(stage, round)`` in the order a round runs them: the training stages of ``round_idx``,
-    then the evals of :func:`eval_rounds` (the one sequence the flow, the CLI and bench_round use)."""
-    return [(name, round_idx) for name in STAGES] + [("eval", k) for k in eval_rounds(round_idx)]
 
 
 def check_current(name: str, cfg: CAPOConfig, round_idx: int) -> storage.Currency:
@@ -88,13 +76,12 @@ def run_stage(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger
             res = StageResult(name, str(round_paths(cfg, round_idx)[get_stage(name).output]), True, cur.reason)
             logger.info(res.line())
             return res
-    if name == "critique" and cfg.scale.critique.runner != "local":
-        from flows.fanout import (
-            run_critique_fanout,  # Dask / Ray fan-out of the critique shards
-        )
+    stage = get_stage(name)
+    if stage.fans_out(cfg):  # the critique shards on a Dask / Ray cluster
+        from flows.fanout import run_critique_fanout
 
         return run_critique_fanout(cfg, round_idx, logger, force)
-    if not get_stage(name).heavy:
+    if not stage.heavy:
         with PeakRSS() as mem:
             res = stage_function(name)(cfg, round_idx, force=force)
         return dataclasses.replace(res, peak_rss_mb=mem.peak_mb)
@@ -147,19 +134,21 @@ class PeakRSS:
 
 def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger, force: bool) -> StageResult:
     conf = write_resolved_config(cfg, round_idx)
-    if name == "train" and cfg.train.launcher:
-        exe, *rest = cfg.train.launcher
+    stage = get_stage(name)
+    launcher = stage.launcher(cfg)
+    if launcher:
+        exe, *rest = launcher
         local = Path(sys.executable).parent / exe  # e.g. .venv/bin/accelerate when .venv/bin is not on PATH
         cmd = [str(local) if os.sep not in exe and local.is_file() else exe, *rest,
-               "-m", "train.trainer", "--config", str(conf), "--round", str(round_idx)]
+               "-m", stage.launch_module, "--config", str(conf), "--round", str(round_idx)]
     else:
         cmd = [sys.executable, "-m", "flows.cli", "stage", name, "--config", str(conf), "--round", str(round_idx)]
     if force:
         cmd.append("--force")
     from pipeline.engines.base import engine_process_env
 
-    extra = engine_process_env() if name in ("rollout", "critique", "eval", "train") else {}
-    if name == "eval":
+    extra = engine_process_env() if stage.engine_env else {}
+    if stage.batch_invariant:
         from pipeline.engines.base import batch_invariant_env
 
         extra.update(batch_invariant_env())

@@ -30,11 +30,19 @@ REGISTRY: dict[str, Stage] = {m.STAGE.name: m.STAGE for m in (
     rollout, verify, segment, critique, vote, reward, train, eval)}
 """Every stage, in the order a round runs them (docs/architecture.md). ``eval`` runs after the
 training stages for the round's policy (and with round 1 for round 0, the starting policy:
-:func:`flows.runner.eval_rounds`)."""
+:func:`pipeline.stages.eval.eval_rounds`; :func:`round_plan`)."""
 
 STAGES = tuple(name for name in REGISTRY if name != "eval")
 """The stages of a training round, in order; ``eval`` follows them."""
 HEAVY_STAGES = tuple(name for name, s in REGISTRY.items() if s.heavy)
+
+
+def round_plan(round_idx: int) -> list[tuple[str, int]]:
+    """``(stage, round)`` in the order a round runs them: every stage of :data:`REGISTRY` for each
+    round of its :attr:`Stage.rounds` (the training stages for ``round_idx``, then the evals of
+    round ``round_idx`` and, with round 1, of round 0). The one sequence the flow, the CLI and
+    bench_round use."""
+    return [(name, k) for name, s in REGISTRY.items() for k in s.rounds(round_idx)]
 
 
 def get_stage(name: str) -> Stage:

@@ -195,6 +195,18 @@ class Stage:
             imported only when the stage runs. The function lives in the stage's module, except
             train's, which lives in :mod:`train.trainer` (``pipeline`` never imports ``train``).
         not_applicable: ``cfg -> reason or None``: the stage has nothing to do under ``cfg``.
+        rounds: ``k -> rounds``: the rounds whose outputs round ``k`` computes with this stage
+            (``[k]``; the eval also round 0, the starting policy, with round 1).
+        engine_env: its child process gets the engines' environment
+            (:func:`pipeline.engines.base.engine_process_env`: threads, allocator).
+        batch_invariant: its child process also gets
+            :func:`pipeline.engines.base.batch_invariant_env` (results that do not depend on the batch).
+        launcher: ``cfg -> argv prefix or None``: a launcher (``accelerate launch ...``) to start
+            its child with, running ``python -m`` :attr:`launch_module`; None: ``capo stage NAME``.
+        launch_module: the module a launcher runs (it takes ``--config FILE --round K``).
+        fans_out: ``cfg -> bool``: the stage's shards go to a cluster (:mod:`flows.fanout`).
+        shard_function: ``"module:attribute"`` of ``(cfg, round_idx, shard_ids) -> dict``, what
+            ``capo stage NAME --shards i,j`` runs (a fan-out worker); None: the stage has no shards.
     """
 
     name: str
@@ -204,6 +216,13 @@ class Stage:
     key: Callable[[CAPOConfig, int], dict]
     function: str
     not_applicable: Callable[[CAPOConfig], str | None] = lambda cfg: None
+    rounds: Callable[[int], list[int]] = lambda k: [k]
+    engine_env: bool = False
+    batch_invariant: bool = False
+    launcher: Callable[[CAPOConfig], list[str] | None] = lambda cfg: None
+    launch_module: str | None = None
+    fans_out: Callable[[CAPOConfig], bool] = lambda cfg: False
+    shard_function: str | None = None
 
     @property
     def output(self) -> str:
@@ -212,10 +231,25 @@ class Stage:
 
     def load(self) -> Callable[..., StageResult]:
         """Import and return :attr:`function`."""
-        import importlib
+        return _import(self.function)
 
-        module, attr = self.function.split(":")
-        return getattr(importlib.import_module(module), attr)
+    def load_shards(self) -> Callable[..., dict]:
+        """Import and return :attr:`shard_function`.
+
+        Raises:
+            ValueError: the stage has no shards.
+        """
+        if self.shard_function is None:
+            raise ValueError(f"stage {self.name!r} has no shards to compute one by one (--shards)")
+        return _import(self.shard_function)
+
+
+def _import(ref: str) -> Callable:
+    """The attribute named by ``"module:attribute"``, imported now."""
+    import importlib
+
+    module, attr = ref.split(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def provenance(cfg: CAPOConfig, extra: dict | None = None) -> dict:

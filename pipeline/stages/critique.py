@@ -617,4 +617,6 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
 
 
 STAGE = Stage("critique", ("rollouts", "steps"), ("critiques",), True, critique_key,
-              "pipeline.stages.critique:critique_stage", no_critic)
+              "pipeline.stages.critique:critique_stage", no_critic, engine_env=True,
+              fans_out=lambda cfg: cfg.scale.critique.runner != "local",
+              shard_function="pipeline.stages.critique:critique_shards")

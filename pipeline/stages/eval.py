@@ -239,4 +239,11 @@ def no_eval(cfg: CAPOConfig) -> str | None:
     return "eval.enabled is false: no held-out evaluation" if not cfg.eval.enabled else None
 
 
-STAGE = Stage("eval", ("checkpoint",), ("eval",), True, eval_key, "pipeline.stages.eval:eval_stage", no_eval)
+def eval_rounds(round_idx: int) -> list[int]:
+    """Rounds to evaluate after training round ``round_idx``: its policy, and with round 1 also
+    round 0 (the starting policy)."""
+    return [0, round_idx] if round_idx == 1 else [round_idx]
+
+
+STAGE = Stage("eval", ("checkpoint",), ("eval",), True, eval_key, "pipeline.stages.eval:eval_stage", no_eval,
+              rounds=eval_rounds, engine_env=True, batch_invariant=True)

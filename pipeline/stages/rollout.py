@@ -232,4 +232,4 @@ def _grade_groups(cfg: CAPOConfig, groups: list[tuple[dict, object, list[str]]])
     return out
 
 
-STAGE = Stage("rollout", (), ("rollouts",), True, rollout_key, "pipeline.stages.rollout:rollout_stage")
+STAGE = Stage("rollout", (), ("rollouts",), True, rollout_key, "pipeline.stages.rollout:rollout_stage", engine_env=True)

@@ -63,4 +63,5 @@ def train_key(cfg: CAPOConfig, round_idx: int) -> dict:
 
 
 STAGE = Stage("train", ("rollouts", "token_rewards"), ("checkpoint", "train_metrics"), True, train_key,
-              "train.trainer:train_stage")
+              "train.trainer:train_stage", engine_env=True, launcher=lambda cfg: cfg.train.launcher,
+              launch_module="train.trainer")

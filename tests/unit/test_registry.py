@@ -57,3 +57,29 @@ def test_each_stage_is_one_module_that_declares_its_record():
         assert stage.key.__module__ == module.__name__, name
         home = "train.trainer" if name == "train" else module.__name__
         assert stage.function.split(":")[0] == home and stage.load().__module__ == home, name
+
+
+def test_the_runner_reads_records_not_names():
+    """The runner, the CLI and the Prefect flows know stages only through their records (environment,
+    launcher, fan-out and rounds are fields): no string in them is a stage's name. ``flows/fanout.py``
+    (the critique shards on a cluster) and ``flows/critic_eval.py`` (critic-eval's own stages) are
+    the critique's own modules."""
+    import ast
+
+    from tests.conftest import REPO
+
+    for module in ("runner", "cli", "round", "children", "artifacts"):
+        tree = ast.parse((REPO / "flows" / f"{module}.py").read_text())
+        named = [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in REGISTRY]
+        assert not named, f"flows/{module}.py names stages at {named}"
+
+
+def test_round_plan_follows_each_stages_rounds():
+    from pipeline.stages import round_plan
+
+    train = [(n, 1) for n in REGISTRY if n != "eval"]
+    assert round_plan(1) == train + [("eval", 0), ("eval", 1)]  # round 1 also evaluates the starting policy
+    assert round_plan(3) == [(n, 3) for n in REGISTRY if n != "eval"] + [("eval", 3)]
+    assert REGISTRY["eval"].batch_invariant and REGISTRY["train"].launch_module == "train.trainer"
+    assert [n for n, s in REGISTRY.items() if s.engine_env] == ["rollout", "critique", "train", "eval"]
+    assert [n for n, s in REGISTRY.items() if s.shard_function] == ["critique"]
