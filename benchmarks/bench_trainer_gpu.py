@@ -253,9 +253,11 @@ def run(args, work: Path) -> None:
     from pipeline.config import load_config
     from pipeline.precision import bench_context, resolve_mixed_precision
     from pipeline.stages.base import round_paths
-    from train.examples import collate, load_examples
+    from pipeline.stages.train import load_examples
+    from train.examples import collate
     from train.logprobs import token_logprobs
-    from train.trainer import ppo_update, train_stage
+    from pipeline.stages.train import train_stage
+    from train.trainer import ppo_update
 
     ctx = {**bench_context(), "torch": torch.__version__, "transformers": transformers.__version__,
            "accelerate": accelerate.__version__, "tiny": args.tiny, "policy_precision": args.precision}
@@ -410,7 +412,7 @@ DISTRIBUTED_LR = 2e-4
 
 
 def distributed_check(args, work: Path, policy: Path, ctx: dict, name: str, config_file: str, layout: str) -> None:
-    """Section 6: rounds 1 and 2 of the train stage as ``python -m train.trainer`` under
+    """Section 6: rounds 1 and 2 of the train stage as ``python -m pipeline.stages.train`` under
     ``accelerate launch --config_file <config_file> --num_processes 1`` against the same rounds in
     the plain stage, both in fp32 (``train.mixed_precision=no``, so the two differ only by the
     wrapper's parameter handling and kernels) at ``DISTRIBUTED_LR``. For FSDP that is the
@@ -426,7 +428,7 @@ def distributed_check(args, work: Path, policy: Path, ctx: dict, name: str, conf
     from pipeline import storage
     from pipeline.config import load_config
     from pipeline.stages.base import round_paths
-    from train.trainer import train_stage
+    from pipeline.stages.train import train_stage
 
     def overrides(run_id: str) -> list[str]:
         return [f"runs_dir={work / 'runs'}", f"data_dir={work / 'data'}", f"run_id={run_id}", f"rollout.policy={policy}",
@@ -447,7 +449,7 @@ def distributed_check(args, work: Path, policy: Path, ctx: dict, name: str, conf
         secs[("plain", k)] = time.perf_counter() - t0
         reset_peak()
         cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", config_file,
-               "--num_processes", "1", "-m", "train.trainer", "--round", str(k), *overrides(f"gpu-{name}-{name}")]
+               "--num_processes", "1", "-m", "pipeline.stages.train", "--round", str(k), *overrides(f"gpu-{name}-{name}")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         t0 = time.perf_counter()
         try:

@@ -1,7 +1,7 @@
 """Child processes of the flows: the resolved config they read and the streamer that runs them.
 
 Every model-loading stage runs as ``python -m flows.cli stage ...`` (or ``flows.critic_eval``, or
-an ``accelerate launch`` of ``train.trainer``): a child gets the resolved config as a YAML file,
+an ``accelerate launch`` of ``pipeline.stages.train``): a child gets the resolved config as a YAML file,
 logs its lines through :func:`stream_child`, and reports its :class:`pipeline.stages.StageResult`
 as one JSON line after a result tag (:data:`pipeline.stages.base.RESULT_TAG`).
 """

@@ -35,16 +35,8 @@ def stage_function(name: str):
 def check_current(name: str, cfg: CAPOConfig, round_idx: int) -> storage.Currency:
     """Is stage ``name`` of the round current, every output of it under its key? (cheap: manifests
     and file stats only). Returns the first output's currency that is not current, else the main one's."""
-    stage = get_stage(name)
     paths = round_paths(cfg, round_idx)
-    key = stage_key(name, cfg, round_idx)
-    first = None
-    for out in stage.outputs:
-        cur = storage.is_current(paths[out], key)
-        if not cur.current:
-            return cur
-        first = first or cur
-    return first
+    return storage.outputs_current([paths[out] for out in get_stage(name).outputs], stage_key(name, cfg, round_idx))
 
 
 def not_applicable(name: str, cfg: CAPOConfig) -> str | None:

@@ -14,7 +14,7 @@ environment is inherited by the stage children, so a point inside a child kills 
 ``tests/slow/test_multi_round.py`` kills a two-round run at a seeded choice of these points, one
 after the other, and checks that the resumed run equals an uninterrupted one.
 
-Events (``pipeline/storage.py``, ``train/state.py``, ``train/trainer.py``, ``flows/cli.py``):
+Events (``pipeline/storage.py``, ``flows/runner.py``):
 
 =====================  ==========================================================================
 ``table.written``      a table's temporary file is written and fsynced, not yet renamed into place
@@ -23,6 +23,7 @@ Events (``pipeline/storage.py``, ``train/state.py``, ``train/trainer.py``, ``flo
 ``state.saved``        the training state is saved to its temporary folder, not yet renamed
 ``checkpoint.saved``   the exported checkpoint is in its temporary folder, not yet renamed
 ``checkpoint.renamed`` the checkpoint is in place, its manifest not yet written
+``state.renamed``      the training state is in place, its manifest not yet written
 ``catalog.written``    the DuckDB catalog is rebuilt in a temporary file, not yet renamed
 ``report.written``     the report's plots and tables are written (path: the report folder)
 ``round.finished``     a round's stages, summary, catalog and report are done (path: ``round_<k>``)

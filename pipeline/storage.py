@@ -223,6 +223,18 @@ def is_current(path: Path, key: dict) -> Currency:
     return Currency(True, f"{path.name} is current (key {man['key_hash']}, {man.get('rows')} rows)")
 
 
+def outputs_current(paths: list[Path], key: dict) -> Currency:
+    """Are all of a stage's outputs current under ``key``? The first that is not, else the first
+    one's currency (cheap: manifests and file stats)."""
+    first = None
+    for path in paths:
+        cur = is_current(path, key)
+        if not cur.current:
+            return cur
+        first = first or cur
+    return first
+
+
 def dir_files(path: Path, hashes: bool = True) -> dict[str, dict]:
     """``{relative path: {"size": bytes, "sha256": hex}}`` of every file under folder ``path``
     (without ``sha256`` when ``hashes`` is False)."""
@@ -311,6 +323,28 @@ def supersede(path: Path) -> Path | None:
         shutil.move(str(mp), manifest_path(dest))
     log.warning("moved the earlier %s to %s (it was produced under another key)", path.name, dest)
     return dest
+
+
+def place_dir(tmp: Path, dest: Path, event: str) -> None:
+    """Move a folder output written in full to ``tmp`` into place at ``dest``: fsync it, then
+    rename it over ``dest`` (an earlier folder there is superseded, never overwritten) and fsync
+    the parent. Its manifest is the caller's last step (:func:`commit_manifest`), so a crash
+    anywhere leaves ``dest`` visibly uncommitted. Kill points (:mod:`pipeline.faults`):
+    ``<event>.saved`` before the rename, ``<event>.renamed`` after it (``event``: ``checkpoint``,
+    ``state``).
+
+    Raises:
+        FileNotFoundError: ``tmp`` is not a folder.
+    """
+    if not tmp.is_dir():
+        raise FileNotFoundError(f"{tmp} is not a folder: nothing to place at {dest}")
+    fsync_tree(tmp)
+    kill_point(f"{event}.saved", dest)
+    if dest.exists():
+        supersede(dest)
+    os.replace(tmp, dest)
+    fsync_dir(dest.parent)
+    kill_point(f"{event}.renamed", dest)
 
 
 def commit_manifest(path: Path, *, stage: str, key: dict, rows: int | None, extra: dict | None = None) -> dict:

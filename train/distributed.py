@@ -77,7 +77,7 @@ def allow_precision_change(mixed_precision: str) -> None:
 
     Accelerate keeps one ``AcceleratorState`` per process and refuses a second ``Accelerator`` with
     another mixed precision ("AcceleratorState has already been initialized and cannot be
-    changed"): a script or notebook that calls :func:`train.trainer.train_stage` for a bf16 run and
+    changed"): a script or notebook that calls :func:`pipeline.stages.train.train_stage` for a bf16 run and
     then for an fp32 one failed at the second. When the state holds another precision and this
     process is alone (``WORLD_SIZE`` unset or 1: not started by ``accelerate launch`` or ``torchrun``
     with several processes), the accelerator part of the state is cleared (Accelerate's own

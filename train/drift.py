@@ -1,7 +1,7 @@
 """How much of the fp32 update the exported checkpoint carries (the bf16 dead zone).
 
 The trainer keeps fp32 master weights in the training state and exports the checkpoint that vLLM
-and the eval load as their ``train.save_dtype`` cast (:func:`train.state.save_checkpoint`). A
+and the eval load as their ``train.save_dtype`` cast (:func:`train.state.export_checkpoint`). A
 bf16-valued start sits exactly on the bf16 grid, so a weight's cast moves only once its
 accumulated update passes half a bf16 step (2^-9 to 2^-8 of its magnitude); AdamW at a small learning
 rate moves a weight about ``lr`` per step, so over a short run most of the update never reaches the

@@ -1,5 +1,6 @@
-"""Training examples from a round's tables: each response with its prompt and per-token advantages
-(:func:`load_examples`), padded into micro-batches (:func:`collate`)."""
+"""Training examples: each response with its prompt and per-token advantages (:class:`Example`;
+the train stage reads them from the round's tables, :func:`pipeline.stages.train.load_examples`),
+padded into micro-batches (:func:`collate`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline import storage
-from pipeline.config import CAPOConfig
-from pipeline.stages.base import round_paths
 
 log = logging.getLogger("capo.train")
 
@@ -24,30 +22,6 @@ class Example:
     response_ids: list[int]  # (T,)
     advantages: np.ndarray  # (T,) float32
     engine_logprobs: np.ndarray | None = None  # (T,) float32: the sampler's log-prob of each token, if recorded
-
-
-def load_examples(cfg: CAPOConfig, round_idx: int) -> list[Example]:
-    """Join rollouts with the variant's token advantages (checks every length matches).
-
-    The engine's log-probs ride along for the mismatch diagnostic only when the rollouts were
-    sampled without top-p truncation (``rollout.sampling.top_p == 1``): the engine reports log-probs
-    renormalized over the nucleus, the trainer the untruncated ones."""
-    p = round_paths(cfg, round_idx)
-    ro = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_token_ids", "response_token_ids",
-                                                               "rollout_logprobs"])
-    tr = storage.read_table(p["token_rewards"], "token_rewards").select(["rollout_id", "advantages"])
-    adv = {r["rollout_id"]: r["advantages"] for r in tr.to_pylist()}
-    out = []
-    for r in ro.to_pylist():
-        a = adv.get(r["rollout_id"])
-        if a is None or len(a) != len(r["response_token_ids"]):
-            raise ValueError(f"rollout {r['rollout_id']}: {len(r['response_token_ids'])} tokens but "
-                             f"{None if a is None else len(a)} advantages; re-run the reward stage")
-        if r["response_token_ids"]:
-            elp = r["rollout_logprobs"] if cfg.rollout.sampling.top_p >= 1.0 else None
-            elp = np.asarray(elp, np.float32) if elp is not None and len(elp) == len(a) else None
-            out.append(Example(r["prompt_token_ids"], r["response_token_ids"], np.asarray(a, np.float32), elp))
-    return out
 
 
 def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:

@@ -1,43 +1,40 @@
-"""The PPO-clip trainer: reads a round's rollouts and token advantages, writes the next policy.
+"""The PPO-clip trainer: the update of one round, from the models to the written training state
+and checkpoint.
 
     batch -> old log-probs -> [per mini-batch: log-probs -> loss -> backward] -> step -> log -> save
 
-Here: the update (:func:`ppo_update`) and the stage around it (:func:`train_stage`). Beside it:
-``examples.py`` (responses and advantages from the round's tables, padded micro-batches),
-``logprobs.py`` (token log-probs at the sampling temperature, head applied in chunks),
-``loss.py`` (the clipped surrogate and KL, pure), ``distributed.py`` (mini-batch plans and each
-process's share), ``state.py`` (the checkpoint and the training state across rounds) and
-``drift.py`` (how much of the fp32 update the checkpoint carries).
+Here: the update loop (:func:`ppo_update`) and the round around it (:func:`update_policy`: the
+Accelerator, the models, the state carried from round k-1, the save). The train stage
+(:mod:`pipeline.stages.train`) reads the round's tables, calls it and commits what it wrote.
+Beside it: ``examples.py`` (responses and advantages, padded micro-batches), ``logprobs.py``
+(token log-probs at the sampling temperature, head applied in chunks), ``loss.py`` (the clipped
+surrogate and KL, pure), ``distributed.py`` (mini-batch plans and each process's share),
+``state.py`` (exporting the checkpoint, the drift of its update) and ``drift.py`` (how much of
+the fp32 update the checkpoint carries). Nothing here imports a stage.
 
-Run it as a stage (``capo stage train``), or under Accelerate's launchers for several processes
-(``accelerate launch --config_file configs/accelerate/fsdp.yaml -m train.trainer --config ... --round K``,
-or ``train.launcher`` in the config); DDP/FSDP/DeepSpeed come from Accelerate, not from this file.
-With W processes every process reads the whole round and computes its share of each mini-batch,
-weighted so that the averaged gradient equals the one-process gradient (:func:`ppo_update`);
-docs/distributed-training.md has the configs and what was tested. Old log-probs are recomputed
-here, before the first update, with the exact weights that sampled the round (the engine's
-log-probs serve the rollout/trainer mismatch diagnostic).
+Several processes: ``accelerate launch --config_file configs/accelerate/fsdp.yaml -m
+pipeline.stages.train --config ... --round K`` (or ``train.launcher`` in the config);
+DDP/FSDP/DeepSpeed come from Accelerate, not from this file. With W processes every process reads
+the whole round and computes its share of each mini-batch, weighted so that the averaged gradient
+equals the one-process gradient (:func:`ppo_update`); docs/distributed-training.md has the configs
+and what was tested. Old log-probs are recomputed here, before the first update, with the exact
+weights that sampled the round (the engine's log-probs serve the rollout/trainer mismatch diagnostic).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
-import pyarrow as pa
 import torch
 
-from pipeline import storage
-from pipeline.config import CAPOConfig, TrainConfig, load_config
-from pipeline.faults import kill_point
-from pipeline.schemas import TRAIN_METRICS_SCHEMA
-from pipeline.stages import stage_key
-from pipeline.stages.base import StageResult, policy_for_round, provenance, round_paths
+from pipeline.config import TrainConfig
 from train.distributed import (
     allow_precision_change,
     dummy_micro_batch,
@@ -47,10 +44,10 @@ from train.distributed import (
     rank_share,
     shards_parameters,
 )
-from train.examples import Example, collate, load_examples
+from train.examples import Example, collate
 from train.logprobs import token_logprobs
 from train.loss import ppo_clip_loss
-from train.state import export_drift, measures_drift, optimizer_steps, prune_states, save_checkpoint
+from train.state import export_checkpoint, export_drift, measures_drift, optimizer_steps
 
 log = logging.getLogger("capo.train")
 
@@ -300,62 +297,91 @@ def deterministic_kernels(on: bool):
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
-def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
-    """Train the round's policy on its token advantages -> ``variants/<v>/checkpoint`` + metrics.
+@dataclass
+class UpdateJob:
+    """One round's update as the train stage resolved it (:mod:`pipeline.stages.train`): settings,
+    models, the state it continues from, its examples and where to write.
+
+    Attributes:
+        tc: the ``train`` settings.
+        round_idx: the round trained (k >= 1).
+        seed: the run's seed (the update seeds with ``seed + round_idx``).
+        temperature: the sampling temperature (log-probs are taken at it).
+        policy: the checkpoint that sampled the round (its tokenizer).
+        start: the starting policy (the architecture; round 1's weights).
+        prev_state: round k-1's training state folder (None for round 1).
+        prev_layout: the process layout that state was saved under (``num_processes``, ``distributed_type``).
+        examples: the whole round (:class:`train.examples.Example`), the same on every process.
+        state_out: a temporary folder for the new training state (cleared first; every process writes).
+        checkpoint_out: a temporary folder for the engines' checkpoint (cleared first; the main process writes).
+        save_dtype: the checkpoint's dtype (resolved).
+        mixed_precision: Accelerate's mixed precision (resolved: ``no``, ``bf16``, ``fp16``).
+        tracking_dir: the trackers' project folder (``train.report_to``).
+        run_name: the trackers' run name.
+    """
+
+    tc: TrainConfig
+    round_idx: int
+    seed: int
+    temperature: float
+    policy: str
+    start: str
+    prev_state: Path | None
+    prev_layout: dict | None
+    examples: list[Example]
+    state_out: Path
+    checkpoint_out: Path
+    save_dtype: str
+    mixed_precision: str
+    tracking_dir: Path
+    run_name: str
+    tracker_config: dict = field(default_factory=dict)
+
+
+@dataclass
+class UpdateResult:
+    """What :func:`update_policy` gives back: per-step ``metrics`` (the last with the drift figures
+    where measured), the process ``layout`` the state was saved under, AdamW's total
+    ``optimizer_steps``, whether this is the main process, and the Accelerator (for :func:`finish_update`)."""
+
+    metrics: list[dict]
+    layout: dict
+    optimizer_steps: int | None
+    is_main: bool
+    accelerator: object
+
+
+def update_policy(job: UpdateJob) -> UpdateResult:
+    """One round's PPO update, from the models to the written state and checkpoint (not committed).
 
     Runs unchanged in one process or in W processes started by ``accelerate launch`` / ``torchrun``
     (DDP, FSDP or DeepSpeed, from the Accelerate config; gloo on CPU-only machines): every process
-    reads the whole round and computes its share of every mini-batch (:func:`ppo_update`), and only
-    the main process writes the checkpoint, the ``train_metrics`` table and their manifests. Under
+    reads the whole round and computes its share of every mini-batch (:func:`ppo_update`). Under
     FSDP / ZeRO-3 the full state dict is gathered with ``accelerator.get_state_dict`` (a collective,
-    called by every process) and saved by the main process.
+    called by every process) and exported by the main process.
 
-    Training state (docs/design.md §1.10): round 1 starts from ``rollout.policy`` (cast to ``train.dtype``)
-    with a fresh AdamW; round k > 1 loads round k-1's ``train_state`` of the same variant
-    (``accelerator.load_state``: fp32 master weights, AdamW moments and step, RNG states; the
-    learning rate and weight decay come from the config). After the update every process saves the
-    new state (``accelerator.save_state`` into a temporary folder, renamed into place by the main
-    process), then the checkpoint for the engines is exported from the master weights in
-    ``train.save_dtype`` (``auto``: the rollout engine's resolved dtype), and states older than
-    ``train.keep_states`` rounds are pruned. With ``train.deterministic`` the whole stage runs under
-    :func:`deterministic_kernels`.
+    Training state (docs/design.md §1.10): round 1 starts from ``job.start`` (cast to ``train.dtype``)
+    with a fresh AdamW; round k > 1 loads ``job.prev_state`` (``accelerator.load_state``: fp32 master
+    weights, AdamW moments and step, RNG states; the learning rate and weight decay come from the
+    config). After the update every process saves the new state into ``job.state_out``
+    (``accelerator.save_state``), then the main process exports the engines' checkpoint from the
+    master weights in ``job.save_dtype`` into ``job.checkpoint_out`` and measures how much of the
+    update it carries (:func:`train.state.export_drift`). Placing both and their manifests is the
+    stage's (:mod:`pipeline.stages.train`); call :func:`finish_update` on every process after it.
 
     Raises:
-        ValueError: the round has no non-empty responses; LoRA together with FSDP or ZeRO-3
-            (merging the adapters needs the full weights in one process).
-        FileNotFoundError: the round's rollouts or token rewards were never committed; round k-1's
-            training state is missing or was pruned.
+        ValueError: LoRA together with FSDP or ZeRO-3 (merging the adapters needs the full weights
+            in one process); a training state saved under another process layout.
     """
-    with deterministic_kernels(cfg.train.deterministic):
-        return _train_stage(cfg, round_idx, force)
-
-
-def _train_stage(cfg: CAPOConfig, round_idx: int, force: bool) -> StageResult:
-    """:func:`train_stage`'s body (its kernels chosen by the caller)."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    p = round_paths(cfg, round_idx)
-    ckpt, key = p["checkpoint"], stage_key("train", cfg, round_idx)
-    cur = storage.is_current(ckpt, key)
-    metrics_cur = storage.is_current(p["train_metrics"], key)
-    if cur.current and metrics_cur.current and not force:
-        log.info("[train] skipped: %s", cur.reason)
-        return StageResult("train", str(ckpt), True, cur.reason)
-    t0 = time.perf_counter()
-    tc = cfg.train
-    from pipeline.precision import announce, precision_record, resolve_mixed_precision
-
-    prec = precision_record(cfg)
-    mixed = announce("train.mixed_precision", resolve_mixed_precision(tc.mixed_precision), log)
-    save_dtype = prec["train_save_dtype"]
-    allow_precision_change(mixed)
-    accelerator = Accelerator(mixed_precision=mixed, log_with=tc.report_to or None,
-                              project_dir=str(cfg.run_dir() / "tracking"), cpu=force_cpu())
+    tc = job.tc
+    allow_precision_change(job.mixed_precision)
+    accelerator = Accelerator(mixed_precision=job.mixed_precision, log_with=tc.report_to or None,
+                              project_dir=str(job.tracking_dir), cpu=force_cpu())
     if accelerator.is_main_process:
-        log.info("[train] running on %d process(es) (%s): %s", accelerator.num_processes,
-                 accelerator.distributed_type.value, cur.reason)
+        log.info("[train] running on %d process(es) (%s)", accelerator.num_processes, accelerator.distributed_type.value)
     sharded = shards_parameters(accelerator)
     if sharded and tc.lora is not None:
         raise ValueError("train.lora with FSDP or DeepSpeed ZeRO-3 is not supported (merging the adapters needs the "
@@ -363,24 +389,34 @@ def _train_stage(cfg: CAPOConfig, round_idx: int, force: bool) -> StageResult:
     if accelerator.state.deepspeed_plugin is not None:  # no dataloader is prepared: DeepSpeed needs this set
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = tc.micro_batch_size
     if tc.report_to:
-        accelerator.init_trackers(cfg.run_id, config={"variant": cfg.variant, **cfg.model_dump(mode="json")["train"]})
-    set_seed(cfg.seed + round_idx)
-    from pipeline.stages.base import resolve_model
+        accelerator.init_trackers(job.run_name, config=job.tracker_config)
+    set_seed(job.seed + job.round_idx)
+    tok, model, ref_model, optimizer, layout = _prepare(job, accelerator)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    metrics = ppo_update(model, optimizer, job.examples, tc, pad_id, job.seed + job.round_idx, accelerator, ref_model,
+                         temperature=job.temperature)
+    if tc.report_to:  # global step: rounds are consecutive blocks of optimizer steps (main process only)
+        for i, m in enumerate(metrics):
+            accelerator.log({f"train/{k}": v for k, v in m.items()}, step=(job.round_idx - 1) * len(metrics) + i)
+    _save(job, accelerator, model, tok, sharded, metrics)
+    return UpdateResult(metrics, layout, optimizer_steps(optimizer), accelerator.is_main_process, accelerator)
 
-    policy = policy_for_round(cfg, round_idx)  # the checkpoint that sampled the round (tokenizer)
-    start = resolve_model(cfg.rollout.policy, cfg)
-    prev_state = round_paths(cfg, round_idx - 1)["train_state"] if round_idx > 1 else None
-    if prev_state is not None:
-        prev_man = storage.read_manifest(prev_state)
-        if prev_man is None or prev_man.get("pruned") or not prev_state.is_dir():
-            raise FileNotFoundError(
-                f"round {round_idx} continues from round {round_idx - 1}'s training state {prev_state}, which is gone "
-                f"(train.keep_states={tc.keep_states} pruned it, or it was deleted): re-train from the newest round "
-                "that still has its state, or raise train.keep_states")
-    tok = AutoTokenizer.from_pretrained(policy)
+
+def _prepare(job: UpdateJob, accelerator):
+    """The tokenizer, the policy (round 1: the starting weights; round k > 1: round k-1's training
+    state loaded into it), the frozen reference model where a KL needs one, and AdamW, prepared by
+    ``accelerator``. Returns ``(tok, model, ref_model or None, optimizer, layout)``.
+
+    Raises:
+        ValueError: the previous state was saved under another process layout.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tc = job.tc
+    tok = AutoTokenizer.from_pretrained(job.policy)
     # the architecture and, for round 1, the weights of the starting policy; round k > 1 replaces
     # them with round k-1's fp32 master weights (load_state below), never with its engine checkpoint
-    model = AutoModelForCausalLM.from_pretrained(start, dtype=getattr(torch, tc.dtype))
+    model = AutoModelForCausalLM.from_pretrained(job.start, dtype=getattr(torch, tc.dtype))
     if tc.gradient_checkpointing:  # non-reentrant: works under DDP's no_sync and with frozen inputs
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if tc.lora is not None:
@@ -391,116 +427,59 @@ def _train_stage(cfg: CAPOConfig, round_idx: int, force: bool) -> StageResult:
                                                      target_modules=tc.lora.target_modules, task_type="CAUSAL_LM"))
     ref_model = None
     if tc.kl_coef > 0 or tc.measure_kl_to_start:
-        ref_model = AutoModelForCausalLM.from_pretrained(start, dtype=getattr(torch, tc.dtype)).eval()
+        ref_model = AutoModelForCausalLM.from_pretrained(job.start, dtype=getattr(torch, tc.dtype)).eval()
         ref_model.requires_grad_(False)
     optimizer = make_optimizer(model, tc, accelerator)
     model, optimizer = accelerator.prepare(model, optimizer)
     layout = {"num_processes": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value}
-    if prev_state is not None:  # fp32 master weights, AdamW moments and step, RNG states of round k-1
-        saved = {k: prev_man.get(k) for k in layout}
-        if saved != layout:  # Accelerate's state layout depends on them (DDP's module. prefix, FSDP shards)
+    if job.prev_state is not None:  # fp32 master weights, AdamW moments and step, RNG states of round k-1
+        if job.prev_layout != layout:  # Accelerate's state layout depends on them (DDP's module. prefix, FSDP shards)
             raise ValueError(
-                f"round {round_idx - 1}'s training state was saved by {saved}, this round runs as {layout}: "
+                f"round {job.round_idx - 1}'s training state was saved by {job.prev_layout}, this round runs as {layout}: "
                 "Accelerate states cannot be moved between process layouts; keep train.launcher as it was for "
                 "this run, or start a new run_id")
-        accelerator.load_state(str(prev_state))
+        accelerator.load_state(str(job.prev_state))
         for group in optimizer.param_groups:  # the state restores its own hyper-parameters; the config wins
             group["lr"], group["weight_decay"] = tc.learning_rate, tc.weight_decay
         if accelerator.is_main_process:
-            log.info("[train] continuing from round %d's training state %s", round_idx - 1, prev_state)
+            log.info("[train] continuing from round %d's training state %s", job.round_idx - 1, job.prev_state)
     if ref_model is not None:
         ref_model.to(accelerator.device)
-    examples = load_examples(cfg, round_idx)  # the whole round on every process; ppo_update shares it out
-    if not examples:
-        raise ValueError(f"round {round_idx} has no non-empty responses to train on")
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    metrics = ppo_update(model, optimizer, examples, tc, pad_id, cfg.seed + round_idx, accelerator, ref_model,
-                         temperature=cfg.rollout.sampling.temperature)
-    if tc.report_to:  # global step: rounds are consecutive blocks of optimizer steps (main process only)
-        for i, m in enumerate(metrics):
-            accelerator.log({f"train/{k}": v for k, v in m.items()}, step=(round_idx - 1) * len(metrics) + i)
-    accelerator.wait_for_everyone()
-    state_dir = p["train_state"]
-    state_tmp = state_dir.with_name(f".{state_dir.name}.tmp")
-    if accelerator.is_main_process:
-        shutil.rmtree(state_tmp, ignore_errors=True)
-        state_tmp.parent.mkdir(parents=True, exist_ok=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(state_tmp), safe_serialization=True)  # collective under FSDP / DeepSpeed
+    return tok, model, ref_model, optimizer, layout
+
+
+def _save(job: UpdateJob, accelerator, model, tok, sharded: bool, metrics: list[dict]) -> None:
+    """Every process saves the training state into ``job.state_out`` (a collective under FSDP /
+    DeepSpeed); the main process then measures the export's drift (added to the last step's
+    ``metrics``) and exports the engines' checkpoint into ``job.checkpoint_out`` (the model is cast
+    in place: after the state)."""
+    tc = job.tc
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        storage.fsync_tree(state_tmp)  # on disk before it is renamed into place
-        kill_point("state.saved", state_dir)
+        for tmp in (job.state_out, job.checkpoint_out):  # a killed round's leftovers
+            shutil.rmtree(tmp, ignore_errors=True)
+        job.state_out.parent.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(job.state_out), safe_serialization=True)  # collective under FSDP / DeepSpeed
+    accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model) if sharded else None  # collective: every process gathers
-    if accelerator.is_main_process and metrics and measures_drift(accelerator, tc):
-        # how much of the update the checkpoint will carry: read before anything is replaced, and
-        # before save_checkpoint casts the model in place
-        drift = export_drift(round_idx, accelerator.unwrap_model(model).state_dict(), save_dtype, start, prev_state,
-                             policy)
+    if not accelerator.is_main_process:
+        return
+    if metrics and measures_drift(accelerator, tc):
+        # how much of the update the checkpoint will carry: read before export_checkpoint casts the model
+        drift = export_drift(job.round_idx, accelerator.unwrap_model(model).state_dict(), job.save_dtype, job.start,
+                             job.prev_state, job.policy)
         metrics[-1].update(drift)
         if tc.report_to and drift:
-            accelerator.log({f"train/{k}": v for k, v in drift.items()}, step=round_idx * len(metrics) - 1)
-    if accelerator.is_main_process:
-        # replace in an order a crash cannot confuse: the old checkpoint (with its manifest) goes to
-        # superseded/ and the old state is uncommitted before anything new is in place; the manifests
-        # of the new state and checkpoint are written last
-        if ckpt.exists() or storage.manifest_path(ckpt).exists():
-            storage.supersede(ckpt)
-        storage.uncommit(state_dir)
-        if state_dir.exists():  # a re-trained round: its old state belonged to the superseded checkpoint
-            log.warning("[train] replacing round %d's earlier training state %s", round_idx, state_dir)
-            shutil.rmtree(state_dir)
-        os.replace(state_tmp, state_dir)
-        storage.fsync_dir(state_dir.parent)
-        # the engines' checkpoint: the master weights cast to save_dtype (after the state is saved:
-        # save_checkpoint casts the model in place)
-        save_checkpoint(accelerator.unwrap_model(model), tok, ckpt, save_dtype, state_dict)
-        secs = time.perf_counter() - t0
-        rows = [{"run_id": cfg.run_id, "round": round_idx, "variant": cfg.variant, "step": i, "name": k, "value": float(v)}
-                for i, m in enumerate(metrics) for k, v in m.items()]
-        extra = provenance(cfg, {"elapsed_s": round(secs, 3), "policy_parent": policy, "round": round_idx,
-                                 "optimizer_steps": len(metrics), "examples": len(examples),
-                                 "num_processes": accelerator.num_processes,
-                                 "distributed_type": accelerator.distributed_type.value})
-        storage.write_table(pa.Table.from_pylist(rows, schema=TRAIN_METRICS_SCHEMA), p["train_metrics"], "train_metrics",
-                            stage="train", key=key, extra=extra)
-        storage.commit_manifest(state_dir, stage="train", key=key, rows=None,
-                                extra={**extra, **layout, "optimizer_steps_total": optimizer_steps(optimizer)})
-        storage.commit_manifest(ckpt, stage="train", key=key, rows=None, extra=extra)
-        log.info("[train] wrote %s and its training state in %.1fs", ckpt, secs)
-        prune_states(cfg, round_idx, tc.keep_states)
-    accelerator.wait_for_everyone()  # no process returns before the checkpoint is in place
-    if tc.report_to:
+            accelerator.log({f"train/{k}": v for k, v in drift.items()}, step=job.round_idx * len(metrics) - 1)
+    export_checkpoint(accelerator.unwrap_model(model), tok, job.checkpoint_out, job.save_dtype, state_dict)
+
+
+def finish_update(result: UpdateResult) -> None:
+    """After the stage committed the round (main process): every process waits for it (none returns
+    before the checkpoint is in place) and the trackers end."""
+    accelerator = result.accelerator
+    accelerator.wait_for_everyone()
+    if accelerator.trackers:
         accelerator.end_training()
     log.info("[train] rank %d/%d finished", accelerator.process_index, accelerator.num_processes)
-    return StageResult("train", str(ckpt), False, cur.reason, len(metrics), time.perf_counter() - t0)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m train.trainer --config FILE --round K`` (also under ``accelerate launch`` / ``torchrun``).
-
-    The main process prints the stage result as the ``CAPO_STAGE_RESULT`` line that
-    :func:`flows.runner.run_stage` reads; every process logs ``[train] rank r/W finished``.
-    """
-    import dataclasses
-    import resource
-
-    from pipeline.stages.base import RESULT_TAG
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=None)
-    ap.add_argument("--round", type=int, required=True)
-    ap.add_argument("--force", action="store_true")
-    ap.add_argument("overrides", nargs="*")
-    a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    res = train_stage(load_config(a.config, a.overrides), a.round, a.force)
-    if int(os.environ.get("RANK", "0")) == 0:  # the launchers set RANK; a skipped stage built no Accelerator
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB (main process only)
-        print(RESULT_TAG + json.dumps(dataclasses.asdict(dataclasses.replace(res, peak_rss_mb=round(peak, 1)))), flush=True)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

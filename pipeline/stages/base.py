@@ -192,8 +192,7 @@ class Stage:
         heavy: loads a model, so the flows run it in a child process (memory returned at its end).
         key: ``(cfg, round_idx) -> dict``, what its outputs depend on (:func:`stage_key`).
         function: ``"module:attribute"`` of ``(cfg, round_idx, force=False) -> StageResult``,
-            imported only when the stage runs. The function lives in the stage's module, except
-            train's, which lives in :mod:`train.trainer` (``pipeline`` never imports ``train``).
+            imported only when the stage runs. The function lives in the stage's module.
         not_applicable: ``cfg -> reason or None``: the stage has nothing to do under ``cfg``.
         rounds: ``k -> rounds``: the rounds whose outputs round ``k`` computes with this stage
             (``[k]``; the eval also round 0, the starting policy, with round 1).

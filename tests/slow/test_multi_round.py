@@ -278,7 +278,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipeline.config import load_config
 from pipeline.precision import resolve_mixed_precision
-from train.examples import load_examples
+from pipeline.stages.train import load_examples
 from train.trainer import ppo_update
 
 manifest, out, fresh = sys.argv[1], sys.argv[2], sys.argv[3] == "fresh"

@@ -217,17 +217,30 @@ def test_deterministic_kernels_are_on_inside_the_block_and_restored_after(monkey
     assert _kernel_state()[5] == ":16:8"
 
 
-def test_train_stage_runs_its_body_under_train_deterministic(monkeypatch):
-    """The whole stage body (old log-probs, reference, update, export) runs inside the kernels'
-    block when ``train.deterministic`` is set, and outside it by default. The body is replaced by a
-    probe here: what is tested is the wrapper, the body's update has its own tests."""
+def test_train_stage_runs_its_update_under_train_deterministic(monkeypatch, tmp_path):
+    """The whole update (old log-probs, reference, update, export) runs inside the kernels' block
+    when ``train.deterministic`` is set, and outside it by default. The update is replaced by a
+    probe here (the round's tables too): what is tested is the stage around it; the update has its
+    own tests."""
+    import pipeline.stages.train as S
     import train.trainer as T
     from pipeline.config import load_config
 
+    class Probed(Exception):
+        pass
+
     seen = []
-    monkeypatch.setattr(T, "_train_stage", lambda cfg, k, force: seen.append(torch.are_deterministic_algorithms_enabled()))
-    T.train_stage(load_config(DEFAULT, ["train.deterministic=true"]), 1)
-    T.train_stage(load_config(DEFAULT, []), 1)
+
+    def probe(job):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        raise Probed
+
+    monkeypatch.setattr(S, "train_key", lambda *a: {"probe": 1})  # no round on disk: nothing to fingerprint
+    monkeypatch.setattr(S, "load_examples", lambda *a: [object()])
+    monkeypatch.setattr(T, "update_policy", probe)
+    for over in (["train.deterministic=true"], []):
+        with pytest.raises(Probed):
+            S.train_stage(load_config(DEFAULT, [f"runs_dir={tmp_path}", *over]), 1)
     assert seen == [True, False] and not torch.are_deterministic_algorithms_enabled()
 
 
@@ -287,11 +300,14 @@ def test_train_stage_lets_the_precision_change_before_it_builds_its_accelerator(
         calls.append(("Accelerator", k.get("mixed_precision")))
         raise Built
 
-    monkeypatch.setattr(T, "stage_key", lambda *a: {"probe": 1})  # no round on disk: nothing to fingerprint
+    import pipeline.stages.train as S
+
+    monkeypatch.setattr(S, "train_key", lambda *a: {"probe": 1})  # no round on disk: nothing to fingerprint
+    monkeypatch.setattr(S, "load_examples", lambda *a: [object()])
     monkeypatch.setattr(T, "allow_precision_change", lambda m: calls.append(("allow", m)))
     monkeypatch.setattr(accelerate, "Accelerator", accelerator)
     with pytest.raises(Built):
-        T.train_stage(load_config(DEFAULT, [f"runs_dir={tmp_path}", "train.mixed_precision=no"]), 1)
+        S.train_stage(load_config(DEFAULT, [f"runs_dir={tmp_path}", "train.mixed_precision=no"]), 1)
     assert calls == [("allow", "no"), ("Accelerator", "no")]
 
 
@@ -316,7 +332,8 @@ def test_default_precision_checkpoint_reloaded_from_disk_is_the_master_and_carri
     from pipeline.config import load_config
     from pipeline.stages.base import round_paths
     from tests.toy_round import write_train_round
-    from train.examples import collate, load_examples
+    from pipeline.stages.train import load_examples
+    from train.examples import collate
     from train.logprobs import token_logprobs
 
     cfg = load_config(DEFAULT, [f"runs_dir={tmp_path / 'runs'}", f"data_dir={tmp_path / 'data'}", "run_id=defaults",
