@@ -1069,7 +1069,8 @@ def main() -> None:
         round0 = [r0, *round0] if r0.exists() else round0
     rows = [r for seed in a.seeds for arm in a.arms for r in round_metrics(a, arm, seed, train_file)]
     for r in rows:
-        emit({**r, **ctx})
+        if set(r) - {"bench", "arm", "seed", "round"}:  # a round not run yet measured nothing
+            emit({**r, **ctx})
     paired = {(arm, seed): paired_change(a, arm, seed, train_file) for arm in a.arms for seed in a.seeds}
     changes = {(arm, seed): item_changes(a, arm, seed, train_file) for arm in a.arms for seed in a.seeds}
     noise = noise_floor(a, round0[0], compute=not a.report_only) if round0 else None
