@@ -25,7 +25,9 @@
    a training arm that does not beat it learned nothing from its reward), and ``random-credit``
    (CAPO with ``vote.random_credit=true``: each response's step penalties moved to random steps of
    the same response, so the same responses lose the same number of steps' worth of reward; CAPO
-   that does not beat it gains nothing from *where* its signal puts the penalty). The control
+   that does not beat it gains nothing from *where* its signal puts the penalty), and ``grpo-lambda``
+   (preset ``grpo-lambda``: GRPO-λ, critic-free credit over tokens from an eligibility trace on the
+   PPO ratio, a rival of CAPO's). The control
    samples its final eval with round 0's seed, so its sampled accuracy cannot move; the **noise
    floor** that can: the starting policy evaluated again with the engine seeded by each of
    ``--noise-seeds`` (default 1 2; round 0's eval is the first measurement), its sampled
@@ -116,7 +118,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.core.answer_format import FORMAT_CODE, PROGRAM, answer_format  # noqa: E402
 
-ARMS = ("grpo", "capo", "control", "shuffled", "random-credit")
+ARMS = ("grpo", "capo", "control", "shuffled", "random-credit", "grpo-lambda")
 METRICS = ("greedy", "sampled", "greedy_boxed", "sampled_boxed")
 """Per-item changes the verdicts are computed on: greedy accuracy, sampled accuracy (share of right
 samples), and both within finished, boxed answers (reasoning apart from format: :func:`boxed_rates`)."""
@@ -187,8 +189,8 @@ def arm_config(a: argparse.Namespace, arm: str, seed: int, train_file: Path):
         over.append("reward.outcome=shuffled")
     if arm == "random-credit":
         over.append("vote.random_credit=true")
-    return load_config(ROOT / "configs" / "default.yaml", over,
-                       preset=(a.capo_preset or None) if arm in ("capo", "random-credit") else "grpo")
+    preset = (a.capo_preset or None) if arm in ("capo", "random-credit") else "grpo-lambda" if arm == "grpo-lambda" else "grpo"
+    return load_config(ROOT / "configs" / "default.yaml", over, preset=preset)
 
 
 # ------------------------------------------------------------------------------------- selection

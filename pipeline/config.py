@@ -426,6 +426,18 @@ class LoraConfig(Strict):
     Llama/Qwen-style decoder by default)."""
 
 
+class RatioTraceConfig(Strict):
+    """GRPO-λ's eligibility-traced ratio (Parthasarathi et al. 2025, arXiv 2510.00194, §3.2): the
+    clipped surrogate's ratio is ``exp`` of a weighted sum of the response's per-token log-ratios so
+    far (:func:`train.loss.traced_log_ratio`), which carries the outcome advantage to earlier tokens."""
+
+    kappa: float = Field(0.99, ge=0, le=1)
+    """gamma * lambda, the trace's decay per token (the paper's lambda 0.99 with gamma 1)."""
+    style: Literal["recent", "both"] = "recent"
+    """``recent``: weight kappa^l on the token l positions back (the classic trace); ``both``:
+    max(kappa^l, kappa^(t-l)), which also weighs the response's first tokens."""
+
+
 class TrainConfig(Strict):
     learning_rate: float = Field(2e-6, ge=0)
     """AdamW learning rate; 0 runs the whole round with no update (the control arm of
@@ -488,6 +500,9 @@ class TrainConfig(Strict):
     lets the newest round be re-trained. Older states are deleted (their manifests stay);
     checkpoints are always kept. Disk per state: about 12 bytes per trained parameter (7.6 GB for
     the 0.5B policy, whose embeddings are untied; 1.6 GB for SmolLM2-135M)."""
+    ratio_trace: RatioTraceConfig | None = None
+    """GRPO-λ's traced ratio in the PPO loss (preset ``grpo-lambda``); None (the default): the
+    per-token ratio. Part of the train stage's key only when set."""
     deterministic: bool = False
     """Deterministic kernels for the update (:func:`train.trainer.deterministic_kernels`):
     ``torch.use_deterministic_algorithms``, a fixed cuBLAS workspace and PyTorch's math attention

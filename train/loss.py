@@ -101,6 +101,57 @@ def _masked_token_mean(values: Tensor, mask_f: Tensor) -> Tensor:
     return (values * mask_f).sum() / mask_f.sum().clamp(min=1.0)
 
 
+RATIO_TRACES = ("recent", "both")
+TRACE_LOG_RATIO_BOUND = 20.0
+"""|z| bound of a traced log-ratio before ``exp`` (a sum of up to ~1/(1-kappa) per-token log-ratios)."""
+
+
+def traced_log_ratio(log_ratio: Tensor, mask: Tensor, kappa: float, style: str = "recent") -> Tensor:
+    """GRPO-λ's eligibility-traced log-ratio (Parthasarathi et al. 2025, arXiv 2510.00194, §3.2 eq. 2):
+    each response token's log-ratio replaced by a weighted sum over the response's tokens so far,
+
+        z_t = sum_{l=0}^{t} w(t, l) * log_ratio_{t-l},   w(t, l) = kappa^l              (``recent``)
+                                                          w(t, l) = max(kappa^l, kappa^(t-l))  (``both``)
+
+    with ``kappa = gamma * lambda`` and t counted from the response's first token. ``recent`` is the
+    classic accumulating trace (``z_t = log_ratio_t + kappa * z_{t-1}``); ``both`` also weighs the
+    first tokens. The ratio of the clipped surrogate becomes ``exp(z_t)``, so credit for the outcome
+    advantage reaches earlier tokens through the trace (docs/design.md, rival credit methods: the
+    paper's text was read through two independent re-implementations that agree).
+
+    Args:
+        log_ratio: (B, T) ``logp - old_logp`` per response token (0 at padded positions).
+        mask: (B, T) bool/float, response tokens (a prefix of each row: right-padded).
+        kappa: gamma * lambda, in [0, 1].
+        style: one of :data:`RATIO_TRACES`.
+
+    Returns:
+        (B, T) traced log-ratios, 0 at padded positions, bounded to
+        ``[-TRACE_LOG_RATIO_BOUND, TRACE_LOG_RATIO_BOUND]``.
+
+    Raises:
+        ValueError: ``kappa`` outside [0, 1], unknown ``style``, shapes differ.
+    """
+    if not 0.0 <= kappa <= 1.0:
+        raise ValueError(f"kappa={kappa}: the trace decay gamma * lambda must be in [0, 1]")
+    if style not in RATIO_TRACES:
+        raise ValueError(f"unknown ratio trace style {style!r}; valid: {RATIO_TRACES}")
+    if mask.shape != log_ratio.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)}; expected {tuple(log_ratio.shape)}")
+    T = log_ratio.shape[-1]
+    t = torch.arange(T, device=log_ratio.device, dtype=log_ratio.dtype)
+    lag = t[:, None] - t[None, :]  # (T, T): l = t - j for the token j summed into position t
+    below = lag >= 0
+    k = torch.tensor(kappa, dtype=log_ratio.dtype, device=log_ratio.device)
+    w = torch.where(below, k ** lag.clamp(min=0), torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device))
+    if style == "both":  # max(kappa^l, kappa^(t-l)) = max(kappa^(t-j), kappa^j)
+        w = torch.where(below, torch.maximum(w, k ** t[None, :].expand(T, T)), w)
+    mask_b = mask.bool()
+    zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
+    z = torch.where(mask_b, log_ratio, zero) @ w.T  # (B, T): z[b, t] = sum_j w[t, j] * lr[b, j]
+    return torch.where(mask_b, z.clamp(-TRACE_LOG_RATIO_BOUND, TRACE_LOG_RATIO_BOUND), zero)
+
+
 def ppo_clip_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -111,6 +162,7 @@ def ppo_clip_loss(
     loss_agg_mode: str = "token-mean",
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    ratio_trace: tuple[float, str] | None = None,
 ) -> LossOutputs:
     """PPO clipped surrogate on per-token advantages (Schulman et al. 2017 eq. 7; CAPO §3).
 
@@ -130,6 +182,9 @@ def ppo_clip_loss(
         loss_agg_mode: one of ``LOSS_AGG_MODES``.
         ref_logprobs: (B, T) log-probs under the frozen reference, or None.
         kl_coef: weight of the KL term, >= 0; > 0 needs ``ref_logprobs``.
+        ratio_trace: ``(kappa, style)``: the ratio is ``exp`` of GRPO-λ's traced log-ratio
+            (:func:`traced_log_ratio`), clipped as the plain one; None: the per-token ratio.
+            ``approx_kl`` stays that of the per-token ratio.
 
     Returns:
         ``LossOutputs`` (scalars; only ``loss`` carries grad).
@@ -156,7 +211,7 @@ def ppo_clip_loss(
     # Padded positions -> 0 before exp, so they give ratio 1, advantage 0 and zero gradient.
     log_ratio = torch.where(mask_b, logprobs - old_logprobs.detach(), zero)  # (B, T)
     adv = torch.where(mask_b, advantages.detach().to(logprobs.dtype), zero)  # (B, T)
-    ratio = torch.exp(log_ratio)  # (B, T)
+    ratio = torch.exp(log_ratio if ratio_trace is None else traced_log_ratio(log_ratio, mask_b, *ratio_trace))  # (B, T)
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     pg_mat = torch.maximum(pg_unclipped, pg_clipped)  # = -min(ratio*A, clip(ratio)*A)
@@ -190,6 +245,7 @@ def compute_loss(
     clip_high: float = 0.2,
     loss_agg_mode: str = "token-mean",
     kl_coef: float = 0.0,
+    ratio_trace: tuple[float, str] | None = None,
 ) -> LossOutputs:
     """``ppo_clip_loss`` on a ``LossInputs`` bundle (prime-rl style entry point)."""
     return ppo_clip_loss(
@@ -202,4 +258,5 @@ def compute_loss(
         loss_agg_mode=loss_agg_mode,
         ref_logprobs=inputs.ref_logprobs,
         kl_coef=kl_coef,
+        ratio_trace=ratio_trace,
     )

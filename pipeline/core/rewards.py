@@ -325,9 +325,23 @@ def grpo_outcome(r: RoundRewards) -> np.ndarray:
                                     r.eps)[r.run_response]
 
 
+GRPO_LAMBDA_ADVANTAGE_FLOOR = -0.1
+"""GRPO-λ's floor on negative advantages (arXiv 2510.00194): a traced ratio sums many log-ratios,
+and a large negative advantage on it gives destructive updates."""
+
+
+def grpo_lambda(r: RoundRewards) -> np.ndarray:
+    """GRPO-λ's advantage (Parthasarathi et al. 2025, arXiv 2510.00194): GRPO's sequence-level
+    advantage (:func:`grpo_outcome`) with negative values raised to
+    :data:`GRPO_LAMBDA_ADVANTAGE_FLOOR`; the credit over tokens comes from the traced ratio in the
+    loss (``train.ratio_trace``). Returns (S,) float32."""
+    return np.maximum(grpo_outcome(r), np.float32(GRPO_LAMBDA_ADVANTAGE_FLOOR)).astype(np.float32)
+
+
 ADVANTAGE_ESTIMATORS = {
     "capo-token-group": capo_token_group,
     "grpo": grpo_outcome,
+    "grpo-lambda": grpo_lambda,
 }
 """``reward.estimator`` -> the function from a round's rewards (:class:`RoundRewards`) to one
 advantage per run, (S,) float32; the reward stage repeats it over each run's tokens. A new credit

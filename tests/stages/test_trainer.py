@@ -370,3 +370,33 @@ def test_default_precision_checkpoint_reloaded_from_disk_is_the_master_and_carri
           f"adv<0 {float(delta[adv < 0].mean()):.2e}; agree {agree:.0%}")  # measured: 98.2 %, +0.033, -0.117, 82 %
     assert float(delta[adv > 0].mean()) > 0 > float(delta[adv < 0].mean())
     assert agree > 0.7, f"only {agree:.0%} of the tokens moved with their advantage"
+
+
+def test_grpo_lambda_trace_reaches_the_update(tmp_path, tiny_model):
+    """The train stage under ``train.ratio_trace`` (preset grpo-lambda) on the real tiny model and a
+    toy round: kappa 0 is the plain per-token ratio (the same checkpoint, bit for bit); kappa 0.9
+    starts from the same loss (every ratio is exp(0) = 1 before the first step) and ends at other
+    weights (earlier tokens get the later tokens' advantages through the trace)."""
+    from safetensors.torch import load_file
+
+    from flows.runner import run_stage
+    from pipeline import storage
+    from pipeline.config import load_config
+    from pipeline.stages.base import round_paths
+    from tests.toy_round import write_train_round
+
+    out = {}
+    for name, trace in (("plain", []), ("k0", ["train.ratio_trace.kappa=0"]), ("k09", ["train.ratio_trace.kappa=0.9"])):
+        cfg = load_config(DEFAULT, [f"runs_dir={tmp_path / 'runs'}", f"data_dir={tmp_path / 'data'}", f"run_id={name}",
+                                    f"rollout.policy={tiny_model}", *trace])
+        assert (cfg.train.ratio_trace is None) == (name == "plain")
+        write_train_round(cfg, tiny_model)
+        assert not run_stage("train", cfg, 1).skipped
+        p = round_paths(cfg, 1)
+        loss0 = [m["value"] for m in storage.read_table(p["train_metrics"], "train_metrics").to_pylist()
+                 if m["name"] == "loss" and m["step"] == 0]
+        out[name] = (load_file(str(p["checkpoint"] / "model.safetensors")), loss0[0])
+    plain, k0, k09 = out["plain"], out["k0"], out["k09"]
+    assert all(torch.equal(plain[0][k], k0[0][k]) for k in plain[0]), "kappa 0 must be the plain ratio"
+    assert k09[1] == pytest.approx(plain[1], abs=1e-4)
+    assert any(not torch.equal(plain[0][k], k09[0][k]) for k in plain[0]), "the trace changed no weight"

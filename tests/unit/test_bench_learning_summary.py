@@ -276,3 +276,11 @@ def test_a_finished_run_gives_back_its_final_training_state(bench, tmp_path):
     assert bench._prune_final_state(a, cfg) is True
     assert not p["train_state"].exists() and storage.read_manifest(p["train_state"])["pruned"] is True
     assert (p["checkpoint"] / "model.safetensors").exists()
+
+
+def test_the_grpo_lambda_arm_runs_its_preset(bench):
+    a = bench.parser().parse_args(["--arms", "grpo", "grpo-lambda", "--seeds", "0"])
+    lam, grpo = (bench.arm_config(a, arm, 0, Path("train.jsonl")) for arm in ("grpo-lambda", "grpo"))
+    assert lam.variant == "grpo-lambda" and lam.reward.estimator == "grpo-lambda" and lam.train.ratio_trace.kappa == 0.99
+    assert grpo.train.ratio_trace is None and not lam.critique.enabled
+    assert bench.run_id(a, "grpo-lambda", 0, Path("t")) != bench.run_id(a, "grpo", 0, Path("t"))

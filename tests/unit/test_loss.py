@@ -210,3 +210,67 @@ def test_vectorized_matches_naive_loop(seed, mode):
     got = ppo_clip_loss(logp, old, adv, mask, loss_agg_mode=mode).loss.item()
     want = naive_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), mode)
     assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+# --- GRPO-λ's traced ratio ------------------------------------------------------------------------
+def test_traced_log_ratio_by_hand():
+    """log-ratios 0.1, -0.2, 0.3 and a padded position, kappa 0.5.
+    recent: z0 = 0.1; z1 = -0.2 + 0.5 * 0.1 = -0.15; z2 = 0.3 + 0.5 * -0.15 = 0.225.
+    both:   w(t, l) = max(0.5^l, 0.5^(t-l)): z1 = -0.2 + max(0.5, 1) * 0.1 = -0.1;
+            z2 = 0.3 + max(0.5, 0.5) * -0.2 + max(0.25, 1) * 0.1 = 0.3."""
+    from train.loss import traced_log_ratio
+
+    lr = torch.tensor([[0.1, -0.2, 0.3, 7.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    torch.testing.assert_close(traced_log_ratio(lr, mask, 0.5, "recent"), torch.tensor([[0.1, -0.15, 0.225, 0.0]]))
+    torch.testing.assert_close(traced_log_ratio(lr, mask, 0.5, "both"), torch.tensor([[0.1, -0.1, 0.3, 0.0]]))
+    # kappa 0: no trace, the per-token log-ratio; the bound holds a long trace's sum
+    torch.testing.assert_close(traced_log_ratio(lr, mask, 0.0), torch.tensor([[0.1, -0.2, 0.3, 0.0]]))
+    big = traced_log_ratio(torch.full((1, 50), 1.0), torch.ones(1, 50, dtype=torch.bool), 1.0)
+    assert big[0, 0] == 1.0 and big[0, -1] == 20.0
+    with pytest.raises(ValueError, match="kappa=1.5"):
+        traced_log_ratio(lr, mask, 1.5)
+    with pytest.raises(ValueError, match="unknown ratio trace style 'old'"):
+        traced_log_ratio(lr, mask, 0.5, "old")
+
+
+def test_traced_log_ratio_matches_the_recursion_on_random_rows():
+    """The vectorized trace equals the naive loop z_t = lr_t + kappa * z_{t-1} (recent) and the
+    double sum (both), row by row, with rows of different lengths."""
+    from train.loss import traced_log_ratio
+
+    g = torch.Generator().manual_seed(0)
+    lr = torch.randn(3, 9, generator=g, dtype=torch.float64) * 0.1
+    lengths = [9, 4, 1]
+    mask = torch.zeros(3, 9, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = True
+    kappa = 0.9
+    for style in ("recent", "both"):
+        want = torch.zeros_like(lr)
+        for b, n in enumerate(lengths):
+            for t in range(n):
+                want[b, t] = sum((kappa ** l if style == "recent" else max(kappa ** l, kappa ** (t - l))) * lr[b, t - l]
+                                 for l in range(t + 1))
+        torch.testing.assert_close(traced_log_ratio(lr, mask, kappa, style), want)
+
+
+def test_a_traced_ratio_credits_earlier_tokens():
+    """At the first update (logp = old logp) the plain and the traced ratio are both 1, so the loss is
+    the same; the gradient is not: with the trace, token j's log-prob gets the advantage summed over
+    every later token's weight, sum_{t>=j} kappa^(t-j) * A_t (recent), not A_j alone."""
+    from train.loss import ppo_clip_loss
+
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    adv = torch.tensor([[1.0, 1.0, 1.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    grads = {}
+    for trace in (None, (0.5, "recent")):
+        lp = old.clone().requires_grad_(True)
+        out = ppo_clip_loss(lp, old, adv, mask, loss_agg_mode="token-mean", ratio_trace=trace)
+        assert out.loss.item() == pytest.approx(-1.0)
+        out.loss.backward()
+        grads[trace] = lp.grad
+    torch.testing.assert_close(grads[None], torch.tensor([[-1 / 3, -1 / 3, -1 / 3]]))
+    # token 0: (1 + 0.5 + 0.25) / 3, token 1: (1 + 0.5) / 3, token 2: 1 / 3, each negated
+    torch.testing.assert_close(grads[(0.5, "recent")], torch.tensor([[-1.75 / 3, -1.5 / 3, -1 / 3]]))

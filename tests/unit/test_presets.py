@@ -8,7 +8,7 @@ import pytest
 from pipeline.config import list_presets, load_config
 
 PRESETS = ["capo-arithmetic", "capo-average", "capo-intersection", "capo-logprob-arithmetic", "capo-majority",
-           "capo-majority-arithmetic", "capo-readout", "capo-union", "grpo", "grpo-genorm"]
+           "capo-majority-arithmetic", "capo-readout", "capo-union", "grpo", "grpo-genorm", "grpo-lambda"]
 SOURCES = {"capo-arithmetic": ["arithmetic"], "capo-majority-arithmetic": ["llm", "arithmetic"],
            "capo-logprob-arithmetic": ["arithmetic", "logprob"], "capo-readout": ["arithmetic", "logprob"]}
 
@@ -33,6 +33,11 @@ def test_preset_names_the_variant_and_is_coherent(name):
         assert not cfg.critique.enabled and cfg.reward.estimator == "grpo" and cfg.reward.process_weight == 0
     if name == "grpo-genorm":
         assert cfg.critique.mode == "outcome" and cfg.reward.outcome == "genorm"
+    if name == "grpo-lambda":  # critic-free: the traced ratio in the loss, GRPO's advantage floored at -0.1
+        assert not cfg.critique.enabled and cfg.reward.estimator == "grpo-lambda" and cfg.reward.process_weight == 0
+        assert (cfg.train.ratio_trace.kappa, cfg.train.ratio_trace.style) == (0.99, "recent")
+    if name != "grpo-lambda":
+        assert cfg.train.ratio_trace is None
 
 
 def test_overrides_win_over_the_preset():

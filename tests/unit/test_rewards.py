@@ -253,7 +253,7 @@ def test_estimators_by_hand_on_one_group():
     from pipeline.config import RewardConfig
     from pipeline.core.rewards import ADVANTAGE_ESTIMATORS, RoundRewards
 
-    assert sorted(ADVANTAGE_ESTIMATORS) == ["capo-token-group", "grpo"]
+    assert sorted(ADVANTAGE_ESTIMATORS) == ["capo-token-group", "grpo", "grpo-lambda"]
     assert set(ADVANTAGE_ESTIMATORS) == set(RewardConfig.model_fields["estimator"].annotation.__args__)
     # token rewards: A's step 1: C = 2; A's step 2: C - P = 1; B: 0
     r = RoundRewards(run_rewards=np.array([2.0, 1.0, 0.0]), run_lengths=np.array([1, 3, 2]),
@@ -267,3 +267,5 @@ def test_estimators_by_hand_on_one_group():
     # grpo: sequence rewards 2 and 0: mean 1, std (ddof 1) sqrt(2); the flagged step changes nothing
     s2 = math.sqrt(2)
     np.testing.assert_allclose(ADVANTAGE_ESTIMATORS["grpo"](r), [1 / s2, 1 / s2, -1 / s2], rtol=1e-5)
+    # grpo-lambda: GRPO's advantage with negative values raised to -0.1
+    np.testing.assert_allclose(ADVANTAGE_ESTIMATORS["grpo-lambda"](r), [1 / s2, 1 / s2, -0.1], rtol=1e-5)
