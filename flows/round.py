@@ -57,7 +57,7 @@ def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional
         config: YAML config path (``configs/default.yaml``: the embedded offline defaults).
         overrides: ``section.key=value`` strings, e.g. ``["vote.rule=union", "reward.process_weight=0.5"]``.
         preset: a name from ``configs/presets/`` (capo-intersection, capo-union, capo-majority,
-            capo-average, capo-majority-arithmetic, capo-arithmetic, capo-logprob-arithmetic, capo-readout, grpo, grpo-genorm, grpo-lambda); it also names the variant.
+            capo-average, capo-majority-arithmetic, capo-arithmetic, capo-logprob-arithmetic, capo-readout, grpo, grpo-genorm, grpo-lambda, fipo); it also names the variant.
     """
     overrides = list(overrides or [])
     cfg = load_config(config, overrides, preset)  # fail before any work on a bad config

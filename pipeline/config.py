@@ -438,6 +438,24 @@ class RatioTraceConfig(Strict):
     max(kappa^l, kappa^(t-l)), which also weighs the response's first tokens."""
 
 
+class FutureKLConfig(Strict):
+    """FIPO's future-KL influence weights (Ma et al. 2026, arXiv 2603.19835): each token's advantage
+    weighted by the discounted shift of its future tokens' log-probs since the round was sampled
+    (:func:`train.loss.future_kl_weights`). Inert at a round's first optimizer step (every shift is
+    0): it needs ``train.num_mini_batches`` or ``train.ppo_epochs`` above 1."""
+
+    half_life: float = Field(32.0, gt=0)
+    """tau: tokens for the discount to halve (ms-swift's default; a port of the official code uses 12)."""
+    eps: float = Field(0.2, ge=0, lt=1)
+    """The weight's clip: [1 - eps, 1 + eps], or [1, 1 + eps] with ``clip_high_only``."""
+    clip_high_only: bool = True
+    """Clip the weight to [1, 1 + eps] (ms-swift's default): a future shift only raises a token's advantage."""
+    participation_c: float = Field(10.0, gt=1)
+    """Tokens whose ratio is above this add nothing to the future shift (the official dual-clip c)."""
+    safety: float = Field(4.0, gt=0)
+    """A negative-advantage token whose ratio is above this keeps a weight of at most 1."""
+
+
 class TrainConfig(Strict):
     learning_rate: float = Field(2e-6, ge=0)
     """AdamW learning rate; 0 runs the whole round with no update (the control arm of
@@ -503,6 +521,9 @@ class TrainConfig(Strict):
     ratio_trace: RatioTraceConfig | None = None
     """GRPO-λ's traced ratio in the PPO loss (preset ``grpo-lambda``); None (the default): the
     per-token ratio. Part of the train stage's key only when set."""
+    future_kl: FutureKLConfig | None = None
+    """FIPO's future-KL weights in the PPO loss (preset ``fipo``); None (the default): off. Part of
+    the train stage's key only when set."""
     deterministic: bool = False
     """Deterministic kernels for the update (:func:`train.trainer.deterministic_kernels`):
     ``torch.use_deterministic_algorithms``, a fixed cuBLAS workspace and PyTorch's math attention
@@ -526,6 +547,14 @@ class TrainConfig(Strict):
     """Command prefix that starts the trainer, e.g. ``["accelerate", "launch", "--num_processes",
     "4"]``; empty runs it with this Python in a subprocess (one process)."""
 
+
+    @model_validator(mode="after")
+    def _future_kl_needs_a_second_step(self) -> "TrainConfig":
+        if self.future_kl is not None and self.num_mini_batches * self.ppo_epochs < 2:
+            raise ValueError(f"train.future_kl (FIPO) does nothing with one optimizer step per round "
+                             f"(train.num_mini_batches={self.num_mini_batches}, train.ppo_epochs={self.ppo_epochs}): "
+                             "every log-ratio is 0 at the first step; take num_mini_batches or ppo_epochs >= 2")
+        return self
 
 class EvalConfig(Strict):
     """Held-out evaluation after every round, and of the starting policy as round 0 (greedy, math-verify)."""

@@ -152,6 +152,57 @@ def traced_log_ratio(log_ratio: Tensor, mask: Tensor, kappa: float, style: str =
     return torch.where(mask_b, z.clamp(-TRACE_LOG_RATIO_BOUND, TRACE_LOG_RATIO_BOUND), zero)
 
 
+def future_kl_weights(log_ratio: Tensor, mask: Tensor, advantages: Tensor, half_life: float = 32.0, eps: float = 0.2,
+                      clip_high_only: bool = True, participation_c: float = 10.0, safety: float = 4.0) -> Tensor:
+    """FIPO's per-token influence weights (Ma et al. 2026, arXiv 2603.19835; read through ms-swift's
+    docs and code and two ports of the official code, which agree): the discounted signed shift of
+    each token's future,
+
+        FutureKL_t = sum_{k >= t} gamma^(k - t) * P_k * log_ratio_k,   gamma = 2^(-1 / half_life),
+        P_k = [log_ratio_k <= log c],   f_t = clip(exp(FutureKL_t), 1 - eps, 1 + eps)
+
+    (``[1, 1 + eps]`` with ``clip_high_only``), capped at 1 where the advantage is negative and the
+    token's ratio is above ``safety``. The advantage becomes ``A_t * f_t`` (f without gradient). At
+    the first update of a round every log-ratio is 0 and f is 1: FIPO acts from the second
+    mini-batch on.
+
+    Args:
+        log_ratio: (B, T) ``logp - old_logp`` (0 at padded positions).
+        mask: (B, T) bool/float, response tokens.
+        advantages: (B, T) per-token advantages (their sign picks the safety cap).
+        half_life: tau, tokens for the discount to halve (> 0).
+        eps: the weight's clip epsilon, in [0, 1).
+        clip_high_only: clip to [1, 1 + eps] instead of [1 - eps, 1 + eps].
+        participation_c: tokens whose ratio is above this add nothing to the future shift (> 1).
+        safety: the ratio above which a negative-advantage token's weight is capped at 1.
+
+    Returns:
+        (B, T) weights, detached, 1 at padded positions.
+
+    Raises:
+        ValueError: a parameter out of range, shapes differ.
+    """
+    if half_life <= 0 or not 0.0 <= eps < 1.0 or participation_c <= 1.0 or safety <= 0:
+        raise ValueError(f"need half_life > 0, 0 <= eps < 1, participation_c > 1, safety > 0; got {half_life}, {eps}, "
+                         f"{participation_c}, {safety}")
+    if mask.shape != log_ratio.shape or advantages.shape != log_ratio.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} and advantages {tuple(advantages.shape)} must have the shape "
+                         f"{tuple(log_ratio.shape)}")
+    with torch.no_grad():
+        mask_b = mask.bool()
+        zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
+        lr = torch.where(mask_b & (log_ratio <= torch.log(torch.tensor(participation_c, dtype=log_ratio.dtype))), log_ratio, zero)
+        T = lr.shape[-1]
+        t = torch.arange(T, device=lr.device, dtype=lr.dtype)
+        ahead = t[None, :] - t[:, None]  # (T, T): k - t
+        gamma = torch.tensor(2.0, dtype=lr.dtype) ** (-1.0 / half_life)
+        w = torch.where(ahead >= 0, gamma ** ahead.clamp(min=0), zero)  # w[t, k] = gamma^(k-t) for k >= t
+        future = lr @ w.T  # (B, T): sum_k w[t, k] * lr[b, k]
+        f = torch.exp(future.clamp(max=20.0)).clamp(1.0 if clip_high_only else 1.0 - eps, 1.0 + eps)
+        f = torch.where((advantages < 0) & (torch.exp(log_ratio) > safety), f.clamp(max=1.0), f)
+        return torch.where(mask_b, f, torch.ones((), dtype=lr.dtype, device=lr.device))
+
+
 def ppo_clip_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -163,6 +214,7 @@ def ppo_clip_loss(
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     ratio_trace: tuple[float, str] | None = None,
+    future_kl: dict | None = None,
 ) -> LossOutputs:
     """PPO clipped surrogate on per-token advantages (Schulman et al. 2017 eq. 7; CAPO §3).
 
@@ -185,6 +237,8 @@ def ppo_clip_loss(
         ratio_trace: ``(kappa, style)``: the ratio is ``exp`` of GRPO-λ's traced log-ratio
             (:func:`traced_log_ratio`), clipped as the plain one; None: the per-token ratio.
             ``approx_kl`` stays that of the per-token ratio.
+        future_kl: keyword arguments of :func:`future_kl_weights` (FIPO): the advantages are
+            weighted by each token's future influence; None: as given.
 
     Returns:
         ``LossOutputs`` (scalars; only ``loss`` carries grad).
@@ -211,6 +265,8 @@ def ppo_clip_loss(
     # Padded positions -> 0 before exp, so they give ratio 1, advantage 0 and zero gradient.
     log_ratio = torch.where(mask_b, logprobs - old_logprobs.detach(), zero)  # (B, T)
     adv = torch.where(mask_b, advantages.detach().to(logprobs.dtype), zero)  # (B, T)
+    if future_kl is not None:  # FIPO: each token's advantage weighted by its future's influence
+        adv = adv * future_kl_weights(log_ratio.detach(), mask_b, adv, **future_kl)
     ratio = torch.exp(log_ratio if ratio_trace is None else traced_log_ratio(log_ratio, mask_b, *ratio_trace))  # (B, T)
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -246,6 +302,7 @@ def compute_loss(
     loss_agg_mode: str = "token-mean",
     kl_coef: float = 0.0,
     ratio_trace: tuple[float, str] | None = None,
+    future_kl: dict | None = None,
 ) -> LossOutputs:
     """``ppo_clip_loss`` on a ``LossInputs`` bundle (prime-rl style entry point)."""
     return ppo_clip_loss(
@@ -259,4 +316,5 @@ def compute_loss(
         ref_logprobs=inputs.ref_logprobs,
         kl_coef=kl_coef,
         ratio_trace=ratio_trace,
+        future_kl=future_kl,
     )

@@ -229,7 +229,8 @@ def accumulate_gradients(model, micro: list[dict], chunk: list[int], tc: TrainCo
             out = ppo_clip_loss(lp, mb["old_logprobs"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev),
                                 tc.clip_low, tc.clip_high, tc.loss_agg_mode,
                                 ref_logprobs=mb["ref_logprobs"].to(dev) if with_ref else None, kl_coef=tc.kl_coef,
-                                ratio_trace=(tc.ratio_trace.kappa, tc.ratio_trace.style) if tc.ratio_trace else None)
+                                ratio_trace=(tc.ratio_trace.kappa, tc.ratio_trace.style) if tc.ratio_trace else None,
+                                future_kl=tc.future_kl.model_dump() if tc.future_kl else None)
             w = 0.0
             if real:
                 w = loss_normalizer(tc.loss_agg_mode, mb, t_global) / total

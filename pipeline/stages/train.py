@@ -60,11 +60,11 @@ def previous_state_fp(cfg: CAPOConfig, round_idx: int) -> str | None:
 
 def train_settings_key(cfg: CAPOConfig) -> dict:
     """The ``train`` settings that the checkpoint depends on: every field but ``launcher`` and
-    ``keep_states`` (how and where it runs, how many states it keeps), and ``deterministic`` and
-    ``ratio_trace`` only
+    ``keep_states`` (how and where it runs, how many states it keeps), and ``deterministic``,
+    ``ratio_trace`` and ``future_kl`` only
     when true (a setting added later must not make the runs trained before it stale)."""
     return {k: v for k, v in cfg.model_dump(mode="json")["train"].items()
-            if k not in ("launcher", "keep_states") and not (k in ("deterministic", "ratio_trace") and not v)}
+            if k not in ("launcher", "keep_states") and not (k in ("deterministic", "ratio_trace", "future_kl") and not v)}
 
 
 def train_key(cfg: CAPOConfig, round_idx: int) -> dict:

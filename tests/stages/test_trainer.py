@@ -372,11 +372,13 @@ def test_default_precision_checkpoint_reloaded_from_disk_is_the_master_and_carri
     assert agree > 0.7, f"only {agree:.0%} of the tokens moved with their advantage"
 
 
-def test_grpo_lambda_trace_reaches_the_update(tmp_path, tiny_model):
-    """The train stage under ``train.ratio_trace`` (preset grpo-lambda) on the real tiny model and a
-    toy round: kappa 0 is the plain per-token ratio (the same checkpoint, bit for bit); kappa 0.9
-    starts from the same loss (every ratio is exp(0) = 1 before the first step) and ends at other
-    weights (earlier tokens get the later tokens' advantages through the trace)."""
+def test_grpo_lambda_and_fipo_reach_the_update(tmp_path, tiny_model):
+    """The train stage under ``train.ratio_trace`` (GRPO-λ) and ``train.future_kl`` (FIPO) on the real
+    tiny model and a toy round: kappa 0 is the plain per-token ratio (the same checkpoint, bit for
+    bit); kappa 0.9 and FIPO start from the plain loss (every ratio is exp(0) = 1 and every FIPO weight
+    1 before the first step) and end at other weights (GRPO-λ: earlier tokens get later tokens'
+    advantages through the trace; FIPO: the second step's advantages are weighted by the first
+    step's future shift)."""
     from safetensors.torch import load_file
 
     from flows.runner import run_stage
@@ -386,10 +388,11 @@ def test_grpo_lambda_trace_reaches_the_update(tmp_path, tiny_model):
     from tests.toy_round import write_train_round
 
     out = {}
-    for name, trace in (("plain", []), ("k0", ["train.ratio_trace.kappa=0"]), ("k09", ["train.ratio_trace.kappa=0.9"])):
+    for name, trace in (("plain", []), ("k0", ["train.ratio_trace.kappa=0"]), ("k09", ["train.ratio_trace.kappa=0.9"]),
+                        ("fipo", ["train.future_kl.half_life=32"])):
         cfg = load_config(DEFAULT, [f"runs_dir={tmp_path / 'runs'}", f"data_dir={tmp_path / 'data'}", f"run_id={name}",
                                     f"rollout.policy={tiny_model}", *trace])
-        assert (cfg.train.ratio_trace is None) == (name == "plain")
+        assert (cfg.train.ratio_trace is None) == (name in ("plain", "fipo"))
         write_train_round(cfg, tiny_model)
         assert not run_stage("train", cfg, 1).skipped
         p = round_paths(cfg, 1)
@@ -400,3 +403,6 @@ def test_grpo_lambda_trace_reaches_the_update(tmp_path, tiny_model):
     assert all(torch.equal(plain[0][k], k0[0][k]) for k in plain[0]), "kappa 0 must be the plain ratio"
     assert k09[1] == pytest.approx(plain[1], abs=1e-4)
     assert any(not torch.equal(plain[0][k], k09[0][k]) for k in plain[0]), "the trace changed no weight"
+    fipo = out["fipo"]
+    assert fipo[1] == pytest.approx(plain[1], abs=1e-4)
+    assert any(not torch.equal(plain[0][k], fipo[0][k]) for k in plain[0]), "FIPO's weights changed no update"

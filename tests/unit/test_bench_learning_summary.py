@@ -284,3 +284,5 @@ def test_the_grpo_lambda_arm_runs_its_preset(bench):
     assert lam.variant == "grpo-lambda" and lam.reward.estimator == "grpo-lambda" and lam.train.ratio_trace.kappa == 0.99
     assert grpo.train.ratio_trace is None and not lam.critique.enabled
     assert bench.run_id(a, "grpo-lambda", 0, Path("t")) != bench.run_id(a, "grpo", 0, Path("t"))
+    fipo = bench.arm_config(bench.parser().parse_args(["--arms", "fipo", "--seeds", "0"]), "fipo", 0, Path("t"))
+    assert fipo.variant == "fipo" and fipo.train.future_kl is not None and fipo.train.ratio_trace is None

@@ -274,3 +274,54 @@ def test_a_traced_ratio_credits_earlier_tokens():
     torch.testing.assert_close(grads[None], torch.tensor([[-1 / 3, -1 / 3, -1 / 3]]))
     # token 0: (1 + 0.5 + 0.25) / 3, token 1: (1 + 0.5) / 3, token 2: 1 / 3, each negated
     torch.testing.assert_close(grads[(0.5, "recent")], torch.tensor([[-1.75 / 3, -1.5 / 3, -1 / 3]]))
+
+
+# --- FIPO's future-KL weights -----------------------------------------------------------------------
+def test_future_kl_weights_by_hand():
+    """log-ratios 0.1, -0.2, 0.3 and a padded position; half-life 1 token (gamma 0.5):
+    F2 = 0.3, F1 = -0.2 + 0.5 * 0.3 = -0.05, F0 = 0.1 + 0.5 * -0.05 = 0.075."""
+    from train.loss import future_kl_weights
+
+    lr = torch.tensor([[0.1, -0.2, 0.3, 5.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False]])
+    pos = torch.ones(1, 4, dtype=torch.float64)
+    f = future_kl_weights(lr, mask, pos, half_life=1.0, clip_high_only=False)
+    torch.testing.assert_close(f, torch.tensor([[math.exp(0.075), math.exp(-0.05), 1.2, 1.0]], dtype=torch.float64))
+    # clip-high only: [1, 1.2]
+    f = future_kl_weights(lr, mask, pos, half_life=1.0)
+    torch.testing.assert_close(f, torch.tensor([[math.exp(0.075), 1.0, 1.2, 1.0]], dtype=torch.float64))
+    # a negative advantage on a token whose ratio exp(0.3) = 1.35 is above the safety threshold 1.3: capped at 1
+    neg = torch.tensor([[1.0, 1.0, -1.0, 1.0]], dtype=torch.float64)
+    assert future_kl_weights(lr, mask, neg, half_life=1.0, safety=1.3)[0, 2] == 1.0
+    # participation: a ratio above c = 1.2 (log 0.182 < 0.3) adds nothing: F2 = 0, F1 = -0.2, F0 = 0.1 - 0.1 = 0
+    f = future_kl_weights(lr, mask, pos, half_life=1.0, clip_high_only=False, participation_c=1.2)
+    torch.testing.assert_close(f, torch.tensor([[1.0, 0.8187307530779818, 1.0, 1.0]], dtype=torch.float64))
+    with pytest.raises(ValueError, match="half_life > 0"):
+        future_kl_weights(lr, mask, pos, half_life=0.0)
+
+
+def test_future_kl_weights_match_the_naive_sum_and_leave_the_first_update_alone():
+    from train.loss import future_kl_weights, ppo_clip_loss
+
+    g = torch.Generator().manual_seed(1)
+    lr = torch.randn(2, 7, generator=g, dtype=torch.float64) * 0.05
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 4:] = False
+    lr[1, 4:] = 0.0
+    adv = torch.ones(2, 7, dtype=torch.float64)
+    gamma = 2 ** (-1 / 3.0)
+    want = torch.ones_like(lr)
+    for b in range(2):
+        n = int(mask[b].sum())
+        for t in range(n):
+            fut = sum(gamma ** (k - t) * float(lr[b, k]) for k in range(t, n))
+            want[b, t] = min(max(math.exp(fut), 0.8), 1.2)
+    torch.testing.assert_close(future_kl_weights(lr, mask, adv, half_life=3.0, clip_high_only=False), want)
+    # at the first update (logp = old logp) every weight is 1: FIPO's loss and gradient are PPO's
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    grads = []
+    for fk in (None, {"half_life": 32.0}):
+        lp = old.clone().requires_grad_(True)
+        ppo_clip_loss(lp, old, torch.tensor([[1.0, -1.0, 0.5]]), torch.ones(1, 3, dtype=torch.bool), future_kl=fk).loss.backward()
+        grads.append(lp.grad)
+    torch.testing.assert_close(grads[0], grads[1])

@@ -8,7 +8,7 @@ import pytest
 from pipeline.config import list_presets, load_config
 
 PRESETS = ["capo-arithmetic", "capo-average", "capo-intersection", "capo-logprob-arithmetic", "capo-majority",
-           "capo-majority-arithmetic", "capo-readout", "capo-union", "grpo", "grpo-genorm", "grpo-lambda"]
+           "capo-majority-arithmetic", "capo-readout", "capo-union", "fipo", "grpo", "grpo-genorm", "grpo-lambda"]
 SOURCES = {"capo-arithmetic": ["arithmetic"], "capo-majority-arithmetic": ["llm", "arithmetic"],
            "capo-logprob-arithmetic": ["arithmetic", "logprob"], "capo-readout": ["arithmetic", "logprob"]}
 
@@ -38,6 +38,11 @@ def test_preset_names_the_variant_and_is_coherent(name):
         assert (cfg.train.ratio_trace.kappa, cfg.train.ratio_trace.style) == (0.99, "recent")
     if name != "grpo-lambda":
         assert cfg.train.ratio_trace is None
+    if name == "fipo":  # critic-free: GRPO's advantage, weighted per token in the loss
+        assert not cfg.critique.enabled and cfg.reward.estimator == "grpo" and cfg.train.future_kl.half_life == 32
+        assert cfg.train.num_mini_batches >= 2  # inert at one optimizer step per round
+    else:
+        assert cfg.train.future_kl is None
 
 
 def test_overrides_win_over_the_preset():
@@ -68,3 +73,8 @@ def test_step_tag_mode_asks_the_policy_for_markers():
     cfg = load_config("configs/default.yaml", ["steps.mode=step_tag"])
     assert "<step 1>" in cfg.instruction() and "\\boxed{}" in cfg.instruction()
     assert "blank lines" in load_config("configs/default.yaml").instruction()
+
+
+def test_fipo_with_one_optimizer_step_per_round_fails_early():
+    with pytest.raises(pydantic.ValidationError, match=r"does nothing with one optimizer step per round \(train.num_mini_batches=1"):
+        load_config("configs/default.yaml", ["train.num_mini_batches=1"], preset="fipo")
