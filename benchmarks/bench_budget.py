@@ -85,6 +85,11 @@ def arm_label(arm: str, rc: dict) -> str:
     one label are pooled): e.g. ``grpo lr=5e-06 ds`` or ``grpo lr=5e-06 kl=0.04``."""
     t, ro, rw = rc["train"], rc["rollout"], rc["reward"]
     parts = [arm, f"lr={t['learning_rate']:g}"]
+    if ro.get("policy") not in (None, "qwen2.5-coder-0.5b-instruct"):  # another starting policy: never pooled together
+        parts.append(f"policy={Path(str(ro['policy'])).name}")
+    sources = rc.get("vote", {}).get("sources") if rc.get("critique", {}).get("enabled") else None
+    if arm in ("capo", "random-credit") and sources:  # the CAPO preset's signal (readout, sampled critiques, ...)
+        parts.append("signal=" + "+".join(sources) + f",N={rc['critique'].get('num_critiques')}")
     if t.get("kl_coef"):
         parts.append(f"kl={t['kl_coef']:g}")
     if ro.get("dynamic_sampling"):
@@ -169,8 +174,9 @@ def item_record(arm: str, seed: int | None, rows: list[dict], max_tokens: int, r
 
 
 def verdicts(per_arm: dict[str, dict], max_tokens: int) -> list[dict]:
-    """CAPO against GRPO and against random credit at the larger budget, for every CAPO label
-    (``capo <settings>``) whose other arm ran under the same settings: the difference of their
+    """CAPO against GRPO, random credit and the critic-free rivals (GRPO-λ, FIPO) at the larger
+    budget, for every CAPO label (``capo <settings>``) whose other arm ran under the same settings
+    (the CAPO signal apart): the difference of their
     greedy changes from round 0, paired by seed and item, with the crossed seeds x items interval
     (:func:`pooled`), over all answers and within answers boxed at both ends; ``capo_beat_<other>``
     true only where that interval lies above 0, None below 2 shared seeds.
@@ -181,8 +187,10 @@ def verdicts(per_arm: dict[str, dict], max_tokens: int) -> list[dict]:
         arm, _, settings = label.partition(" ")
         if arm != "capo":
             continue
-        for other in ("grpo", "random-credit"):
-            o = per_arm.get(f"{other} {settings}".strip())
+        for other in ("grpo", "random-credit", "grpo-lambda", "fipo"):
+            shared = settings if other == "random-credit" else " ".join(
+                p for p in settings.split() if not p.startswith("signal="))  # the critic-free arms have no signal
+            o = per_arm.get(f"{other} {shared}".strip())
             name = other.replace("-", "_")
             row = {"bench": "budget", "verdict": f"capo_vs_{name}", "settings": settings, "max_tokens": max_tokens}
             if o is None:
@@ -307,8 +315,12 @@ def main(argv: list[str] | None = None) -> None:
               f"at_{budget}": {k: v for k, v in small.items() if k not in hidden},
               f"at_{a.max_tokens}": {k: v for k, v in big.items() if k not in hidden},
               "seconds": round(time.perf_counter() - t0, 1)})
-        arm = per_arm.setdefault(r["arm"], {"budget": budget, "seeds": {}})
+        arm = per_arm.setdefault(r["arm"], {"budget": budget, "seeds": {}, "runs": {}})
+        if r["seed"] in arm["seeds"]:
+            raise SystemExit(f"{arm['runs'][r['seed']]} and {r['name']} are both seed {r['seed']} of {r['arm']!r}: "
+                             "name the runs to pool with --runs")
         arm["seeds"][r["seed"]] = {"small": small, "big": big}
+        arm["runs"][r["seed"]] = r["name"]
     for arm, d in per_arm.items():
         seeds = d["seeds"].values()
         emit({"bench": "budget", "summary": arm, "seeds": len(d["seeds"]),

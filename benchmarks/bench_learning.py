@@ -456,6 +456,12 @@ def run_arm(a: argparse.Namespace, arm: str, seed: int, train_file: Path, round0
                     ran.append({"arm": arm, "seed": seed, "round": k, "stage": "eval", "seconds": round(res.seconds, 1)})
                     print(json.dumps({"bench": "learning", "progress": True, **ran[-1]}), flush=True)
             continue
+        prev_state = round_paths(cfg, k - 1)["train_state"] if k > 1 else None
+        trained = storage.read_manifest(round_paths(cfg, k)["train_metrics"]) is not None
+        if not trained and prev_state is not None and (storage.read_manifest(prev_state) or {}).get("pruned"):
+            raise SystemExit(f"{cfg.run_id}: round {k} continues from round {k - 1}'s training state, which was given "
+                             f"back when the run finished at {k - 1} rounds (--keep-final-state keeps it): rerun with "
+                             f"--rounds {k - 1}, or start the longer run under another --runs-dir")
         for name in [*STAGES, *(["eval"] if k in eval_rounds(a) else [])]:
             res = run_stage(name, cfg, k)
             if not res.skipped:

@@ -412,7 +412,7 @@ DISTRIBUTED_LR = 2e-4
 
 
 def distributed_check(args, work: Path, policy: Path, ctx: dict, name: str, config_file: str, layout: str) -> None:
-    """Section 6: rounds 1 and 2 of the train stage as ``python -m pipeline.stages.train`` under
+    """Section 6: rounds 1 and 2 of the train stage as ``python -m pipeline.stages.train_launch`` under
     ``accelerate launch --config_file <config_file> --num_processes 1`` against the same rounds in
     the plain stage, both in fp32 (``train.mixed_precision=no``, so the two differ only by the
     wrapper's parameter handling and kernels) at ``DISTRIBUTED_LR``. For FSDP that is the
@@ -449,7 +449,7 @@ def distributed_check(args, work: Path, policy: Path, ctx: dict, name: str, conf
         secs[("plain", k)] = time.perf_counter() - t0
         reset_peak()
         cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", config_file,
-               "--num_processes", "1", "-m", "pipeline.stages.train", "--round", str(k), *overrides(f"gpu-{name}-{name}")]
+               "--num_processes", "1", "-m", "pipeline.stages.train_launch", "--round", str(k), *overrides(f"gpu-{name}-{name}")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         t0 = time.perf_counter()
         try:

@@ -18,7 +18,7 @@ from pathlib import Path
 from flows.children import stream_child, write_resolved_config
 from pipeline import storage
 from pipeline.config import CAPOConfig, section_hash
-from pipeline.stages import get_stage, round_plan, stage_key
+from pipeline.stages import get_stage, stage_key
 from pipeline.stages.base import StageResult, round_paths
 
 

@@ -13,7 +13,7 @@ surrogate and KL, pure), ``distributed.py`` (mini-batch plans and each process's
 the fp32 update the checkpoint carries). Nothing here imports a stage.
 
 Several processes: ``accelerate launch --config_file configs/accelerate/fsdp.yaml -m
-pipeline.stages.train --config ... --round K`` (or ``train.launcher`` in the config);
+pipeline.stages.train_launch --config ... --round K`` (or ``train.launcher`` in the config);
 DDP/FSDP/DeepSpeed come from Accelerate, not from this file. With W processes every process reads
 the whole round and computes its share of each mini-batch, weighted so that the averaged gradient
 equals the one-process gradient (:func:`ppo_update`); docs/distributed-training.md has the configs

@@ -7,7 +7,7 @@ this stage: Accelerate, the models, the loop) and commits what it wrote through
 :mod:`pipeline.storage` as every stage does (:func:`commit_round`). Its key chains through the
 previous round's training state (:func:`previous_state_fp`).
 
-Several processes: ``accelerate launch ... -m pipeline.stages.train --config FILE --round K``
+Several processes: ``accelerate launch ... -m pipeline.stages.train_launch --config FILE --round K``
 (what ``train.launcher`` runs): every process runs :func:`train_stage`; the main process commits.
 """
 
@@ -225,7 +225,7 @@ def commit_round(cfg: CAPOConfig, round_idx: int, key: dict, job, out, seconds: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m pipeline.stages.train --config FILE --round K`` (also under ``accelerate launch`` /
+    """``python -m pipeline.stages.train_launch --config FILE --round K`` (also under ``accelerate launch`` /
     ``torchrun``: what ``train.launcher`` runs).
 
     The main process prints the stage result as the ``CAPO_STAGE_RESULT`` line that
@@ -259,8 +259,4 @@ def main(argv: list[str] | None = None) -> None:
 
 STAGE = Stage("train", ("rollouts", "token_rewards"), ("checkpoint", "train_metrics"), True, train_key,
               "pipeline.stages.train:train_stage", engine_env=True, launcher=lambda cfg: cfg.train.launcher,
-              launch_module="pipeline.stages.train")
-
-
-if __name__ == "__main__":
-    main()
+              launch_module="pipeline.stages.train_launch")

@@ -78,7 +78,7 @@ KILL_GROUPS = (
                   "table.written:round_001/critiques.parquet", "table.renamed:round_001/critiques.parquet"]),
     ("vote+reward", [f"table.renamed:{V1}/step_verdicts.parquet", f"table.written:{V1}/token_rewards.parquet",
                      f"table.renamed:{V1}/token_rewards.parquet"]),
-    ("training state", [f"state.saved:{V1}/train_state"]),
+    ("training state", [f"state.saved:{V1}/train_state", f"state.renamed:{V1}/train_state"]),
     ("eval", ["table.written:round_000/eval.parquet", "table.renamed:round_000/eval.parquet",
               f"table.renamed:{V1}/eval.parquet"]),
     ("catalog", ["catalog.written:catalog.duckdb@1"]),

@@ -217,7 +217,7 @@ def test_deterministic_kernels_are_on_inside_the_block_and_restored_after(monkey
     assert _kernel_state()[5] == ":16:8"
 
 
-def test_train_stage_runs_its_update_under_train_deterministic(monkeypatch, tmp_path):
+def test_train_stage_runs_its_update_under_train_deterministic(monkeypatch, tmp_path, tiny_model):
     """The whole update (old log-probs, reference, update, export) runs inside the kernels' block
     when ``train.deterministic`` is set, and outside it by default. The update is replaced by a
     probe here (the round's tables too): what is tested is the stage around it; the update has its
@@ -240,21 +240,25 @@ def test_train_stage_runs_its_update_under_train_deterministic(monkeypatch, tmp_
     monkeypatch.setattr(T, "update_policy", probe)
     for over in (["train.deterministic=true"], []):
         with pytest.raises(Probed):
-            S.train_stage(load_config(DEFAULT, [f"runs_dir={tmp_path}", *over]), 1)
+            S.train_stage(load_config(DEFAULT, [f"runs_dir={tmp_path}", f"rollout.policy={tiny_model}", *over]), 1)
     assert seen == [True, False] and not torch.are_deterministic_algorithms_enabled()
 
 
 def test_train_deterministic_enters_the_stage_key_only_when_on():
-    """Runs trained before the setting existed keep their train key (no re-training on resume)."""
+    """Runs trained before a setting existed keep their train key (no re-training on resume):
+    ``deterministic``, ``ratio_trace`` (GRPO-λ) and ``future_kl`` (FIPO) enter it only when set."""
     from pipeline.config import load_config
     from pipeline.stages.train import train_settings_key
 
     default = load_config(DEFAULT, [])
     old_rule = {k: v for k, v in default.model_dump(mode="json")["train"].items()
-                if k not in ("launcher", "keep_states", "deterministic")}
+                if k not in ("launcher", "keep_states", "deterministic", "ratio_trace", "future_kl")}
     assert train_settings_key(default) == old_rule
     on = train_settings_key(load_config(DEFAULT, ["train.deterministic=true"]))
     assert on == {**old_rule, "deterministic": True}
+    lam = train_settings_key(load_config(DEFAULT, [], preset="grpo-lambda"))
+    assert lam["ratio_trace"] == {"kappa": 0.99, "style": "recent"} and "future_kl" not in lam
+    assert train_settings_key(load_config(DEFAULT, [], preset="fipo"))["future_kl"]["half_life"] == 32.0
 
 
 def test_a_second_in_process_train_stage_may_use_another_mixed_precision(monkeypatch):
@@ -283,7 +287,7 @@ def test_a_second_in_process_train_stage_may_use_another_mixed_precision(monkeyp
         _accelerator("no")
 
 
-def test_train_stage_lets_the_precision_change_before_it_builds_its_accelerator(monkeypatch, tmp_path):
+def test_train_stage_lets_the_precision_change_before_it_builds_its_accelerator(monkeypatch, tmp_path, tiny_model):
     """The stage calls :func:`allow_precision_change` with its resolved precision, before the
     Accelerator is built (the build is stopped there: what is tested is the order)."""
     import accelerate
@@ -307,7 +311,8 @@ def test_train_stage_lets_the_precision_change_before_it_builds_its_accelerator(
     monkeypatch.setattr(T, "allow_precision_change", lambda m: calls.append(("allow", m)))
     monkeypatch.setattr(accelerate, "Accelerator", accelerator)
     with pytest.raises(Built):
-        S.train_stage(load_config(DEFAULT, [f"runs_dir={tmp_path}", "train.mixed_precision=no"]), 1)
+        S.train_stage(load_config(DEFAULT, [f"runs_dir={tmp_path}", f"rollout.policy={tiny_model}",
+                                            "train.mixed_precision=no"]), 1)
     assert calls == [("allow", "no"), ("Accelerator", "no")]
 
 

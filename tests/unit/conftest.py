@@ -1,5 +1,6 @@
 """The unit tier runs offline and installs nothing: every test here is refused a connection to a
-host other than this machine, and a ``pip install`` (what fetching an embedded asset does), so a
+host other than this machine and a ``pip install`` through ``subprocess.run`` (what fetching an
+embedded asset does), and its child processes get no package index and no model hub, so a
 test that would need the network or a package fails here instead of passing only where one is
 reachable. Tests that need the embedded models or data sets belong in ``tests/stages``."""
 
@@ -45,4 +46,7 @@ def _offline(monkeypatch):
 
     monkeypatch.setattr(socket.socket, "connect", connect)
     monkeypatch.setattr(subprocess, "run", no_pip)
+    # child processes (``capo`` commands some tests start) inherit these: no package index, no model hub
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 

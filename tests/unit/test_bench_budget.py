@@ -118,3 +118,18 @@ def test_verdicts_pair_capo_with_its_rivals_by_seed_and_item(bench):
     # one shared seed: a difference, no verdict
     per_arm["grpo lr=2e-06 ds"]["seeds"].pop(1)
     assert bench.verdicts(per_arm, 512)[0]["capo_beat_grpo"] is None
+
+
+def test_capo_labels_name_their_signal_and_still_meet_the_critic_free_arms(bench):
+    rc = {"train": {"learning_rate": 2e-6, "kl_coef": 0.0}, "rollout": {"dynamic_sampling": True},
+          "reward": {"overlong_buffer": 0}, "critique": {"enabled": True, "num_critiques": 0},
+          "vote": {"sources": ["arithmetic", "logprob"]}}
+    assert bench.arm_label("capo", rc) == "capo lr=2e-06 signal=arithmetic+logprob,N=0 ds"
+    assert bench.arm_label("grpo", {**rc, "critique": {"enabled": False}}) == "grpo lr=2e-06 ds"
+    same = {"big": {"item_change": {"a": 0.0}, "boxed_item_change": {}}}
+    per_arm = {"capo lr=2e-06 signal=arithmetic+logprob,N=0 ds": {"seeds": {0: same}},
+               "grpo lr=2e-06 ds": {"seeds": {0: same}},
+               "random-credit lr=2e-06 signal=arithmetic+logprob,N=0 ds": {"seeds": {0: same}}}
+    v = {r["verdict"]: r for r in bench.verdicts(per_arm, 512)}
+    assert v["capo_vs_grpo"]["seeds"] == [0] and v["capo_vs_random_credit"]["seeds"] == [0]
+    assert v["capo_vs_fipo"]["capo_beat_fipo"] == "not run"
