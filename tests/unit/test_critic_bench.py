@@ -15,7 +15,6 @@ from critic_eval.items import (
     build_benchmark,
     calc_is_right,
     corrupt_steps,
-    final_value,
     format_number,
     parse_calcs,
     parse_number,
