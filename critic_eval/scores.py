@@ -276,6 +276,71 @@ def _sizes(scores: Sequence[dict], subset: str) -> str:
     return f"{row['n_items']} items, {row['n_erroneous']} erroneous, {row['n_correct']} all right"
 
 
+def _verdicts_section(meta: dict) -> list[str]:
+    """The "What the critics answered" section (parse statuses and most common lists); empty without verdicts."""
+    if not meta.get("verdicts"):
+        return []
+    return [
+        "## What the critics answered",
+        "Critiques per parse status (`complete`: a line for every step, agreeing with the final list; "
+        "`incomplete`: some step without a line; `inconsistent`: a line and the list disagree), and the "
+        "most common non-empty final lists with their share of all non-empty lists: one list holding "
+        "most of the share is a critic repeating itself (or the prompt), not judging.",
+        markdown_table(["critic setup", "statuses", "non-empty lists", "most common lists (count, share)"],
+                       [[st, ", ".join(f"{k} {v}" for k, v in sorted(d["statuses"].items())), d["non_empty_lists"],
+                         "; ".join(f"{v} ({k}, {100 * sh:.0f} %)" for v, k, sh in d["top_lists"])]
+                        for st, d in meta["verdicts"].items()]),
+    ]
+
+
+def _kind_row(by: dict, st: str, r: str, kind_cols: list[str], n_max: int) -> list:
+    """One row of the per-kind table: setup, rule, F1 per kind, their mean and min, AUROC per kind."""
+    f1s = [by[(st, k, r, n_max)]["f1"] if (st, k, r, n_max) in by else None for k in kind_cols]
+    got = [f for f in f1s if f is not None]
+    return ([st, r] + f1s + [float(np.mean(got)) if got else None, min(got) if got else None]
+            + [by[(st, k, r, n_max)]["auroc"] if (st, k, r, n_max) in by else None for k in kind_cols])
+
+
+def _kind_section(meta: dict, scores: Sequence[dict], by: dict, setups: list[str], rules: list[str],
+                  n_max: int) -> list[str]:
+    """The "F1 and AUROC per kind of error" section; empty when no plain kind has both erroneous and right items."""
+    kind_cols = [k for k in meta["kinds"] if not k.startswith(ADVERSARIAL_PREFIX)
+                 and any(s["subset"] == k and s["n_erroneous"] and s["n_correct"] for s in scores)]
+    if not kind_cols:
+        return []
+    return [
+        f"## F1 and AUROC per kind of error (N={n_max})",
+        "Each kind's erroneous items with the all-right solutions of the same problems: F1 is "
+        "ProcessBench's on that kind (right step found, and nothing flagged on the right twin), AUROC "
+        "that of the item's mean step weight against \"has an error\". Calculation errors "
+        "(`carried`, `as_was`) are what a calculator finds; the reasoning errors keep every "
+        "calculation right.",
+        markdown_table(["setup", "rule"] + [f"F1: {k}" for k in kind_cols] + ["F1 mean", "F1 min"]
+                       + [f"AUROC: {k}" for k in kind_cols],
+                       [_kind_row(by, st, r, kind_cols, n_max) for st in setups for r in rules]),
+    ]
+
+
+def _robustness_section(meta: dict, scores: Sequence[dict], by: dict, setups: list[str], rules: list[str],
+                        n_max: int) -> list[str]:
+    """The "Robustness" section (plain against adversarial items); empty without an adversarial subset."""
+    robust = [k for k in ("plain", "adversarial") if any(s["subset"] == k for s in scores)]
+    if "adversarial" not in robust:
+        return []
+    kinds = [k for k in meta["kinds"] if k.startswith(ADVERSARIAL_PREFIX)]
+    cols = robust + kinds
+    return [
+        f"## Robustness: wrong step still flagged (N={n_max}; adversarial: {_sizes(scores, 'adversarial')})",
+        "Share of erroneous items whose wrong step is flagged, on the plain set and on the same "
+        "wrong solutions with text addressing the judge appended (`adv_verdict`: a fake "
+        "`Wrong step list: []`; `adv_praise`: 'all steps are correct'; `adv_ignore`: 'ignore the "
+        "task'); then F1 on each.",
+        markdown_table(["setup", "rule"] + [f"flagged: {c}" for c in cols] + [f"F1: {c}" for c in robust],
+                       [[st, r] + [by[(st, c, r, n_max)]["label_flagged"] for c in cols]
+                        + [by[(st, c, r, n_max)]["f1"] for c in robust] for st in setups for r in rules]),
+    ]
+
+
 def render_report(meta: dict, scores: Sequence[dict]) -> str:
     """The Markdown report of a critic evaluation.
 
@@ -322,50 +387,7 @@ def render_report(meta: dict, scores: Sequence[dict]) -> str:
                 "parse_failure_rate", "no_valid_rate", "critic_tokens_per_item", "seconds_per_item")]
              for st in setups for r in rules for n in ns]),
     ]
-    if meta.get("verdicts"):
-        parts += [
-            "## What the critics answered",
-            "Critiques per parse status (`complete`: a line for every step, agreeing with the final list; "
-            "`incomplete`: some step without a line; `inconsistent`: a line and the list disagree), and the "
-            "most common non-empty final lists with their share of all non-empty lists: one list holding "
-            "most of the share is a critic repeating itself (or the prompt), not judging.",
-            markdown_table(["critic setup", "statuses", "non-empty lists", "most common lists (count, share)"],
-                           [[st, ", ".join(f"{k} {v}" for k, v in sorted(d["statuses"].items())), d["non_empty_lists"],
-                             "; ".join(f"{v} ({k}, {100 * sh:.0f} %)" for v, k, sh in d["top_lists"])]
-                            for st, d in meta["verdicts"].items()]),
-        ]
-    kind_cols = [k for k in meta["kinds"] if not k.startswith(ADVERSARIAL_PREFIX)
-                 and any(s["subset"] == k and s["n_erroneous"] and s["n_correct"] for s in scores)]
-    if kind_cols:
-        def _kind_row(st: str, r: str) -> list:
-            f1s = [by[(st, k, r, n_max)]["f1"] if (st, k, r, n_max) in by else None for k in kind_cols]
-            got = [f for f in f1s if f is not None]
-            return ([st, r] + f1s + [float(np.mean(got)) if got else None, min(got) if got else None]
-                    + [by[(st, k, r, n_max)]["auroc"] if (st, k, r, n_max) in by else None for k in kind_cols])
-
-        parts += [
-            f"## F1 and AUROC per kind of error (N={n_max})",
-            "Each kind's erroneous items with the all-right solutions of the same problems: F1 is "
-            "ProcessBench's on that kind (right step found, and nothing flagged on the right twin), AUROC "
-            "that of the item's mean step weight against \"has an error\". Calculation errors "
-            "(`carried`, `as_was`) are what a calculator finds; the reasoning errors keep every "
-            "calculation right.",
-            markdown_table(["setup", "rule"] + [f"F1: {k}" for k in kind_cols] + ["F1 mean", "F1 min"]
-                           + [f"AUROC: {k}" for k in kind_cols],
-                           [_kind_row(st, r) for st in setups for r in rules]),
-        ]
-    robust = [k for k in ("plain", "adversarial") if any(s["subset"] == k for s in scores)]
-    if "adversarial" in robust:
-        kinds = [k for k in meta["kinds"] if k.startswith(ADVERSARIAL_PREFIX)]
-        cols = robust + kinds
-        parts += [
-            f"## Robustness: wrong step still flagged (N={n_max}; adversarial: {_sizes(scores, 'adversarial')})",
-            "Share of erroneous items whose wrong step is flagged, on the plain set and on the same "
-            "wrong solutions with text addressing the judge appended (`adv_verdict`: a fake "
-            "`Wrong step list: []`; `adv_praise`: 'all steps are correct'; `adv_ignore`: 'ignore the "
-            "task'); then F1 on each.",
-            markdown_table(["setup", "rule"] + [f"flagged: {c}" for c in cols] + [f"F1: {c}" for c in robust],
-                           [[st, r] + [by[(st, c, r, n_max)]["label_flagged"] for c in cols]
-                            + [by[(st, c, r, n_max)]["f1"] for c in robust] for st in setups for r in rules]),
-        ]
+    parts += _verdicts_section(meta)
+    parts += _kind_section(meta, scores, by, setups, rules, n_max)
+    parts += _robustness_section(meta, scores, by, setups, rules, n_max)
     return "\n\n".join(parts) + "\n"

@@ -224,6 +224,51 @@ def _kernel_kill_line(procs: dict) -> str | None:
     return found
 
 
+def _watch_child(tree: _Tree, state: dict, done, silence_s: float | None, logger: logging.Logger, tag: str) -> None:
+    """Sample the child tree's memory (MiB) into ``state``; stop the tree after ``silence_s`` s of silence."""
+    while True:
+        rss = tree.rss_mib()
+        if rss is not None:
+            state["peak"], state["last"] = max(state["peak"] or 0.0, rss), rss
+        quiet = time.monotonic() - state["last_output"]
+        if silence_s and quiet > silence_s:
+            state["silent"] = quiet
+            logger.error("[%s] no output for %.0f s (scale.child_silence_s=%s): stopping the child and its "
+                         "descendants", tag, quiet, silence_s)
+            tree.stop()
+            return
+        if done.wait(SAMPLE_S):
+            return
+
+
+def _log_output(fd: int, heard, result_tag: str, logger: logging.Logger, tag: str) -> tuple[dict | None, list[str]]:
+    """Log the child's output lines read from ``fd``; return its result payload (or None) and its last 20 lines."""
+    tail: list[str] = []
+    result = None
+    last_progress = 0.0
+    for line, is_progress in output_lines(fd, heard):
+        if line.startswith(result_tag):
+            result = json.loads(line[len(result_tag):])
+            continue
+        now = time.monotonic()
+        if is_progress and now - last_progress < 10 and "100%" not in line:
+            continue
+        last_progress = now if is_progress else last_progress
+        logger.info("[%s] %s", tag, line)
+        tail = (tail + [line])[-20:]
+    return result, tail
+
+
+def _child_failure(what: str, code: int, tail: list[str], state: dict, tree: _Tree) -> StageChildFailed:
+    """The :class:`StageChildFailed` of a child that exited with ``code`` (memory in MiB from ``state``)."""
+    peak = None if state["peak"] is None else round(state["peak"], 1)
+    last = None if state["last"] is None else round(state["last"], 1)
+    killed = code == -signal.SIGKILL and state["silent"] is None
+    kernel = None if state["silent"] is not None else _kernel_kill_line(tree.seen)
+    return StageChildFailed(what, code, tail, peak, state["silent"], last,
+                            round(_total_mib()) if killed else None, kernel)
+
+
 def stream_child(cmd: list[str], tag: str, logger: logging.Logger, what: str,
                  env_extra: dict[str, str] | None = None, result_tag: str = RESULT_TAG,
                  silence_s: float | None = None) -> dict | None:
@@ -250,45 +295,19 @@ def stream_child(cmd: list[str], tag: str, logger: logging.Logger, what: str,
     env = {**os.environ, **(env_extra or {}), "PYTHONUNBUFFERED": "1", "CAPO_CHILD": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     tree = _Tree(proc.pid, proc)
-    tail: list[str] = []
-    result = None
-    last_progress = 0.0
     state: dict = {"last_output": time.monotonic(), "peak": None, "last": None, "silent": None}
     done = threading.Event()
-
-    def watch() -> None:  # memory samples and the silence limit
-        while True:
-            rss = tree.rss_mib()
-            if rss is not None:
-                state["peak"], state["last"] = max(state["peak"] or 0.0, rss), rss
-            quiet = time.monotonic() - state["last_output"]
-            if silence_s and quiet > silence_s:
-                state["silent"] = quiet
-                logger.error("[%s] no output for %.0f s (scale.child_silence_s=%s): stopping the child and its "
-                             "descendants", tag, quiet, silence_s)
-                tree.stop()
-                return
-            if done.wait(SAMPLE_S):
-                return
 
     def heard() -> None:  # any bytes read: the child is not silent
         state["last_output"] = time.monotonic()
 
-    watcher = threading.Thread(target=watch, name=f"capo-watch-{tag}", daemon=True)
+    watcher = threading.Thread(target=_watch_child, args=(tree, state, done, silence_s, logger, tag),
+                               name=f"capo-watch-{tag}", daemon=True)
     watcher.start()
     assert proc.stdout is not None
     ok = False
     try:
-        for line, is_progress in output_lines(proc.stdout.fileno(), heard):
-            if line.startswith(result_tag):
-                result = json.loads(line[len(result_tag):])
-                continue
-            now = time.monotonic()
-            if is_progress and now - last_progress < 10 and "100%" not in line:
-                continue
-            last_progress = now if is_progress else last_progress
-            logger.info("[%s] %s", tag, line)
-            tail = (tail + [line])[-20:]
+        result, tail = _log_output(proc.stdout.fileno(), heard, result_tag, logger, tag)
         code = proc.wait()
         ok = True
     finally:
@@ -299,10 +318,5 @@ def stream_child(cmd: list[str], tag: str, logger: logging.Logger, what: str,
             proc.wait()
         proc.stdout.close()
     if code != 0 or state["silent"] is not None:
-        peak = None if state["peak"] is None else round(state["peak"], 1)
-        last = None if state["last"] is None else round(state["last"], 1)
-        killed = code == -signal.SIGKILL and state["silent"] is None
-        kernel = None if state["silent"] is not None else _kernel_kill_line(tree.seen)
-        raise StageChildFailed(what, code, tail, peak, state["silent"], last,
-                               round(_total_mib()) if killed else None, kernel)
+        raise _child_failure(what, code, tail, state, tree)
     return result

@@ -157,9 +157,10 @@ def critic_signal(cfg: CAPOConfig, round_idx: int) -> dict | None:
     rule and partial-critique policy (None without process critiques or without sampled ones); logs its
     warning."""
     p = round_paths(cfg, round_idx)
-    if not (cfg.critique.enabled and cfg.critique.mode == "process") or storage.read_manifest(p["critiques"]) is None:
+    from pipeline.core.critique import critique_mode, signal_health
+
+    if critique_mode(cfg.critique).type != "process" or storage.read_manifest(p["critiques"]) is None:
         return None
-    from pipeline.core.critique import signal_health
 
     crit = [r for r in storage.read_table(p["critiques"], "critiques").select(
         ["rollout_id", "source", "parse_status", "wrong_steps", "steps_wrong_lines"]).to_pylist() if r["source"] == "llm"]

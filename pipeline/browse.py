@@ -163,17 +163,8 @@ def _round_config(round_dir: Path, variant: str | None) -> dict:
     raise FileNotFoundError(f"{round_dir} has no committed rollouts; run the round first (capo round)")
 
 
-def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
-    """Everything the browser of round ``round_idx`` of ``variant`` shows, as plain JSON data.
-
-    Raises:
-        FileNotFoundError: the run or round does not exist, or has no rollouts yet.
-        ValueError: ``variant`` is not one of the round's variants (lists them).
-    """
-    from pipeline.config import CAPOConfig
-    from pipeline.stages.base import prompts_path
-
-    run_dir = Path(run_dir)
+def _resolve_variant(run_dir: Path, round_idx: int, variant: str | None) -> tuple[Path, list[str], str]:
+    """The round's folder, its variants and the variant to show (the first one when ``variant`` is None)."""
     round_dir = run_dir / f"round_{round_idx:03d}"
     if not round_dir.is_dir():
         rounds = sorted(p.name for p in run_dir.glob("round_*") if p.name != "round_000")
@@ -187,8 +178,14 @@ def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
             log.info("browse: round %d has variants %s; showing %s (--variant to choose)", round_idx, variants, variant)
     elif variant not in variants:
         raise ValueError(f"variant {variant!r} is not in {round_dir}; valid: {variants}")
-    rc = _round_config(round_dir, variant)
-    run_id, rule = rc["run_id"], rc["vote"]["rule"]
+    return round_dir, variants, variant
+
+
+def _prompts_and_start(rc: dict, run_dir: Path) -> tuple[Path | None, str | None]:
+    """The run's prompt table and starting policy folder from its resolved config ``rc`` (None where unreadable)."""
+    from pipeline.config import CAPOConfig
+    from pipeline.stages.base import prompts_path
+
     prompts = start = None
     try:
         cfg = CAPOConfig.model_validate(rc)
@@ -201,29 +198,70 @@ def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
         except Exception as e:  # data_dir relative to another working directory
             log.warning("browse: cannot find the prompt table of %s (%s); problems are not shown", run_dir, e)
         start = _starting_policy(cfg)
-    queries = browser_queries(run_id, round_idx, variant, rule)
+    return prompts, start
+
+
+def _query_round(run_dir: Path, prompts: Path | None, queries: dict[str, str], run_id: str,
+                 round_idx: int) -> tuple[dict[str, list[dict]], list[dict], list[str]]:
+    """The rows of every query in ``queries``, the round's (rollout, policy, token ids) rows and the absent tables."""
     con = duckdb.connect()
     missing = _register_views(con, run_dir, prompts)
     data = {name: _rows(con, sql) for name, sql in queries.items()}
     policy_rows = _rows(con, f"SELECT rollout_id, policy, response_token_ids FROM rollouts "
                              f"WHERE run_id = {sql_literal(run_id)} AND round = {int(round_idx)}")
     con.close()
+    return data, policy_rows, missing
 
-    steps: dict[str, list[dict]] = {}
-    for s in data["steps"]:
-        steps.setdefault(s["rollout_id"], []).append(s)
-    crits: dict[str, list[dict]] = {}
-    checks: dict[str, list[dict]] = {}
-    for c in data["critiques"]:
-        (crits if (c["source"] or "llm") == "llm" else checks).setdefault(c["rollout_id"], []).append(c)
-    rewards = {t["rollout_id"]: t for t in data["token_rewards"]}
-    tokens = {p["rollout_id"]: (p["policy"], p["response_token_ids"]) for p in policy_rows}
+
+def _other_rounds(data: dict[str, list[dict]], round_idx: int) -> dict[str, list[dict]]:
+    """Per prompt, its counts in the run's other rounds."""
     across: dict[str, list[dict]] = {}
     for a in data["across_rounds"]:
         if a["round"] != round_idx:
             across.setdefault(a["prompt_id"], []).append(
                 {"round": a["round"], "responses": a["responses"], "correct": a["correct"],
                  "flagged_steps": a["flagged_steps"]})
+    return across
+
+
+def _response_entry(r: dict, st: list[dict], cs: list[dict], checks: list[dict], tr: dict, token_texts: list[str],
+                    parsed_ok: set[str]) -> dict:
+    """One response as the browser shows it: its steps, critiques, checks, tokens and filter flags."""
+    response = {
+        "rollout_id": r["rollout_id"], "sample_idx": r["sample_idx"], "correct": bool(r["outcome_correct"]),
+        "extracted": r["extracted_answer"], "verify_status": r["verify_status"],
+        "finish_reason": r["finish_reason"], "num_tokens": r["num_tokens"], "text": r["response_text"] or "",
+        "outcome_reward": r["outcome_reward"], "penalized_tokens": r["n_penalized_tokens"],
+        "steps": [{"idx": s["step_idx"], "text": s["step_text"], "n_valid": s["n_valid"], "n_flagged": s["n_flagged"],
+                   "weight": s["weight"], "llm_weight": s["llm_weight"], "arithmetic": s["arithmetic_flag"],
+                   "logprob": s["logprob_score"],
+                   "token_start": s["token_start"], "token_end": s["token_end"]} for s in st],
+        "critiques": [{"idx": c["critique_idx"], "status": c["parse_status"], "wrong": c["wrong_steps"],
+                       "judged": c["steps_judged"], "wrong_lines": c["steps_wrong_lines"], "raw": c["raw_text"] or "",
+                       "tokens": c["critic_tokens"], "finish_reason": c["finish_reason"]} for c in cs],
+        "checks": [{"source": c["source"], "status": c["parse_status"], "wrong": c["wrong_steps"],
+                    "judged": c["steps_judged"], "raw": c["raw_text"] or ""} for c in checks],
+        "tokens": token_texts,
+        "rewards": tr.get("rewards") or [], "advantages": tr.get("advantages") or [],
+    }
+    flags = [s["n_flagged"] or 0 for s in st]
+    valid = [s["n_valid"] or 0 for s in st]
+    response["flagged_steps"] = sum(1 for s in st if (s["weight"] or 0) > 0)
+    response["split"] = any(0 < f < v for f, v in zip(flags, valid))
+    response["parse_failures"] = sum(1 for c in cs if c["parse_status"] not in parsed_ok)
+    return response
+
+
+def _group_prompts(data: dict[str, list[dict]], steps: dict[str, list[dict]], policy_rows: list[dict],
+                   round_idx: int, start: str | None) -> dict[str, dict]:
+    """Per prompt id: the problem, its gold answer, its responses (:func:`_response_entry`) and its other rounds."""
+    crits: dict[str, list[dict]] = {}
+    checks: dict[str, list[dict]] = {}
+    for c in data["critiques"]:
+        (crits if (c["source"] or "llm") == "llm" else checks).setdefault(c["rollout_id"], []).append(c)
+    rewards = {t["rollout_id"]: t for t in data["token_rewards"]}
+    tokens = {p["rollout_id"]: (p["policy"], p["response_token_ids"]) for p in policy_rows}
+    across = _other_rounds(data, round_idx)
     problems = {p["prompt_id"]: p for p in data["prompts"]}
 
     parsed_ok = set(VERDICT_STATUSES) | {OUTCOME_PARSE_STATUSES[0], "skipped_empty_response"}
@@ -232,37 +270,20 @@ def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
         rid = r["rollout_id"]
         policy, ids = tokens.get(rid, (None, []))
         tr = rewards.get(rid) or {}
-        cs = crits.get(rid, [])
-        st = steps.get(rid, [])
-        response = {
-            "rollout_id": rid, "sample_idx": r["sample_idx"], "correct": bool(r["outcome_correct"]),
-            "extracted": r["extracted_answer"], "verify_status": r["verify_status"],
-            "finish_reason": r["finish_reason"], "num_tokens": r["num_tokens"], "text": r["response_text"] or "",
-            "outcome_reward": r["outcome_reward"], "penalized_tokens": r["n_penalized_tokens"],
-            "steps": [{"idx": s["step_idx"], "text": s["step_text"], "n_valid": s["n_valid"], "n_flagged": s["n_flagged"],
-                       "weight": s["weight"], "llm_weight": s["llm_weight"], "arithmetic": s["arithmetic_flag"],
-                       "logprob": s["logprob_score"],
-                       "token_start": s["token_start"], "token_end": s["token_end"]} for s in st],
-            "critiques": [{"idx": c["critique_idx"], "status": c["parse_status"], "wrong": c["wrong_steps"],
-                           "judged": c["steps_judged"], "wrong_lines": c["steps_wrong_lines"], "raw": c["raw_text"] or "",
-                           "tokens": c["critic_tokens"], "finish_reason": c["finish_reason"]} for c in cs],
-            "checks": [{"source": c["source"], "status": c["parse_status"], "wrong": c["wrong_steps"],
-                        "judged": c["steps_judged"], "raw": c["raw_text"] or ""} for c in checks.get(rid, [])],
-            "tokens": _token_texts(policy, ids, start) if tr else [],
-            "rewards": tr.get("rewards") or [], "advantages": tr.get("advantages") or [],
-        }
-        flags = [s["n_flagged"] or 0 for s in st]
-        valid = [s["n_valid"] or 0 for s in st]
-        response["flagged_steps"] = sum(1 for s in st if (s["weight"] or 0) > 0)
-        response["split"] = any(0 < f < v for f, v in zip(flags, valid))
-        response["parse_failures"] = sum(1 for c in cs if c["parse_status"] not in parsed_ok)
+        response = _response_entry(r, steps.get(rid, []), crits.get(rid, []), checks.get(rid, []), tr,
+                                   _token_texts(policy, ids, start) if tr else [], parsed_ok)
         pid = r["prompt_id"]
         prob = problems.get(pid, {})
         p = out_prompts.setdefault(pid, {"prompt_id": pid, "question": prob.get("question"),
                                          "gold": prob.get("gold_answer"), "responses": [],
                                          "other_rounds": across.get(pid, [])})
         p["responses"].append(response)
+    return out_prompts
 
+
+def _overview(data: dict[str, list[dict]], steps: dict[str, list[dict]], out_prompts: dict[str, dict],
+              rc: dict) -> dict:
+    """The round's overview: accuracy, flagged-step rate, parse-status counts, verdict lists and filter counts."""
     all_steps = [s for ss in steps.values() for s in ss]
     n_resp = len(data["responses"])
     overview = {
@@ -283,6 +304,29 @@ def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
             counts["split"] += r["split"]
             counts["parse_failures"] += r["parse_failures"] > 0
     overview["filters"] = dict(counts)
+    return overview
+
+
+def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
+    """Everything the browser of round ``round_idx`` of ``variant`` shows, as plain JSON data.
+
+    Raises:
+        FileNotFoundError: the run or round does not exist, or has no rollouts yet.
+        ValueError: ``variant`` is not one of the round's variants (lists them).
+    """
+    run_dir = Path(run_dir)
+    round_dir, variants, variant = _resolve_variant(run_dir, round_idx, variant)
+    rc = _round_config(round_dir, variant)
+    run_id, rule = rc["run_id"], rc["vote"]["rule"]
+    prompts, start = _prompts_and_start(rc, run_dir)
+    queries = browser_queries(run_id, round_idx, variant, rule)
+    data, policy_rows, missing = _query_round(run_dir, prompts, queries, run_id, round_idx)
+
+    steps: dict[str, list[dict]] = {}
+    for s in data["steps"]:
+        steps.setdefault(s["rollout_id"], []).append(s)
+    out_prompts = _group_prompts(data, steps, policy_rows, round_idx, start)
+    overview = _overview(data, steps, out_prompts, rc)
     return {"meta": {"run_id": run_id, "round": round_idx, "variant": variant, "variants": variants, "rule": rule,
                      "critique_enabled": rc["critique"]["enabled"], "critique_mode": rc["critique"]["mode"],
                      "missing_tables": missing, "run_dir": str(run_dir)},

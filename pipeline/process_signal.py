@@ -192,13 +192,8 @@ def _groups(variant_dir: Path, process: bool) -> dict:
     return out
 
 
-def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: str | None = None) -> list[dict]:
-    """The rows of :func:`measure_run` for one round folder (``runs/<run>/round_<k>``); with
-    ``variant``, for that variant only.
-
-    Raises:
-        FileNotFoundError: the round has no ``outcomes`` or ``steps`` table.
-    """
+def _read_round(round_dir: Path) -> tuple[dict[str, bool], dict[str, str], dict[str, list[dict]]]:
+    """The round's outcome, prompt and (unsorted) steps per rollout; FileNotFoundError without either table."""
     for name in ("outcomes", "steps"):
         if not (round_dir / f"{name}.parquet").exists():
             raise FileNotFoundError(f"{round_dir / (name + '.parquet')} is missing: the round's verify and segment "
@@ -210,7 +205,12 @@ def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: s
     for s in pq.read_table(round_dir / "steps.parquet",
                            columns=["rollout_id", "step_idx", "token_start", "token_end", "step_text"]).to_pylist():
         steps.setdefault(s["rollout_id"], []).append(s)
-    rids = sorted(correct)
+    return correct, prompt_of, steps
+
+
+def _arithmetic_weights(steps: dict[str, list[dict]], rids: list[str]
+                        ) -> tuple[dict[str, list[float]], dict[str, list[int]], dict[str, int], int]:
+    """Per rollout: arithmetic step weights (0/1), tokens per step, final-answer step; and the steps flagged."""
     arith: dict[str, list[float]] = {}
     n_tok: dict[str, list[int]] = {}
     answer_at: dict[str, int] = {}
@@ -222,6 +222,106 @@ def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: s
         n_tok[rid] = [s["token_end"] - s["token_start"] for s in ss]
         answer_at[rid] = final_answer_step([s["step_text"] or "" for s in ss])
         flagged_steps += sum(verdicts)
+    return arith, n_tok, answer_at, flagged_steps
+
+
+def _rule_column(sv, rule: str, col: str, rids: list[str], n_tok: dict[str, list[int]]) -> dict[str, list[float]]:
+    """Per rollout, the step weights in column ``col`` of the step verdicts ``sv`` under ``rule`` (0 where absent)."""
+    by: dict[str, dict] = {}
+    for rid, idx, r, w in zip(*(sv.column(c).to_pylist() for c in ("rollout_id", "step_idx", "rule", col))):
+        if r == rule:
+            by.setdefault(rid, {})[idx] = w
+    return {rid: [float(by.get(rid, {}).get(i, 0.0) or 0.0) for i in range(len(n_tok[rid]))] for rid in rids}
+
+
+def _trained_source(sv) -> str:
+    """The source (as this module names it) whose weights the variant's token rewards subtract (``vote.sources``)."""
+    used = sv.column("sources")[0].as_py() if "sources" in sv.column_names and sv.num_rows else "llm"
+    # vote.sources as this module names its sources (a combination measured nowhere stars no row)
+    parts = (used or "llm").split("+")
+    return "+".join(("vote" if x == "llm" else x) for x in sorted(
+        parts, key=lambda x: ["llm", "logprob", "arithmetic"].index(x) if x in ("llm", "logprob", "arithmetic") else 9))
+
+
+def _logprob_weights(sv, vdir: Path, rule: str, rids: list[str],
+                     n_tok: dict[str, list[int]]) -> dict[str, list[float]] | None:
+    """Per rollout, the log-prob readout's step weights under ``rule``; None when the round has no readout."""
+    lp: dict[str, dict] = {}
+    if "logprob_score" in sv.column_names:
+        thr = _variant_key(vdir).get("vote", {}).get("logprob_threshold", 0.5)
+        for rid, idx, r, q in zip(*(sv.column(c).to_pylist() for c in ("rollout_id", "step_idx", "rule",
+                                                                       "logprob_score"))):
+            if r == rule and q is not None:
+                lp.setdefault(rid, {})[idx] = float(score_weights(np.array([q]), rule, thr)[0])
+    return {rid: [float(lp.get(rid, {}).get(i, 0.0)) for i in range(len(n_tok[rid]))] for rid in rids} \
+        if lp else None
+
+
+def _critic_weights(vdir: Path, rule: str, rids: list[str], n_tok: dict[str, list[int]]) -> tuple[
+        dict[str, list[float]], str, dict[str, list[float]] | None, dict[str, list[float]] | None]:
+    """The variant's vote weights, trained source, log-prob weights and random-credit weights (None if absent)."""
+    sv = pq.read_table(vdir / "step_verdicts.parquet")
+    # the LLM critiques' own vote (tables from before the arithmetic source: the weight, which was it)
+    col = "llm_weight" if "llm_weight" in sv.column_names else "weight"
+    vote = _rule_column(sv, rule, col, rids, n_tok)
+    trains = _trained_source(sv)
+    # the log-prob readout, where the round has one: its weights under the variant's rule
+    logprob = _logprob_weights(sv, vdir, rule, rids, n_tok)
+    # the random-credit control trains on its sources' weights moved to random steps: measure
+    # what it trained on (the step_verdicts weight), not the true verdicts it was made from
+    shuffled = None
+    if _variant_key(vdir).get("vote", {}).get("random_credit"):
+        shuffled = _rule_column(sv, rule, "weight", rids, n_tok)
+        trains = "random-credit"
+    return vote, trains, logprob, shuffled
+
+
+def _signal_sources(arith: dict[str, list[float]], rids: list[str], rule: str | None,
+                    vote: dict[str, list[float]] | None, logprob: dict[str, list[float]] | None,
+                    shuffled: dict[str, list[float]] | None) -> dict[str, dict[str, list[float]]]:
+    """Per source name, the step weights of every rollout: arithmetic always, the critic's sources with a rule."""
+    sources = {"arithmetic": arith}
+    if rule is not None:
+        sources["vote"] = vote
+        sources["vote+arithmetic"] = {rid: [max(a, b) for a, b in zip(vote[rid], arith[rid])] for rid in rids}
+        if shuffled is not None:
+            sources["random-credit"] = shuffled
+        if logprob is not None:
+            sources["logprob"] = logprob
+            sources["logprob+arithmetic"] = {rid: [max(a, b) for a, b in zip(logprob[rid], arith[rid])]
+                                             for rid in rids}
+    return sources
+
+
+def _scope_stats(w_all: dict[str, list[float]], scope: str, rids: list[str], n_tok: dict[str, list[int]],
+                 answer_at: dict[str, int], correct: dict[str, bool], prompt_of: dict[str, str],
+                 n_boot: int, seed: int) -> dict:
+    """One source's penalized shares of right and wrong responses and its AUROC (with interval) over ``scope``."""
+    scores, pen = [], []
+    for rid in rids:
+        k = len(n_tok[rid]) if scope == "all_steps" else answer_at[rid]
+        scores.append(penalty_share(w_all[rid][:k], n_tok[rid][:k]))
+        pen.append(any(x > 0 for x in w_all[rid][:k]))
+    wrong = [not correct[r] for r in rids]
+    auc, lo, hi = auroc_interval(scores, wrong, n_boot=n_boot, seed=seed,
+                                 groups=[prompt_of[r] for r in rids])
+    n_w = sum(wrong)
+    n_r = len(rids) - n_w
+    return {"right_penalized": _share(sum(p and not w for p, w in zip(pen, wrong)), n_r),
+            "wrong_penalized": _share(sum(p and w for p, w in zip(pen, wrong)), n_w),
+            "auroc": auc, "auroc_low": lo, "auroc_high": hi}
+
+
+def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: str | None = None) -> list[dict]:
+    """The rows of :func:`measure_run` for one round folder (``runs/<run>/round_<k>``); with
+    ``variant``, for that variant only.
+
+    Raises:
+        FileNotFoundError: the round has no ``outcomes`` or ``steps`` table.
+    """
+    correct, prompt_of, steps = _read_round(round_dir)
+    rids = sorted(correct)
+    arith, n_tok, answer_at, flagged_steps = _arithmetic_weights(steps, rids)
     checkable = sum(count_checkable(s["step_text"] or "") > 0 for ss in steps.values() for s in ss)
     variants = sorted(p for p in (round_dir / "variants").glob(variant or "*")
                       if (p / "token_rewards.parquet").exists()) if (round_dir / "variants").is_dir() else []
@@ -232,72 +332,18 @@ def measure_round(round_dir: Path, n_boot: int = 2000, seed: int = 0, variant: s
     rows = []
     for vdir in variants or [None]:
         rule = _variant_rule(_variant_key(vdir)) if vdir is not None else None
-        vote: dict[str, list[float]] = {}
-        trains = None
+        vote = logprob = shuffled = trains = None
         if rule is not None:
-            sv = pq.read_table(vdir / "step_verdicts.parquet")
-            # the LLM critiques' own vote (tables from before the arithmetic source: the weight, which was it)
-            col = "llm_weight" if "llm_weight" in sv.column_names else "weight"
-            for rid, idx, r, w in zip(*(sv.column(c).to_pylist() for c in ("rollout_id", "step_idx", "rule", col))):
-                if r == rule:
-                    vote.setdefault(rid, {})[idx] = w
-            vote = {rid: [float(vote.get(rid, {}).get(i, 0.0) or 0.0) for i in range(len(n_tok[rid]))] for rid in rids}
-            used = sv.column("sources")[0].as_py() if "sources" in sv.column_names and sv.num_rows else "llm"
-            # vote.sources as this module names its sources (a combination measured nowhere stars no row)
-            parts = (used or "llm").split("+")
-            trains = "+".join(("vote" if x == "llm" else x) for x in sorted(
-                parts, key=lambda x: ["llm", "logprob", "arithmetic"].index(x) if x in ("llm", "logprob", "arithmetic") else 9))
-            # the log-prob readout, where the round has one: its weights under the variant's rule
-            lp: dict[str, dict] = {}
-            if "logprob_score" in sv.column_names:
-                thr = _variant_key(vdir).get("vote", {}).get("logprob_threshold", 0.5)
-                for rid, idx, r, q in zip(*(sv.column(c).to_pylist() for c in ("rollout_id", "step_idx", "rule",
-                                                                               "logprob_score"))):
-                    if r == rule and q is not None:
-                        lp.setdefault(rid, {})[idx] = float(score_weights(np.array([q]), rule, thr)[0])
-            logprob = {rid: [float(lp.get(rid, {}).get(i, 0.0)) for i in range(len(n_tok[rid]))] for rid in rids} \
-                if lp else None
-            # the random-credit control trains on its sources' weights moved to random steps: measure
-            # what it trained on (the step_verdicts weight), not the true verdicts it was made from
-            shuffled = None
-            if _variant_key(vdir).get("vote", {}).get("random_credit"):
-                sh: dict[str, dict] = {}
-                for rid, idx, r, w in zip(*(sv.column(c).to_pylist() for c in ("rollout_id", "step_idx", "rule", "weight"))):
-                    if r == rule:
-                        sh.setdefault(rid, {})[idx] = w
-                shuffled = {rid: [float(sh.get(rid, {}).get(i, 0.0) or 0.0) for i in range(len(n_tok[rid]))]
-                            for rid in rids}
-                trains = "random-credit"
+            vote, trains, logprob, shuffled = _critic_weights(vdir, rule, rids, n_tok)
         groups = _groups(vdir, rule is not None) if vdir is not None else {}
-        sources = {"arithmetic": arith}
-        if rule is not None:
-            sources["vote"] = vote
-            sources["vote+arithmetic"] = {rid: [max(a, b) for a, b in zip(vote[rid], arith[rid])] for rid in rids}
-            if shuffled is not None:
-                sources["random-credit"] = shuffled
-            if logprob is not None:
-                sources["logprob"] = logprob
-                sources["logprob+arithmetic"] = {rid: [max(a, b) for a, b in zip(logprob[rid], arith[rid])]
-                                                 for rid in rids}
+        sources = _signal_sources(arith, rids, rule, vote, logprob, shuffled)
         for source in (s for s in SOURCES if s in sources):
             w_all = sources[source]
             for scope in SCOPES:
-                scores, pen = [], []
-                for rid in rids:
-                    k = len(n_tok[rid]) if scope == "all_steps" else answer_at[rid]
-                    scores.append(penalty_share(w_all[rid][:k], n_tok[rid][:k]))
-                    pen.append(any(x > 0 for x in w_all[rid][:k]))
-                wrong = [not correct[r] for r in rids]
-                auc, lo, hi = auroc_interval(scores, wrong, n_boot=n_boot, seed=seed,
-                                             groups=[prompt_of[r] for r in rids])
-                n_w = sum(wrong)
-                n_r = len(rids) - n_w
+                stats = _scope_stats(w_all, scope, rids, n_tok, answer_at, correct, prompt_of, n_boot, seed)
                 rows.append({
                     **common, "variant": vdir.name if vdir is not None else None, "rule": rule,
-                    "source": source, "scope": scope, "trains": source == trains,
-                    "right_penalized": _share(sum(p and not w for p, w in zip(pen, wrong)), n_r),
-                    "wrong_penalized": _share(sum(p and w for p, w in zip(pen, wrong)), n_w),
-                    "auroc": auc, "auroc_low": lo, "auroc_high": hi, **groups})
+                    "source": source, "scope": scope, "trains": source == trains, **stats, **groups})
     return rows
 
 

@@ -481,68 +481,54 @@ def _html_table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------- report
-def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> dict[str, Path]:
-    """Write the plots, ``report.md``, ``report.html``, ``table.md`` and ``accuracy.json`` of a run.
+_Section = tuple[str, str, list[str], list[list[str]]]  # (title, note, headers, rows)
 
-    Returns ``{"report_md", "report_html", "table_md", "accuracy_json", <plot name>...: path}``.
 
-    Raises:
-        FileNotFoundError: no run directory ``<runs_dir>/<run_id>``.
-    """
-    run_dir = Path(runs_dir).resolve() / run_id
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"no run {run_id!r} under {Path(runs_dir).resolve()}; runs: "
-                                f"{sorted(p.name for p in Path(runs_dir).glob('*') if p.is_dir())}")
-    out = Path(out_dir) if out_dir is not None else run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    data, read_notes = collect(run_dir)
-    if data.get("items"):
-        data["changes"] = paired_changes(data["items"])
-    if data.get("sampled_items"):
-        data["sampled_changes"] = paired_rate_changes(data["sampled_items"])
-    plots, notes = _plots(data, out)
-    notes += read_notes
-    sections: list[tuple[str, str, list[str], list[list[str]]]] = []  # (title, note, headers, rows)
-    raw: list[dict] = []
-    if "accuracy" in data:
-        h, rows, raw = accuracy_rows(data["accuracy"])
-        n = {f"{_title(r['benchmark'])} {r['n_problems']}" for r in data["accuracy"]}
-        sections.append(("Accuracy (greedy, %)", f"math-verify; problems per benchmark: {', '.join(sorted(n))}. "
-                         "Avg. = unweighted mean over benchmarks (* = over the benchmarks evaluated).", h, rows))
-        k = max(r["pass_k"] or 0 for r in data["accuracy"])  # samples per problem (0: greedy only)
-        if any(r["pass_at_k"] is not None for r in data["accuracy"]):
-            h2, rows2, _ = accuracy_rows(data["accuracy"], "pass_at_k")
-            sections.append((f"pass@{k} (%)", f"{k} samples at temperature 1.0 per problem.", h2, rows2))
-        if data.get("changes"):
-            h3, rows3 = _change_rows(data["changes"])
-            sections.append(("Changes between rounds (paired, greedy)",
-                             "Same problems in both rounds. CI: percentile bootstrap of the per-problem change "
-                             "(10,000 resamples); McNemar: exact test on the problems that changed. A change is "
-                             "significant when the CI excludes 0 and p < 0.05; otherwise it is within the eval's "
-                             "noise. " + batch_invariance_note(run_dir), h3, rows3))
-        if any(r.get("sampled_accuracy") is not None for r in data["accuracy"]):
-            h5, rows5, _ = accuracy_rows(data["accuracy"], "sampled_accuracy")
-            sections.append(("Sampled accuracy (T = 1, %)",
-                             f"Mean share of right answers among the {k} samples per problem: the expected outcome "
-                             "reward the policy is trained to raise (greedy accuracy can stay flat while it rises).",
-                             h5, rows5))
-        if data.get("sampled_changes"):
-            h6, rows6 = _change_rows(data["sampled_changes"])
-            sections.append(("Changes between rounds (paired, sampled)",
-                             "Same problems in both rounds; per problem the share of right samples. CI: percentile "
-                             "bootstrap of the per-problem change; p: sign-flip permutation test (McNemar's test "
-                             "for one sample). Significant when the CI excludes 0 and p < 0.05.", h6, rows6))
-        h4, rows4 = noise_floor_rows(run_dir)
-        if rows4:
-            sections.append(("Noise floor of the eval (paired, greedy)",
-                             "The round's eval policy evaluated again, and a copy one bf16 rounding away, each "
-                             "against the round's own eval on the same problems: a change between rounds of this "
-                             "size is noise. " + batch_invariance_note(run_dir), h4, rows4))
-        else:
-            notes.append("noise floor of the eval not measured: `capo noise-floor --round 0` evaluates the starting "
-                         "policy again and one bf16 rounding away and adds the table here")
+def _accuracy_sections(data: dict, run_dir: Path, notes: list[str]) -> tuple[list[_Section], list[dict]]:
+    """The eval's sections and the greedy rows of ``accuracy.json``; what is not shown goes to ``notes``."""
+    sections: list[_Section] = []
+    h, rows, raw = accuracy_rows(data["accuracy"])
+    n = {f"{_title(r['benchmark'])} {r['n_problems']}" for r in data["accuracy"]}
+    sections.append(("Accuracy (greedy, %)", f"math-verify; problems per benchmark: {', '.join(sorted(n))}. "
+                     "Avg. = unweighted mean over benchmarks (* = over the benchmarks evaluated).", h, rows))
+    k = max(r["pass_k"] or 0 for r in data["accuracy"])  # samples per problem (0: greedy only)
+    if any(r["pass_at_k"] is not None for r in data["accuracy"]):
+        h2, rows2, _ = accuracy_rows(data["accuracy"], "pass_at_k")
+        sections.append((f"pass@{k} (%)", f"{k} samples at temperature 1.0 per problem.", h2, rows2))
+    if data.get("changes"):
+        h3, rows3 = _change_rows(data["changes"])
+        sections.append(("Changes between rounds (paired, greedy)",
+                         "Same problems in both rounds. CI: percentile bootstrap of the per-problem change "
+                         "(10,000 resamples); McNemar: exact test on the problems that changed. A change is "
+                         "significant when the CI excludes 0 and p < 0.05; otherwise it is within the eval's "
+                         "noise. " + batch_invariance_note(run_dir), h3, rows3))
+    if any(r.get("sampled_accuracy") is not None for r in data["accuracy"]):
+        h5, rows5, _ = accuracy_rows(data["accuracy"], "sampled_accuracy")
+        sections.append(("Sampled accuracy (T = 1, %)",
+                         f"Mean share of right answers among the {k} samples per problem: the expected outcome "
+                         "reward the policy is trained to raise (greedy accuracy can stay flat while it rises).",
+                         h5, rows5))
+    if data.get("sampled_changes"):
+        h6, rows6 = _change_rows(data["sampled_changes"])
+        sections.append(("Changes between rounds (paired, sampled)",
+                         "Same problems in both rounds; per problem the share of right samples. CI: percentile "
+                         "bootstrap of the per-problem change; p: sign-flip permutation test (McNemar's test "
+                         "for one sample). Significant when the CI excludes 0 and p < 0.05.", h6, rows6))
+    h4, rows4 = noise_floor_rows(run_dir)
+    if rows4:
+        sections.append(("Noise floor of the eval (paired, greedy)",
+                         "The round's eval policy evaluated again, and a copy one bf16 rounding away, each "
+                         "against the round's own eval on the same problems: a change between rounds of this "
+                         "size is noise. " + batch_invariance_note(run_dir), h4, rows4))
     else:
-        notes.insert(0, "no eval table yet: run the eval stage (round 0 = the starting policy)")
+        notes.append("noise floor of the eval not measured: `capo noise-floor --round 0` evaluates the starting "
+                     "policy again and one bf16 rounding away and adds the table here")
+    return sections, raw
+
+
+def _signal_sections(data: dict, run_dir: Path, notes: list[str]) -> list[_Section]:
+    """The critic-signal, process-signal and training sections that have rows; critic warnings go to ``notes``."""
+    sections: list[_Section] = []
     if data.get("critique_rows"):
         hc, rows_c, warns = critic_signal_rows(data["critique_rows"])
         sections.append(("Critic signal (process critiques)",
@@ -566,8 +552,12 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
     if trows:
         sections.append(("Training rounds", "train acc. = math-verify on the round's rollouts; steps flagged under "
                          "the variant's voting rule; PPO metrics averaged over optimizer steps.", th, trows))
-    table_md = "\n\n".join(f"### {t}\n\n{_md_table(h, r)}\n\n{note}" for t, note, h, r in sections) or "_no tables yet_"
-    browsers = write_browsers(run_dir, out, notes)
+    return sections
+
+
+def _report_markdown(run_id: str, table_md: str, browsers: list[tuple[str, str]], plots: dict[str, Path],
+                     notes: list[str]) -> str:
+    """The text of ``report.md``: the tables, the critique browsers, the plots and what is not shown."""
     md = [f"# CAPO run `{run_id}`\n", table_md]
     if browsers:
         md += ["\n## Critique browser\n", "What the critic saw, per round: steps, votes, raw critiques, token "
@@ -575,9 +565,42 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
     md += ["\n## Plots\n"]
     md += [f"![{name}]({p.name})\n" for name, p in plots.items()]
     md += ["\n## Not shown\n", *(f"- {n}" for n in notes)] if notes else []
+    return "\n".join(md) + "\n"
+
+
+def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> dict[str, Path]:
+    """Write the plots, ``report.md``, ``report.html``, ``table.md`` and ``accuracy.json`` of a run.
+
+    Returns ``{"report_md", "report_html", "table_md", "accuracy_json", <plot name>...: path}``.
+
+    Raises:
+        FileNotFoundError: no run directory ``<runs_dir>/<run_id>``.
+    """
+    run_dir = Path(runs_dir).resolve() / run_id
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"no run {run_id!r} under {Path(runs_dir).resolve()}; runs: "
+                                f"{sorted(p.name for p in Path(runs_dir).glob('*') if p.is_dir())}")
+    out = Path(out_dir) if out_dir is not None else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    data, read_notes = collect(run_dir)
+    if data.get("items"):
+        data["changes"] = paired_changes(data["items"])
+    if data.get("sampled_items"):
+        data["sampled_changes"] = paired_rate_changes(data["sampled_items"])
+    plots, notes = _plots(data, out)
+    notes += read_notes
+    sections: list[_Section] = []
+    raw: list[dict] = []
+    if "accuracy" in data:
+        sections, raw = _accuracy_sections(data, run_dir, notes)
+    else:
+        notes.insert(0, "no eval table yet: run the eval stage (round 0 = the starting policy)")
+    sections += _signal_sections(data, run_dir, notes)
+    table_md = "\n\n".join(f"### {t}\n\n{_md_table(h, r)}\n\n{note}" for t, note, h, r in sections) or "_no tables yet_"
+    browsers = write_browsers(run_dir, out, notes)
     files = {"report_md": out / "report.md", "report_html": out / "report.html", "table_md": out / "table.md",
              "accuracy_json": out / "accuracy.json"}
-    files["report_md"].write_text("\n".join(md) + "\n")
+    files["report_md"].write_text(_report_markdown(run_id, table_md, browsers, plots, notes))
     files["table_md"].write_text(table_md + "\n")
     files["accuracy_json"].write_text(json.dumps(raw, indent=1))
     files["report_html"].write_text(_html(run_id, sections, plots, notes, browsers))

@@ -139,6 +139,43 @@ def head_bypassed(head: torch.nn.Linear, seen: dict):
             head.forward = before
 
 
+def _forward_from_first_response(model, mb: dict[str, torch.Tensor], dev: torch.device, fuse_head: bool
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Linear | None, dict]:
+    """(B, keep, H or V) output from the first response position, (B, T) indices into it, the head, the autocast."""
+    pos = mb["pos"].to(dev)
+    L = mb["input_ids"].size(1)
+    first = int(pos[mb["mask"].to(dev)].min()) if bool(mb["mask"].any()) else L - 1
+    keep = L - first  # logits for positions first .. L-1
+    head = output_head(model) if fuse_head else None
+    seen: dict = {}
+    with head_bypassed(head, seen) if head is not None else contextlib.nullcontext():
+        out_t = model(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev),
+                      logits_to_keep=keep).logits  # (B, keep, H) hidden states with the head bypassed, else (B, keep, V)
+    if out_t.size(1) != keep:  # a model that ignores logits_to_keep returns every position
+        out_t = out_t[:, -keep:]
+    rel = (pos - first).clamp(min=0)  # (B, T) index into the kept positions
+    return out_t, rel, head, seen
+
+
+def _chunk_loop(fn, args: tuple, extra: tuple, rel: torch.Tensor, target: torch.Tensor, inv_temp: float, chunk: int,
+                grad: bool, with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The (B, C) log-prob blocks of ``fn``, ``chunk`` positions at a time, and the entropy blocks (nats) if asked."""
+    out, ent = [], []
+    for c0 in range(0, rel.size(1), chunk):
+        idx, tgt = rel[:, c0:c0 + chunk], target[:, c0:c0 + chunk]
+        if grad:  # the model's own logits: recompute each block's log-softmax in backward
+            from torch.utils.checkpoint import checkpoint
+
+            out.append(checkpoint(fn, *args, idx, tgt, inv_temp, *extra, use_reentrant=False))
+        elif with_entropy:
+            lp_c, ent_c = fn(*args, idx, tgt, inv_temp, *extra, entropy=True)
+            out.append(lp_c)
+            ent.append(ent_c)
+        else:
+            out.append(fn(*args, idx, tgt, inv_temp, *extra))
+    return out, ent
+
+
 def token_logprobs(model, mb: dict[str, torch.Tensor], temperature: float = 1.0,
                    chunk: int = LOGPROB_CHUNK, with_entropy: bool = False, fuse_head: bool = True):
     """(B, T) log-prob (nats) of each response token under ``model`` at sampling ``temperature``
@@ -179,18 +216,7 @@ def token_logprobs(model, mb: dict[str, torch.Tensor], temperature: float = 1.0,
         ValueError: ``with_entropy`` on a pass that records gradients.
     """
     dev = next(model.parameters()).device
-    pos = mb["pos"].to(dev)
-    L = mb["input_ids"].size(1)
-    first = int(pos[mb["mask"].to(dev)].min()) if bool(mb["mask"].any()) else L - 1
-    keep = L - first  # logits for positions first .. L-1
-    head = output_head(model) if fuse_head else None
-    seen: dict = {}
-    with head_bypassed(head, seen) if head is not None else contextlib.nullcontext():
-        out_t = model(input_ids=mb["input_ids"].to(dev), attention_mask=mb["attention_mask"].to(dev),
-                      logits_to_keep=keep).logits  # (B, keep, H) hidden states with the head bypassed, else (B, keep, V)
-    if out_t.size(1) != keep:  # a model that ignores logits_to_keep returns every position
-        out_t = out_t[:, -keep:]
-    rel = (pos - first).clamp(min=0)  # (B, T) index into the kept positions
+    out_t, rel, head, seen = _forward_from_first_response(model, mb, dev, fuse_head)
     target = mb["target"].to(dev)
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
     grad = torch.is_grad_enabled() and out_t.requires_grad
@@ -205,19 +231,7 @@ def token_logprobs(model, mb: dict[str, torch.Tensor], temperature: float = 1.0,
         extra: tuple = (seen.get("autocast"),)
     else:
         fn, args, extra = _chunk_logprobs, (out_t,), ()
-    out, ent = [], []
-    for c0 in range(0, rel.size(1), chunk):
-        idx, tgt = rel[:, c0:c0 + chunk], target[:, c0:c0 + chunk]
-        if grad:  # the model's own logits: recompute each block's log-softmax in backward
-            from torch.utils.checkpoint import checkpoint
-
-            out.append(checkpoint(fn, *args, idx, tgt, inv_temp, *extra, use_reentrant=False))
-        elif with_entropy:
-            lp_c, ent_c = fn(*args, idx, tgt, inv_temp, *extra, entropy=True)
-            out.append(lp_c)
-            ent.append(ent_c)
-        else:
-            out.append(fn(*args, idx, tgt, inv_temp, *extra))
+    out, ent = _chunk_loop(fn, args, extra, rel, target, inv_temp, chunk, grad, with_entropy)
     lp = torch.cat(out, dim=1) if out else torch.zeros(rel.shape, device=dev)
     if with_entropy:
         return lp * mask, (torch.cat(ent, dim=1) if ent else torch.zeros(rel.shape, device=dev)) * mask

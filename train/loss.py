@@ -203,6 +203,49 @@ def future_kl_weights(log_ratio: Tensor, mask: Tensor, advantages: Tensor, half_
         return torch.where(mask_b, f, torch.ones((), dtype=lr.dtype, device=lr.device))
 
 
+def _check_loss_args(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                     ref_logprobs: Tensor | None, clip_low: float, clip_high: float, kl_coef: float,
+                     loss_agg_mode: str) -> None:
+    """Raise ValueError on the argument errors :func:`ppo_clip_loss` lists (all tensors (B, T))."""
+    shape = logprobs.shape
+    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask),
+                    ("ref_logprobs", ref_logprobs)):
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
+    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if kl_coef < 0.0 or (kl_coef > 0.0 and ref_logprobs is None):
+        raise ValueError(f"kl_coef={kl_coef}: must be >= 0, and > 0 needs ref_logprobs")
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes: {LOSS_AGG_MODES}")
+
+
+def _pg_surrogate(log_ratio: Tensor, adv: Tensor, mask_b: Tensor, clip_low: float, clip_high: float,
+                  ratio_trace: tuple[float, str] | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The (B, T) ratio (traced with ``ratio_trace``) and the unclipped and clipped per-token PG losses."""
+    ratio = torch.exp(log_ratio if ratio_trace is None else traced_log_ratio(log_ratio, mask_b, *ratio_trace))  # (B, T)
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return ratio, pg_unclipped, pg_clipped
+
+
+def _k3_kl_ref(logprobs: Tensor, ref_logprobs: Tensor, mask_b: Tensor, zero: Tensor, loss_agg_mode: str) -> Tensor:
+    """The k3 estimate of KL(policy || reference) from (B, T) log-probs (nats), aggregated to a scalar with grad."""
+    delta = torch.where(mask_b, ref_logprobs.detach() - logprobs, zero)  # (B, T)
+    kl_mat = torch.exp(delta) - delta - 1.0  # k3 >= 0
+    return agg_loss(kl_mat, mask_b, loss_agg_mode)
+
+
+def _ratio_stats(log_ratio: Tensor, ratio: Tensor, pg_unclipped: Tensor, pg_clipped: Tensor,
+                 mask_f: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Detached token means over the (B, T) ``mask_f``: clip fraction, approx. KL and mean ratio."""
+    with torch.no_grad():
+        clip_frac = _masked_token_mean((pg_clipped > pg_unclipped).to(mask_f.dtype), mask_f)
+        approx_kl = _masked_token_mean(0.5 * log_ratio.square(), mask_f)
+        ratio_mean = _masked_token_mean(ratio, mask_f)
+    return clip_frac, approx_kl, ratio_mean
+
+
 def ppo_clip_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -247,17 +290,8 @@ def ppo_clip_loss(
         ValueError: shapes differ, clip or kl values out of range, ``kl_coef > 0`` without
             ``ref_logprobs``, unknown ``loss_agg_mode``.
     """
-    shape = logprobs.shape
-    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask),
-                    ("ref_logprobs", ref_logprobs)):
-        if t is not None and t.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
-    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
-        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
-    if kl_coef < 0.0 or (kl_coef > 0.0 and ref_logprobs is None):
-        raise ValueError(f"kl_coef={kl_coef}: must be >= 0, and > 0 needs ref_logprobs")
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes: {LOSS_AGG_MODES}")
+    _check_loss_args(logprobs, old_logprobs, advantages, mask, ref_logprobs, clip_low, clip_high, kl_coef,
+                     loss_agg_mode)
 
     mask_b = mask.bool()
     mask_f = mask_b.to(logprobs.dtype)
@@ -267,24 +301,14 @@ def ppo_clip_loss(
     adv = torch.where(mask_b, advantages.detach().to(logprobs.dtype), zero)  # (B, T)
     if future_kl is not None:  # FIPO: each token's advantage weighted by its future's influence
         adv = adv * future_kl_weights(log_ratio.detach(), mask_b, adv, **future_kl)
-    ratio = torch.exp(log_ratio if ratio_trace is None else traced_log_ratio(log_ratio, mask_b, *ratio_trace))  # (B, T)
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    ratio, pg_unclipped, pg_clipped = _pg_surrogate(log_ratio, adv, mask_b, clip_low, clip_high, ratio_trace)
     pg_mat = torch.maximum(pg_unclipped, pg_clipped)  # = -min(ratio*A, clip(ratio)*A)
     pg_loss = agg_loss(pg_mat, mask_b, loss_agg_mode)
 
-    if ref_logprobs is not None:
-        delta = torch.where(mask_b, ref_logprobs.detach() - logprobs, zero)  # (B, T)
-        kl_mat = torch.exp(delta) - delta - 1.0  # k3 >= 0
-        kl_ref = agg_loss(kl_mat, mask_b, loss_agg_mode)
-    else:
-        kl_ref = zero
+    kl_ref = _k3_kl_ref(logprobs, ref_logprobs, mask_b, zero, loss_agg_mode) if ref_logprobs is not None else zero
     loss = pg_loss + kl_coef * kl_ref if kl_coef > 0.0 else pg_loss
 
-    with torch.no_grad():
-        clip_frac = _masked_token_mean((pg_clipped > pg_unclipped).to(logprobs.dtype), mask_f)
-        approx_kl = _masked_token_mean(0.5 * log_ratio.square(), mask_f)
-        ratio_mean = _masked_token_mean(ratio, mask_f)
+    clip_frac, approx_kl, ratio_mean = _ratio_stats(log_ratio, ratio, pg_unclipped, pg_clipped, mask_f)
     return LossOutputs(
         loss=loss,
         pg_loss=pg_loss.detach(),

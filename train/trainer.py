@@ -118,20 +118,35 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
     if not examples:
         raise ValueError("ppo_update needs at least one example")
     world = accelerator.num_processes
-    micro = [collate(examples[i : i + tc.micro_batch_size], pad_id) for i in range(0, len(examples), tc.micro_batch_size)]
-    t_global = max(len(e.response_ids) for e in examples)  # the round's longest response (seq-mean-token-sum-norm)
-    steps = plan_steps(len(micro), tc, seed)
-    shares = [sorted({j for _, chunk in steps for j in rank_share(chunk, r, world)}) for r in range(world)]
+    micro, t_global, steps, shares = _plan_micro_batches(examples, tc, pad_id, seed, world)
     fuse = not shards_parameters(accelerator) if fuse_head is None else fuse_head  # a sharded head is whole only in forward
     mismatch = old_logprobs(model, micro, shares, accelerator, ref_model, temperature, fuse, pad_id)
     model.train()
     params = list(model.parameters())  # all of them: FSDP's clip_grad_norm_ path needs exactly these
     update = any(g["lr"] > 0 for g in optimizer.param_groups)  # lr 0 (the control arm): no backward, no step
+    return _run_steps(model, optimizer, params, micro, steps, tc, accelerator, world, t_global, temperature, fuse,
+                      pad_id, ref_model is not None, update, mismatch)
+
+
+def _plan_micro_batches(examples: list[Example], tc: TrainConfig, pad_id: int, seed: int,
+                        world: int) -> tuple[list[dict], int, list, list[list[int]]]:
+    """The padded micro-batches, longest response (tokens), step plan and each process's micro-batch indices."""
+    micro = [collate(examples[i : i + tc.micro_batch_size], pad_id) for i in range(0, len(examples), tc.micro_batch_size)]
+    t_global = max(len(e.response_ids) for e in examples)  # the round's longest response (seq-mean-token-sum-norm)
+    steps = plan_steps(len(micro), tc, seed)
+    shares = [sorted({j for _, chunk in steps for j in rank_share(chunk, r, world)}) for r in range(world)]
+    return micro, t_global, steps, shares
+
+
+def _run_steps(model, optimizer, params: list, micro: list[dict], steps: list, tc: TrainConfig, accelerator,
+               world: int, t_global: int, temperature: float, fuse: bool, pad_id: int, has_ref: bool, update: bool,
+               mismatch: dict) -> list[dict]:
+    """Every optimizer step of the plan ``steps`` over ``micro``: one metrics dict per step (:func:`ppo_update`)."""
     metrics = []
     for step, (epoch, chunk) in enumerate(steps):
         t0 = time.perf_counter()
         local, ntok = accumulate_gradients(model, micro, chunk, tc, accelerator, t_global, temperature, fuse, pad_id,
-                                           ref_model is not None, update)
+                                           has_ref, update)
         grad_norm = None
         if update:
             grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm)

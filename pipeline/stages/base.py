@@ -16,6 +16,7 @@ import numpy as np
 
 from pipeline import storage
 from pipeline.config import CAPOConfig, section_hash
+from pipeline.core.critique.mode import critique_mode
 
 log = logging.getLogger("capo.stages")
 
@@ -50,7 +51,7 @@ def round_paths(cfg: CAPOConfig, round_idx: int) -> dict[str, Path]:
     rd = cfg.round_dir(round_idx)
     vd = rd / "variants" / cfg.variant
     paths = {name: rd / f"{name}.parquet" for name in ("rollouts", "outcomes", "steps")}
-    crit = "critiques" if cfg.critique.mode == "process" else "genorm_critiques"
+    crit = "genorm_critiques" if cfg.critique.mode == "outcome" else "critiques"  # the table's name, even off
     paths.update(critiques=rd / f"{crit}.parquet", step_verdicts=vd / "step_verdicts.parquet",
                  token_rewards=vd / "token_rewards.parquet", train_metrics=vd / "train_metrics.parquet",
                  checkpoint=vd / "checkpoint", train_state=vd / "train_state", round_dir=rd, variant_dir=vd,
@@ -167,14 +168,15 @@ def policy_messages(question: str, instruction: str) -> list[dict]:
 # ---------------------------------------------------------------------------- not applicable
 def no_critic(cfg: CAPOConfig) -> str | None:
     """Why a stage that needs the critic has nothing to do under ``cfg`` (None: it has)."""
-    return "critique.enabled is false (GRPO rule baseline): no critic" if not cfg.critique.enabled else None
+    return "critique.enabled is false (GRPO rule baseline): no critic" if critique_mode(cfg.critique).type == "none" else None
 
 
 def no_step_votes(cfg: CAPOConfig) -> str | None:
     """Why a stage that needs step verdicts has nothing to do under ``cfg`` (None: it has)."""
-    if not cfg.critique.enabled:
+    mode = critique_mode(cfg.critique)
+    if mode.type == "none":
         return no_critic(cfg)
-    return "critique.mode is outcome (GenORM baseline): no step votes" if cfg.critique.mode == "outcome" else None
+    return "critique.mode is outcome (GenORM baseline): no step votes" if not mode.votes_steps else None
 
 
 # ------------------------------------------------------------------------------------- record

@@ -31,6 +31,14 @@ import pyarrow.parquet as pq
 
 from pipeline import storage
 from pipeline.config import CAPOConfig
+from pipeline.core.critique import (
+    SKIPPED_EMPTY,
+    CritiqueJob,
+    CritiqueMode,
+    critique_mode,
+    critique_requests,
+    critique_rows,
+)
 from pipeline.engines import make_engine
 from pipeline.schemas import CRITIQUES_SCHEMA
 from pipeline.stages.base import (
@@ -65,13 +73,14 @@ def critique_key(cfg: CAPOConfig, round_idx: int) -> dict:
            "template_version": cfg.critique.template, "parser": PARSER_VERSION, "data_escape": DATA_ESCAPE_VERSION,
            "prompts": storage.file_sha256(prompts_path(cfg)), "dtype": precision_record(cfg)["critique_dtype"],
            "critic": model_fingerprint(resolve_model(cfg.critique.critic, cfg))}
-    if cfg.critique.structured_output and cfg.critique.mode == "process":  # free text keeps its earlier keys
+    mode = critique_mode(cfg.critique)
+    if mode.type == "process" and mode.structured_output:  # free text keeps its earlier keys
         key["structured"] = STRUCTURED_VERSION
-    if cfg.critique.mode == "process":
+    if mode.type == "process":
         from pipeline.core.arithmetic import VERSION as ARITHMETIC_VERSION
 
         key["arithmetic"] = ARITHMETIC_VERSION
-        if cfg.critique.logprob_readout:
+        if mode.logprob_readout:
             from pipeline.core.readout import VERSION as READOUT_VERSION
 
             key["logprob"] = READOUT_VERSION
@@ -388,6 +397,43 @@ def _critique_inputs(cfg: CAPOConfig, round_idx: int) -> _CritiqueInputs:
                            critique_parts_dir(cfg, round_idx))
 
 
+def _jobs(inp: _CritiqueInputs, ids: list[str]) -> list[CritiqueJob]:
+    """The critique jobs of a shard's rollouts, in shard order."""
+    out = []
+    for rid in ids:
+        r = inp.rollouts[rid]
+        pr = inp.prompts[r["prompt_id"]]
+        out.append(CritiqueJob(rid, pr["question"], inp.steps[rid], r["response_text"], pr["gold_answer"],
+                               pr["gold_solution"], rid in inp.empty))
+    return out
+
+
+def _critique_replies(engine, mode: CritiqueMode, jobs: list[CritiqueJob], n: int, sampling, shard: int,
+                      round_idx: int) -> dict[str, list]:
+    """The critic's ``n`` sampled critiques of every non-empty job, by rollout id.
+
+    Raises:
+        pipeline.engines.openai_engine.EngineReplyError: a request failed after its retries; the
+            message names the shard and the rollouts it failed on.
+    """
+    from pipeline.engines.openai_engine import EngineReplyError
+
+    live = [j for j in jobs if not j.empty]
+    convs, constraints = critique_requests(mode, live)
+    try:
+        replies = engine.generate(convs, n, sampling, constraints=constraints)
+    except EngineReplyError as e:
+        if not e.failed:
+            raise
+        rids = [str(live[i].rollout_id) for i in e.failed]
+        named = ", ".join(rids[:20]) + (f" and {len(rids) - 20} more" if len(rids) > 20 else "")
+        err = EngineReplyError(f"critique shard {shard} of round {round_idx}: the critic failed on "
+                               f"rollout{'s' if len(rids) > 1 else ''} {named}: {e}")
+        err.failed, err.kept = e.failed, e.kept
+        raise err from e
+    return {j.rollout_id: g.samples for j, g in zip(live, replies)}
+
+
 def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inputs: _CritiqueInputs | None = None) -> dict:
     """Compute and commit shards ``shard_ids`` of the round's plan with one critic engine.
 
@@ -395,7 +441,9 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
     :func:`critic_seed` of the first shard it computes. Shards already committed under the current
     key are skipped, so running it again after a kill, or twice, neither loses nor doubles rows.
     It never touches other shards' files, so workers can run it side by side on one parts
-    directory. Logs one progress line (with the time left) per committed shard.
+    directory. Logs one progress line (with the time left) per committed shard. The rows are
+    :func:`pipeline.core.critique.critique_rows` of the replies (pure); this function is the engine
+    and the I/O around it.
 
     Returns:
         What this worker did: ``shards`` (asked for), ``computed`` (those it committed),
@@ -409,15 +457,6 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
             are kept beside its part (``.part-<k>.replies.jsonl``), so running again sends only
             the failed requests; shards committed before it stay committed.
     """
-    from pipeline.core.critique import (
-        build_critique_messages,
-        critique_regex,
-        build_outcome_messages,
-        parse_critique,
-        parse_outcome_verdict,
-    )
-    from pipeline.engines.openai_engine import EngineReplyError
-
     t_start = time.perf_counter()
     inp = _inputs or _critique_inputs(cfg, round_idx)
     bad = [s for s in shard_ids if not 0 <= s < len(inp.plan)]
@@ -425,78 +464,28 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
         raise ValueError(f"critique shards {bad} are not in round {round_idx}'s plan (shards 0..{len(inp.plan) - 1})")
     todo = [s for s in shard_ids if not _shard_committed(inp.parts_dir, s, inp.shard_key, inp.plan[s])]
     n_todo = sum(len(inp.plan[s]) for s in todo)
-    outcome_mode = cfg.critique.mode == "outcome"
-    n = cfg.critique.num_critiques
+    mode, n = critique_mode(cfg.critique), cfg.critique.num_critiques
     seed = critic_seed(cfg, round_idx, todo[0]) if todo else None
     engine = None
-    critic_calls = 0
-    finished = 0
+    critic_calls = finished = 0
     t0 = time.perf_counter()
     for shard in todo:
-        batch = [inp.rollouts[rid] for rid in inp.plan[shard]]
-        live = [r for r in batch if r["rollout_id"] not in inp.empty]
-        gens = {}
-        if live and n > 0:  # n = 0: only the checkers' rows (finalize), no critic engine
+        jobs = _jobs(inp, inp.plan[shard])
+        replies: dict[str, list] = {}
+        if n > 0 and any(not j.empty for j in jobs):  # n = 0: only the checkers' rows (finalize), no critic engine
             if engine is None:
                 engine = make_engine(inp.critic, cfg.critique.engine, seed=seed)
             if hasattr(engine, "reply_cache"):  # the OpenAI engine keeps finished replies across a failed request
                 engine.reply_cache = _replies_path(inp.parts_dir, shard)
-            convs, constraints = [], None
-            if cfg.critique.structured_output and not outcome_mode:
-                constraints = [critique_regex(len(inp.steps[r["rollout_id"]])) for r in live]
-            for r in live:
-                pr = inp.prompts[r["prompt_id"]]
-                gold = pr["gold_answer"] if cfg.critique.include_gold_answer else None
-                if outcome_mode:
-                    convs.append(build_outcome_messages(pr["question"], r["response_text"], gold))
-                else:
-                    ref = pr["gold_solution"] if cfg.critique.include_reference else None
-                    convs.append(build_critique_messages(pr["question"], inp.steps[r["rollout_id"]], gold,
-                                                         cfg.critique.template, reference_solution=ref))
-            try:
-                replies = engine.generate(convs, n, cfg.critique.sampling, constraints=constraints)
-            except EngineReplyError as e:
-                if not e.failed:
-                    raise
-                rids = [str(live[i]["rollout_id"]) for i in e.failed]
-                named = ", ".join(rids[:20]) + (f" and {len(rids) - 20} more" if len(rids) > 20 else "")
-                err = EngineReplyError(f"critique shard {shard} of round {round_idx}: the critic failed on "
-                                       f"rollout{'s' if len(rids) > 1 else ''} {named}: {e}")
-                err.failed, err.kept = e.failed, e.kept
-                raise err from e
-            for r, g in zip(live, replies):
-                gens[r["rollout_id"]] = g
-            critic_calls += len(live)
-        rows = []
-        for r in batch:
-            rid, n_steps = r["rollout_id"], len(inp.steps[r["rollout_id"]])
-            for k in range(n):
-                verdict = judged = by_lines = None
-                if rid in gens:
-                    s = gens[rid].samples[k]
-                    text, toks, fin = s.text, len(s.token_ids) or len(s.logprobs or []), s.finish_reason
-                    if outcome_mode:
-                        verdict, status = parse_outcome_verdict(s.text)
-                        wrong = None
-                    else:
-                        parsed = parse_critique(s.text, n_steps)
-                        status, wrong = parsed.status, (list(parsed.wrong_steps) if parsed.wrong_steps is not None else None)
-                        judged, by_lines = list(parsed.judged), list(parsed.wrong_by_lines)
-                else:
-                    text, toks, fin, status, wrong = "", 0, None, "skipped_empty_response", None
-                rows.append({"run_id": cfg.run_id, "round": round_idx, "rollout_id": rid, "critique_idx": k,
-                             "source": "llm", "mode": cfg.critique.mode, "outcome_verdict": verdict, "critic_model": inp.critic,
-                             "template_version": None if outcome_mode else cfg.critique.template,
-                             "include_gold_answer": cfg.critique.include_gold_answer, "n_steps": n_steps,
-                             "raw_text": text, "wrong_steps": wrong, "steps_judged": judged,
-                             "steps_wrong_lines": by_lines, "parse_status": status,
-                             "critic_tokens": toks, "finish_reason": fin})
+            replies = _critique_replies(engine, mode, jobs, n, cfg.critique.sampling, shard, round_idx)
+            critic_calls += len(replies)
+        rows = critique_rows(mode, jobs, replies, n, {"run_id": cfg.run_id, "round": round_idx, "critic_model": inp.critic})
         storage.write_part(pa.Table.from_pylist(rows, schema=CRITIQUES_SCHEMA), inp.parts_dir, shard, "critiques",
                            {"key": inp.shard_key, "shard": shard, "rollouts_sha": _ids_sha(inp.plan[shard]),
                             "pid": os.getpid(), "ppid": os.getppid(), "host": socket.gethostname(), "seed": seed})
         _replies_path(inp.parts_dir, shard).unlink(missing_ok=True)  # the part holds them now
         elapsed = time.perf_counter() - t0
-        finished += len(batch)
+        finished += len(jobs)
         eta = elapsed / finished * (n_todo - finished)
         log.info("[critique] %d/%d rollouts critiqued (%.0fs elapsed, ~%.0fs left)", finished, n_todo, elapsed, eta)
     engine_stats = engine.stats.as_dict() if engine is not None else None
@@ -523,6 +512,46 @@ def sum_engine_stats(stats: list[dict | None]) -> dict | None:
     return out
 
 
+def _commit_kept(cfg: CAPOConfig, round_idx: int, inp: _CritiqueInputs, kept: pa.Table) -> None:
+    """Commit the kept LLM critiques of the previous table as the plan's shards (those not committed
+    yet), so a kill while the new table is written (the old one then moves to superseded/) loses no
+    critic work."""
+    p = round_paths(cfg, round_idx)
+    log.info("[critique] keeping the %d LLM critiques of %s (only the checkers run again)", kept.num_rows,
+             p["critiques"].name)
+    by_rid: dict[str, list] = {}
+    for r in kept.to_pylist():
+        by_rid.setdefault(r["rollout_id"], []).append(r)
+    for i, ids in enumerate(inp.plan):
+        if not _shard_committed(inp.parts_dir, i, inp.shard_key, ids):
+            rows = [r for rid in ids for r in by_rid.get(rid, [])]
+            storage.write_part(pa.Table.from_pylist(rows, schema=CRITIQUES_SCHEMA), inp.parts_dir, i, "critiques",
+                               {"key": inp.shard_key, "shard": i, "rollouts_sha": _ids_sha(ids),
+                                "pid": os.getpid(), "reused_from": p["critiques"].name})
+
+
+_SOURCE_ORDER = {"llm": 0, "arithmetic": 1, "logprob": 2}
+"""Row order of the critiques table within a rollout: the critic's critiques, then the checkers'."""
+
+
+def _assemble(cfg: CAPOConfig, round_idx: int, inp: _CritiqueInputs) -> tuple[pa.Table, dict | None]:
+    """The critiques table: the committed parts, then the checkers' rows (process mode), sorted by
+    rollout, source and critique index; and the log-prob readout's engine stats (None without it)."""
+    tables = [storage.read_table(_part_path(inp.parts_dir, i), "critiques") for i in range(len(inp.plan))]
+    readout_stats = None
+    mode = critique_mode(cfg.critique)
+    if mode.type == "process":
+        tables.append(pa.Table.from_pylist(arithmetic_rows(cfg, round_idx, inp.steps, inp.empty, list(inp.rollouts)),
+                                           schema=CRITIQUES_SCHEMA))
+        if mode.logprob_readout:
+            rrows, readout_stats = readout_rows(cfg, round_idx, inp)
+            tables.append(pa.Table.from_pylist(rrows, schema=CRITIQUES_SCHEMA))
+    table = pa.concat_tables(tables) if tables else CRITIQUES_SCHEMA.empty_table()
+    table = table.append_column("_o", pa.array([_SOURCE_ORDER[x] for x in table.column("source").to_pylist()], pa.int8()))
+    table = table.sort_by([("rollout_id", "ascending"), ("_o", "ascending"), ("critique_idx", "ascending")])
+    return table.drop_columns(["_o"]), readout_stats
+
+
 def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
                    run_shards: Callable[[list[int]], list[dict]] | None = None) -> StageResult:
     """N critiques per response from the critic, parsed -> ``critiques.parquet`` (resumable).
@@ -538,8 +567,6 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
         FileNotFoundError: the round's rollouts or steps table is missing.
         RuntimeError: a shard was still missing after ``run_shards`` returned.
     """
-    from pipeline.core.critique import OUTCOME_PARSE_STATUSES, VERDICT_STATUSES
-
     p = round_paths(cfg, round_idx)
     key = critique_key(cfg, round_idx)
     parts_dir = critique_parts_dir(cfg, round_idx)
@@ -549,20 +576,8 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
         inp = _critique_inputs(cfg, round_idx)
         kept = None if force else reusable_llm_critiques(p["critiques"], key)
         if kept is not None:
-            # the kept critiques become committed shards first: a kill while the new table is written
-            # (the old one is moved to superseded/ then) loses no critic work
-            log.info("[critique] keeping the %d LLM critiques of %s (only the checkers run again)",
-                     kept.num_rows, p["critiques"].name)
             stats_box["kept_engine"] = (storage.read_manifest(p["critiques"]) or {}).get("engine")
-            by_rid: dict[str, list] = {}
-            for r in kept.to_pylist():
-                by_rid.setdefault(r["rollout_id"], []).append(r)
-            for i, ids in enumerate(inp.plan):
-                if not _shard_committed(parts_dir, i, inp.shard_key, ids):
-                    rows = [r for rid in ids for r in by_rid.get(rid, [])]
-                    storage.write_part(pa.Table.from_pylist(rows, schema=CRITIQUES_SCHEMA), parts_dir, i, "critiques",
-                                       {"key": inp.shard_key, "shard": i, "rollouts_sha": _ids_sha(ids),
-                                        "pid": os.getpid(), "reused_from": p["critiques"].name})
+            _commit_kept(cfg, round_idx, inp, kept)
             done, todo = list(range(len(inp.plan))), []
         else:
             done = critique_done_shards(cfg, round_idx, inp.plan, prune=True)
@@ -580,22 +595,11 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
         stats_box["critic_calls"] = int(sum(w.get("critic_calls", 0) for w in workers))
         peaks = [w["peak_rss_mb"] for w in workers if w.get("peak_rss_mb") is not None]
         stats_box["peak_rss_mb"] = max(peaks) if peaks else None
-        tables = [storage.read_table(_part_path(parts_dir, i), "critiques") for i in range(len(inp.plan))]
-        readout_stats = None
-        if cfg.critique.mode == "process":
-            tables.append(pa.Table.from_pylist(arithmetic_rows(cfg, round_idx, inp.steps, inp.empty, list(inp.rollouts)),
-                                               schema=CRITIQUES_SCHEMA))
-            if cfg.critique.logprob_readout:
-                rrows, readout_stats = readout_rows(cfg, round_idx, inp)
-                tables.append(pa.Table.from_pylist(rrows, schema=CRITIQUES_SCHEMA))
-        table = pa.concat_tables(tables) if tables else CRITIQUES_SCHEMA.empty_table()
-        order = {"llm": 0, "arithmetic": 1, "logprob": 2}
-        table = table.append_column("_o", pa.array([order[x] for x in table.column("source").to_pylist()], pa.int8()))
-        table = table.sort_by([("rollout_id", "ascending"), ("_o", "ascending"), ("critique_idx", "ascending")]).drop_columns(["_o"])
+        table, readout_stats = _assemble(cfg, round_idx, inp)
         statuses = [st for st, src in zip(table.column("parse_status").to_pylist(), table.column("source").to_pylist())
                     if src == "llm"]
-        parsed_ok = set(VERDICT_STATUSES) if cfg.critique.mode == "process" else {OUTCOME_PARSE_STATUSES[0]}
-        n_fail = sum(st not in parsed_ok and st != "skipped_empty_response" for st in statuses)
+        parsed_ok = critique_mode(cfg.critique).parsed_statuses
+        n_fail = sum(st not in parsed_ok and st != SKIPPED_EMPTY for st in statuses)
         return table, provenance(cfg, {"critic": inp.critic, "critic_calls": stats_box["critic_calls"],
                                        "engine": sum_engine_stats([w.get("engine") for w in workers])
                                        or stats_box.get("kept_engine"),  # the kept critiques' own cost

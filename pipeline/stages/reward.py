@@ -13,6 +13,7 @@ import pyarrow.compute as pc
 
 from pipeline import storage
 from pipeline.config import CAPOConfig
+from pipeline.core.critique.mode import critique_mode
 from pipeline.core.rewards import (
     ADVANTAGE_ESTIMATORS,
     RoundRewards,
@@ -37,9 +38,10 @@ def reward_key(cfg: CAPOConfig, round_idx: int) -> dict:
     p = round_paths(cfg, round_idx)
     c = cfg.model_dump(mode="json")
     ins = {"rollouts": input_fp(p["rollouts"]), "outcomes": input_fp(p["outcomes"])}
-    if cfg.critique.enabled and cfg.critique.mode == "process":
+    mode = critique_mode(cfg.critique)
+    if mode.type == "process":
         ins.update(steps=input_fp(p["steps"]), step_verdicts=input_fp(p["step_verdicts"]))
-    if cfg.critique.enabled and cfg.critique.mode == "outcome":
+    if mode.type == "outcome":
         ins.update(critiques=input_fp(p["critiques"]))
     reward = dict(c["reward"])
     overlong = {k: reward.pop(k) for k in ("overlong_buffer", "overlong_penalty")}
@@ -84,7 +86,7 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
         groups = pc.dictionary_encode(ro.column("prompt_id").combine_chunks()).indices.to_numpy()
         if rc.outcome == "shuffled":  # the control: each group's outcomes dealt out again at random
             r_v = shuffle_within_groups(r_v, groups, [cfg.seed, round_idx])
-        process = cfg.critique.enabled and cfg.critique.mode == "process"
+        process = critique_mode(cfg.critique).votes_steps
         B = len(n_tok)
         if process:  # one run per step: the tokens of a step share their reward
             pos_S, len_S, w_S, n_valid = _step_runs(p, rid, offsets, cfg.vote.rule)

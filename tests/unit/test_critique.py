@@ -1,4 +1,4 @@
-"""GenPRM prompt template and verdict parser (pipeline/core/critique.py)."""
+"""GenPRM prompt template and verdict parser (pipeline/core/critique/)."""
 
 import pytest
 from hypothesis import given
@@ -398,9 +398,9 @@ def test_a_policy_cannot_forge_a_step_or_verdict_line(forged):
 
 @given(st.text(max_size=300), st.integers(0, 5))
 def test_judged_text_never_raises_and_keeps_one_block(text, step):
-    from pipeline.core.critique import _as_data
+    from pipeline.core.critique import as_data
 
-    out = _as_data(text, step)
+    out = as_data(text, step)
     assert isinstance(out, str)
     block = _block([text or "x", "end"])
     assert block.count("</solution>") == 1 and block.count("\n</solution>") == 1
@@ -417,12 +417,12 @@ def test_adversarial_critiques_and_steps_take_linear_time(text):
     work per 100 kB here, so 1 s is a wide margin on any machine that runs the suite."""
     import time
 
-    from pipeline.core.critique import _as_data
+    from pipeline.core.critique import as_data
 
     t0 = time.perf_counter()
     parsed = parse_critique(text, 5)
     parse_outcome_verdict(text)
-    _as_data(text, 0)
+    as_data(text, 0)
     assert time.perf_counter() - t0 < 1.0 and parsed.status in PARSE_STATUSES
 
 

@@ -20,7 +20,9 @@ PACKAGES = ("pipeline", "critic_eval", "flows", "train")
 # layer -> layers it must not import
 FORBIDDEN_LAYERS = {"pipeline": {"flows", "train", "critic_eval"}, "train": {"flows", "critic_eval"},
                     "critic_eval": {"flows", "train"}}
-PURE = ("pipeline.core", "pipeline.core.segment", "pipeline.core.critique", "pipeline.core.voting",
+PURE = ("pipeline.core", "pipeline.core.segment", "pipeline.core.critique", "pipeline.core.critique.escape",
+        "pipeline.core.critique.templates", "pipeline.core.critique.parse", "pipeline.core.critique.health",
+        "pipeline.core.critique.mode", "pipeline.core.voting",
         "pipeline.core.rewards", "pipeline.core.significance", "pipeline.core.tokenization", "train.loss")
 PURE_MAY_IMPORT = {"train.loss": {"torch"}}  # besides the standard library, numpy and other pure modules
 
