@@ -54,6 +54,7 @@ from pipeline.schemas import (
     CRITIC_EVAL_SCORES_SCHEMA,
 )
 from pipeline.stages.base import (
+    Stage,
     StageResult,
     check_outputs,
     model_fingerprint,
@@ -285,8 +286,9 @@ def _read_records(path: Path) -> list[dict]:
     raise ValueError(f"benchmark file {path} must be .jsonl, .parquet or a .json array of items")
 
 
-def benchmark_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
-    """Build the built-in benchmark, or load and check a ProcessBench file -> ``benchmark.parquet``."""
+def benchmark_stage(cfg: CriticEvalConfig, unit: None = None, force: bool = False) -> StageResult:
+    """Build the built-in benchmark, or load and check a ProcessBench file -> ``benchmark.parquet``
+    (one per evaluation: ``unit`` is None)."""
     from critic_eval import items as critic_bench
 
     b, out = cfg.benchmark, paths(cfg)["benchmark"]
@@ -500,7 +502,7 @@ def _setup_seconds_per_item(manifest: dict, n_items: int) -> float:
     return secs / n_items if secs is not None and n_items else math.nan
 
 
-def score_stage(cfg: CriticEvalConfig, force: bool = False) -> StageResult:
+def score_stage(cfg: CriticEvalConfig, unit: None = None, force: bool = False) -> StageResult:
     """Score every setup and union, subset, rule and N -> ``scores.parquet`` and ``predictions.parquet``.
 
     Subsets (:func:`critic_eval.scores.subsets`): ``all``, ``plain`` / ``adversarial``, and each
@@ -610,8 +612,9 @@ def plot_f1(scores: list[dict], setups: list[str], subset: str, path: Path) -> P
     return path
 
 
-def report_stage(cfg: CriticEvalConfig) -> StageResult:
-    """``report.md`` and ``f1_vs_n.png`` from ``scores.parquet`` (always rewritten; cheap)."""
+def report_stage(cfg: CriticEvalConfig, unit: None = None, force: bool = False) -> StageResult:
+    """``report.md`` and ``f1_vs_n.png`` from ``scores.parquet`` (always rewritten, cheap: ``force`` changes
+    nothing; one per evaluation: ``unit`` is None)."""
     from critic_eval.scores import main_subset, render_report
 
     p = paths(cfg)
@@ -660,3 +663,39 @@ def report_stage(cfg: CriticEvalConfig) -> StageResult:
     tmp.write_text(render_report(meta, scores))
     os.replace(tmp, p["report"])
     return StageResult("report", str(p["report"]), False, "written", len(scores), time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------------------------------------ records
+def _critique_child(cfg: CriticEvalConfig, setup: str) -> list[str]:
+    """The child process of one setup's critique stage (``python -m flows.critic_eval critique``)."""
+    return ["-m", "flows.critic_eval", "critique", "--config", str(write_resolved_config(cfg)), "--setup", setup]
+
+
+def _run_paths(cfg: CriticEvalConfig, unit: None) -> dict[str, Path]:
+    return paths(cfg)
+
+
+def get_stage(name: str) -> Stage:
+    """The record of critic-eval stage ``name``.
+
+    Raises:
+        ValueError: unknown stage (lists the valid ones).
+    """
+    for st in STAGES:
+        if st.name == name:
+            return st
+    raise ValueError(f"unknown critic-eval stage {name!r}; valid: {[st.name for st in STAGES]}")
+
+
+STAGES = (
+    Stage("benchmark", (), ("benchmark",), False, None, "critic_eval.stages:benchmark_stage", paths=_run_paths),
+    Stage("critique", ("benchmark",), ("critiques",), True, critique_key, "critic_eval.stages:critique_stage",
+          paths=lambda cfg, setup: {"critiques": critique_path(cfg, setup)}, units=lambda cfg: list(cfg.setups()),
+          child_argv=_critique_child),
+    Stage("score", ("critiques",), ("scores", "predictions"), False, None, "critic_eval.stages:score_stage",
+          paths=_run_paths),
+    Stage("report", ("scores",), ("report", "plot"), False, None, "critic_eval.stages:report_stage", paths=_run_paths),
+)
+"""critic-eval's stages in order, as records the round's runner runs (:func:`flows.runner.run_record`):
+the benchmark once, the critique once per critic setup in a child process (a model's memory is
+returned before the next loads), the score and the report once."""

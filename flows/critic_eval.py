@@ -6,9 +6,11 @@
     python -m flows.critic_eval critique --setup embedded-1.5b+gold   # one setup, in this process
     prefect deployment run 'critic-eval/default' --watch
 
-The flow only sequences: the benchmark, score and report stages are light and run in the task's
-process; each critic setup runs in a child process (``python -m flows.critic_eval critique``), so
-a model's memory is returned before the next loads. A finished stage is skipped (its tables and
+The flow only sequences: it runs the records of :data:`critic_eval.stages.STAGES` with the round's
+runner (:func:`flows.runner.run_record`), each for its units. The benchmark, score and report
+stages are light and run in the task's process; each critic setup's critique runs in a child
+process (``python -m flows.critic_eval critique``), so a model's memory is returned before the
+next loads. A finished stage is skipped (its tables and
 manifests say so), so running again resumes. Outputs: ``runs/critic_eval/<name>/``.
 """
 
@@ -27,12 +29,11 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from critic_eval import stages as ces
-from flows.children import stream_child
-from pipeline.stages.base import StageResult
+from flows.runner import run_record
+from pipeline.stages.base import RESULT_TAG
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = str(REPO / "configs" / "critic_eval.yaml")
-RESULT_TAG = "CAPO_CRITIC_EVAL_RESULT "
 
 
 def _overrides(benchmark: Optional[str], name: Optional[str], overrides: Optional[list[str]]) -> list[str]:
@@ -44,74 +45,22 @@ def _overrides(benchmark: Optional[str], name: Optional[str], overrides: Optiona
     return out
 
 
-def run_critique_child(cfg: ces.CriticEvalConfig, setup: str, logger: logging.Logger, force: bool = False) -> StageResult:
-    """Run one setup's critique stage in a child process unless it is current; stream its log.
-
-    The child is stopped when it prints nothing for ``scale.child_silence_s``'s default (1800 s;
-    the critic-eval config has no ``scale`` section).
-
-    Raises:
-        flows.children.StageChildFailed: the child failed, was killed by a signal or was stopped
-            for silence (a RuntimeError; the message names the exit code or signal, the memory and
-            the last output lines).
-    """
-    from pipeline import storage
-    from pipeline.config import ScaleConfig
-
-    cur = storage.is_current(ces.critique_path(cfg, setup), ces.critique_key(cfg, setup))
-    if cur.current and not force:
-        res = StageResult("critique", str(ces.critique_path(cfg, setup)), True, cur.reason)
-        logger.info("[%s] %s", setup, res.line())
-        return res
-    cmd = [sys.executable, "-m", "flows.critic_eval", "critique", "--config", str(ces.write_resolved_config(cfg)),
-           "--setup", setup] + (["--force"] if force else [])
-    payload = stream_child(cmd, setup, logger, f"critique of setup {setup!r}", result_tag=RESULT_TAG,
-                           silence_s=ScaleConfig.model_fields["child_silence_s"].default)
-    result = StageResult(**payload) if payload is not None else None
-    result = result or StageResult("critique", "", False, "child process finished (no result line)")
-    logger.info("[%s] %s", setup, result.line())
-    return result
-
-
 def run_all(cfg: ces.CriticEvalConfig, logger: logging.Logger, force: bool = False) -> dict:
-    """Every stage in order (what the flow does, without Prefect); returns the output paths."""
-    results = [ces.benchmark_stage(cfg, force=force)]
-    results += [run_critique_child(cfg, s, logger, force=force) for s in cfg.setups()]
-    results += [ces.score_stage(cfg, force=force), ces.report_stage(cfg)]
+    """Every stage for each of its units, in order (what the flow does, without Prefect), through the
+    round's runner (:func:`flows.runner.run_record`); returns the output paths."""
+    results = [run_record(st, cfg, unit, logger, force) for st in ces.STAGES for unit in st.units(cfg)]
     p = ces.paths(cfg)
     return {"report": str(p["report"]), "plot": str(p["plot"]), "scores": str(p["scores"]),
             "stages": [dataclasses.asdict(r) for r in results]}
 
 
 # ------------------------------------------------------------------------------------------ Prefect
-def _logged(res: StageResult) -> dict:
-    get_run_logger().info(res.line())
+@task(cache_policy=NO_CACHE)
+def stage_task(config: str, overrides: list[str], name: str, unit: Optional[str] = None) -> dict:
+    """One critic-eval stage for one unit (a critic setup, or None), through the round's runner: light
+    stages in the task's process, a setup's critique in a child process."""
+    res = run_record(ces.get_stage(name), ces.load_eval_config(config, overrides), unit, get_run_logger())
     return dataclasses.asdict(res)
-
-
-@task(cache_policy=NO_CACHE)
-def benchmark_task(config: str, overrides: list[str]) -> dict:
-    """Build or load the benchmark table."""
-    return _logged(ces.benchmark_stage(ces.load_eval_config(config, overrides)))
-
-
-@task(cache_policy=NO_CACHE, task_run_name="critique-{setup}")
-def critique_task(config: str, overrides: list[str], setup: str) -> dict:
-    """Sample one setup's critiques (in a child process)."""
-    cfg = ces.load_eval_config(config, overrides)
-    return dataclasses.asdict(run_critique_child(cfg, setup, get_run_logger()))
-
-
-@task(cache_policy=NO_CACHE)
-def score_task(config: str, overrides: list[str]) -> dict:
-    """Score every setup x subset x rule x N."""
-    return _logged(ces.score_stage(ces.load_eval_config(config, overrides)))
-
-
-@task(cache_policy=NO_CACHE)
-def report_task(config: str, overrides: list[str]) -> dict:
-    """Write report.md and f1_vs_n.png."""
-    return _logged(ces.report_stage(ces.load_eval_config(config, overrides)))
 
 
 @flow(name="critic-eval", log_prints=True)
@@ -133,9 +82,8 @@ def critic_eval(config: str = DEFAULT_CONFIG, benchmark: Optional[str] = None, n
     ov = _overrides(benchmark, name, overrides)
     cfg = ces.load_eval_config(config, ov)  # fail before any work on a bad config
     logger = get_run_logger()
-    stages = [benchmark_task(config, ov)]
-    stages += [critique_task(config, ov, setup) for setup in cfg.setups()]
-    stages += [score_task(config, ov), report_task(config, ov)]
+    stages = [stage_task.with_options(task_run_name=st.name if unit is None else f"{st.name}-{unit}")(config, ov, st.name, unit)
+              for st in ces.STAGES for unit in st.units(cfg)]
     for s in stages:
         logger.info("%s: %s", s["stage"], "skipped" if s["skipped"] else f"ran in {s['seconds']:.1f}s")
     p = ces.paths(cfg)
@@ -178,7 +126,7 @@ def critique(
     """Sample one setup's critiques in this process (what the flow runs as a child)."""
     _setup_logging()
     res = ces.critique_stage(ces.load_eval_config(config, overrides), setup, force=force)
-    print(RESULT_TAG + json.dumps(dataclasses.asdict(res)), flush=True)
+    print(RESULT_TAG + json.dumps(dataclasses.asdict(res)), flush=True)  # what flows.runner reads
 
 
 @app.command()

@@ -19,7 +19,7 @@ from flows.children import stream_child, write_resolved_config
 from pipeline import storage
 from pipeline.config import CAPOConfig, section_hash
 from pipeline.stages import get_stage, stage_key
-from pipeline.stages.base import StageResult, round_paths
+from pipeline.stages.base import Stage, StageResult, round_paths
 
 
 def stage_function(name: str):
@@ -46,10 +46,28 @@ def not_applicable(name: str, cfg: CAPOConfig) -> str | None:
 
 def run_stage(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger | None = None,
               force: bool = False) -> StageResult:
-    """Run stage ``name`` of round ``round_idx`` unless it is current; return what happened.
+    """Run stage ``name`` of round ``round_idx`` unless it is current; return what happened
+    (:func:`run_record` of its registry entry).
 
     The critique stage with ``scale.critique.runner`` dask or ray is fanned out over that cluster
     (:func:`flows.fanout.run_critique_fanout`); every other heavy stage runs in a child process.
+
+    Raises:
+        ValueError: unknown stage (lists the valid ones).
+        flows.children.StageChildFailed: a child process failed, was killed by a signal or was
+            stopped for silence (a RuntimeError; the message names the signal, memory and last lines).
+        flows.fanout.MissingExtraError: the fan-out runner's package is not installed.
+    """
+    return run_record(get_stage(name), cfg, round_idx, logger, force)
+
+
+def run_record(stage: Stage, cfg, unit, logger: logging.Logger | None = None, force: bool = False) -> StageResult:
+    """Run ``stage`` for ``unit`` (a round index, a critic-eval setup, None) unless it is current.
+
+    In order: not applicable under ``cfg`` (skipped, with the reason); current, every output under
+    its key (skipped; checked here, so resuming never starts a child process; a stage without a key
+    decides in its function); fanned out to a cluster (:attr:`Stage.fans_out`); light, run in this
+    process (its peak memory measured); heavy, run in a child process whose log is streamed.
 
     Raises:
         flows.children.StageChildFailed: a child process failed, was killed by a signal or was
@@ -57,27 +75,27 @@ def run_stage(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger
         flows.fanout.MissingExtraError: the fan-out runner's package is not installed.
     """
     logger = logger or logging.getLogger("capo.flows")
-    why_not = not_applicable(name, cfg)
+    why_not = stage.not_applicable(cfg)
     if why_not:
-        res = StageResult(name, "", True, why_not)
+        res = StageResult(stage.name, "", True, why_not)
         logger.info(res.line())
         return res
-    if not force:
-        cur = check_current(name, cfg, round_idx)
+    if not force and stage.key is not None:
+        paths = stage.paths(cfg, unit)
+        cur = storage.outputs_current([paths[out] for out in stage.outputs], stage.key(cfg, unit))
         if cur.current:
-            res = StageResult(name, str(round_paths(cfg, round_idx)[get_stage(name).output]), True, cur.reason)
+            res = StageResult(stage.name, str(paths[stage.output]), True, cur.reason)
             logger.info(res.line())
             return res
-    stage = get_stage(name)
     if stage.fans_out(cfg):  # the critique shards on a Dask / Ray cluster
         from flows.fanout import run_critique_fanout
 
-        return run_critique_fanout(cfg, round_idx, logger, force)
+        return run_critique_fanout(cfg, unit, logger, force)
     if not stage.heavy:
         with PeakRSS() as mem:
-            res = stage_function(name)(cfg, round_idx, force=force)
+            res = stage.load()(cfg, unit, force=force)
         return dataclasses.replace(res, peak_rss_mb=mem.peak_mb)
-    return _run_child(name, cfg, round_idx, logger, force)
+    return _run_child(stage, cfg, unit, logger, force)
 
 
 class PeakRSS:
@@ -124,30 +142,40 @@ class PeakRSS:
         self.peak_mb = round(max(self._peak, self._sample()), 1)
 
 
-def _run_child(name: str, cfg: CAPOConfig, round_idx: int, logger: logging.Logger, force: bool) -> StageResult:
-    conf = write_resolved_config(cfg, round_idx)
-    stage = get_stage(name)
+def _child_command(stage: Stage, cfg, unit) -> tuple[list[str], str]:
+    """The argv of ``stage``'s child process for ``unit`` and how messages name it."""
+    if stage.child_argv is not None:
+        return [sys.executable, *stage.child_argv(cfg, unit)], f"stage {stage.name!r} of {unit!r}"
+    conf = write_resolved_config(cfg, unit)
     launcher = stage.launcher(cfg)
     if launcher:
         exe, *rest = launcher
         local = Path(sys.executable).parent / exe  # e.g. .venv/bin/accelerate when .venv/bin is not on PATH
         cmd = [str(local) if os.sep not in exe and local.is_file() else exe, *rest,
-               "-m", stage.launch_module, "--config", str(conf), "--round", str(round_idx)]
+               "-m", stage.launch_module, "--config", str(conf), "--round", str(unit)]
     else:
-        cmd = [sys.executable, "-m", "flows.cli", "stage", name, "--config", str(conf), "--round", str(round_idx)]
-    if force:
-        cmd.append("--force")
+        cmd = [sys.executable, "-m", "flows.cli", "stage", stage.name, "--config", str(conf), "--round", str(unit)]
+    return cmd, f"stage {stage.name!r} of round {unit}"
+
+
+def _run_child(stage: Stage, cfg, unit, logger: logging.Logger, force: bool) -> StageResult:
+    from pipeline.config import ScaleConfig
     from pipeline.engines.base import engine_process_env
 
+    cmd, what = _child_command(stage, cfg, unit)
+    if force:
+        cmd.append("--force")
     extra = engine_process_env() if stage.engine_env else {}
     if stage.batch_invariant:
         from pipeline.engines.base import batch_invariant_env
 
         extra.update(batch_invariant_env())
-    payload = stream_child(cmd, name, logger, f"stage {name!r} of round {round_idx}", extra,
-                           silence_s=cfg.scale.child_silence_s)
+    scale = getattr(cfg, "scale", None)  # critic-eval's config has no scale section: the default
+    silence = scale.child_silence_s if scale is not None else ScaleConfig.model_fields["child_silence_s"].default
+    tag = stage.name if unit is None or isinstance(unit, int) else f"{stage.name} {unit}"
+    payload = stream_child(cmd, tag, logger, what, extra, silence_s=silence)
     result = StageResult(**payload) if payload is not None else \
-        StageResult(name, "", False, "child process finished (no result line)")
+        StageResult(stage.name, "", False, "child process finished (no result line)")
     logger.info(result.line())
     return result
 

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -182,7 +183,12 @@ def no_step_votes(cfg: CAPOConfig) -> str | None:
 # ------------------------------------------------------------------------------------- record
 @dataclass(frozen=True)
 class Stage:
-    """One stage of a round: everything the runner, the keys and the reports need to know of it.
+    """One stage: everything the runner, the keys and the reports need to know of it.
+
+    A round's stages (:data:`pipeline.stages.REGISTRY`) run once per round: their *unit* is the
+    round index. Other pipelines declare theirs with the same record and the same runner
+    (:func:`flows.runner.run_record`): critic-eval's stages (:data:`critic_eval.stages.STAGES`) run
+    once per evaluation (unit None) or once per critic setup (unit: the setup's name).
 
     Attributes:
         name: the stage's name (``capo stage NAME``).
@@ -192,8 +198,9 @@ class Stage:
         outputs: :func:`round_paths` names it commits; the stage is current when every one of them
             is current under its key.
         heavy: loads a model, so the flows run it in a child process (memory returned at its end).
-        key: ``(cfg, round_idx) -> dict``, what its outputs depend on (:func:`stage_key`).
-        function: ``"module:attribute"`` of ``(cfg, round_idx, force=False) -> StageResult``,
+        key: ``(cfg, unit) -> dict``, what its outputs depend on (:func:`stage_key`); None: the
+            stage's function decides itself whether it is current (the runner then always calls it).
+        function: ``"module:attribute"`` of ``(cfg, unit, force=False) -> StageResult``,
             imported only when the stage runs. The function lives in the stage's module.
         not_applicable: ``cfg -> reason or None``: the stage has nothing to do under ``cfg``.
         rounds: ``k -> rounds``: the rounds whose outputs round ``k`` computes with this stage
@@ -208,13 +215,19 @@ class Stage:
         fans_out: ``cfg -> bool``: the stage's shards go to a cluster (:mod:`flows.fanout`).
         shard_function: ``"module:attribute"`` of ``(cfg, round_idx, shard_ids) -> dict``, what
             ``capo stage NAME --shards i,j`` runs (a fan-out worker); None: the stage has no shards.
+        paths: ``(cfg, unit) -> {name: path}``, where :attr:`outputs` live (:func:`round_paths`).
+        units: ``cfg -> units``: the units a pipeline that is not a round runs the stage for
+            (``[None]``: once); a round's stages run for the round they are given.
+        child_argv: ``(cfg, unit) -> argv`` after ``python``: the command of a heavy stage's child
+            process (it prints its :class:`StageResult` after :data:`RESULT_TAG`); None: ``capo
+            stage NAME --config FILE --round K`` (or :attr:`launcher`).
     """
 
     name: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     heavy: bool
-    key: Callable[[CAPOConfig, int], dict]
+    key: Callable[[Any, Any], dict] | None
     function: str
     not_applicable: Callable[[CAPOConfig], str | None] = lambda cfg: None
     rounds: Callable[[int], list[int]] = lambda k: [k]
@@ -224,6 +237,9 @@ class Stage:
     launch_module: str | None = None
     fans_out: Callable[[CAPOConfig], bool] = lambda cfg: False
     shard_function: str | None = None
+    paths: Callable[[Any, Any], dict[str, Path]] = round_paths
+    units: Callable[[Any], list] = lambda cfg: [None]
+    child_argv: Callable[[Any, Any], list[str]] | None = None
 
     @property
     def output(self) -> str:

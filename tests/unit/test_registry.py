@@ -73,6 +73,31 @@ def test_the_runner_reads_records_not_names():
         assert not named, f"flows/{module}.py names stages at {named}"
 
 
+def test_critic_eval_runs_its_records_through_the_rounds_runner():
+    """critic-eval's stages are :class:`Stage` records run by :func:`flows.runner.run_record`, the
+    round's runner: its flow module names none of them, and each record's function, key and child
+    command are where the record says."""
+    import ast
+
+    from critic_eval import stages as ces
+    from tests.conftest import REPO
+
+    names = {st.name for st in ces.STAGES}
+    assert [st.name for st in ces.STAGES] == ["benchmark", "critique", "score", "report"]
+    tree = ast.parse((REPO / "flows" / "critic_eval.py").read_text())
+    paths = {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript)}  # p["report"]: an output path
+    paths |= {id(k) for n in ast.walk(tree) if isinstance(n, ast.Dict) for k in n.keys}  # {"report": ...}
+    named = [(n.lineno, n.value) for n in ast.walk(tree)
+             if isinstance(n, ast.Constant) and n.value in names and id(n) not in paths]
+    assert not named, f"flows/critic_eval.py names critic-eval stages at {named}"
+    for st in ces.STAGES:
+        assert st.load().__module__ == "critic_eval.stages" and st.load().__name__ == f"{st.name}_stage"
+    crit = ces.get_stage("critique")
+    assert crit.heavy and crit.key is ces.critique_key and [s.heavy for s in ces.STAGES].count(True) == 1
+    with pytest.raises(ValueError, match="unknown critic-eval stage 'scores'; valid: .*'score'"):
+        ces.get_stage("scores")
+
+
 def test_round_plan_follows_each_stages_rounds():
     from pipeline.stages import round_plan
 
