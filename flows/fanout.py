@@ -148,8 +148,9 @@ def critique_chunk(config_path: str, round_idx: int, chunk_idx: int, shard_ids: 
     """
     from flows.children import stream_child
     from pipeline.engines.base import engine_process_env
+    from pipeline.stages.critique import STAGE
 
-    cmd = [sys.executable, "-m", "flows.cli", "stage", "critique", "--config", config_path,
+    cmd = [sys.executable, "-m", "flows.cli", "stage", STAGE.name, "--config", config_path,
            "--round", str(round_idx), "--shards", ",".join(str(s) for s in shard_ids)]
     out = stream_child(cmd, f"critique chunk {chunk_idx}", get_run_logger(),
                        f"critique chunk {chunk_idx} (shards {shard_ids}) of round {round_idx}",

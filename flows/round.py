@@ -49,7 +49,8 @@ def finish_task(config: str, overrides: list[str], round_idx: int, results: list
 @flow(name="capo-round", log_prints=True)
 def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional[list[str]] = None,
                preset: Optional[str] = None) -> list[dict]:
-    """Run one CAPO round: rollout, verify, segment, critique, vote, reward, train, eval, catalog, report.
+    """Run one CAPO round: rollout, verify, segment, mc (VinePPO only), critique, vote, reward, train, eval,
+    catalog, report.
 
     Args:
         round: round number; round 1 samples from ``rollout.policy``, round k from round k-1's

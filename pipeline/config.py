@@ -385,7 +385,9 @@ class RewardConfig(Strict):
     estimator: Literal[tuple(ADVANTAGE_ESTIMATORS)] = "capo-token-group"  # type: ignore[valid-type]
     """The advantage estimator (:data:`pipeline.core.rewards.ADVANTAGE_ESTIMATORS`): capo-token-group
     normalizes token rewards over all tokens of the group (docs/design.md §1.8); grpo is the
-    sequence-level group-normalized outcome advantage broadcast to tokens."""
+    sequence-level group-normalized outcome advantage broadcast to tokens; grpo-lambda is GRPO's with
+    negative values floored (the traced ratio is in ``train.ratio_trace``); vineppo is each step's
+    change of Monte Carlo value (stage ``mc``), whitened over the round's tokens."""
     scale_by_std: bool = True
     """Divide by the group std (Dr.GRPO argues against it)."""
     eps: float = Field(1e-6, gt=0)
@@ -622,6 +624,19 @@ class ScaleConfig(Strict):
     loads and compiles silently for minutes on a CPU, hence the generous default."""
 
 
+class MCConfig(Strict):
+    """Monte Carlo step values (stage ``mc``; VinePPO, arXiv 2410.01679): K continuations from the end
+    of each step of each response, sampled by the round's policy with ``rollout.sampling`` and its
+    engine, verified like the rollouts. Used only by ``reward.estimator: vineppo``."""
+
+    continuations: int = Field(4, ge=1)
+    """K, continuations per state; a state's value is the share of them with the right answer
+    (the paper uses 9)."""
+    max_states: int = Field(8, ge=1)
+    """States valued per response, the prompt included (``S_0 .. S_{M-1}``); past the cap the value is
+    the response's own return, so those steps get advantage 0 (:mod:`pipeline.core.mc`)."""
+
+
 class CAPOConfig(Strict):
     """A whole run. ``configs/default.yaml`` is the embedded default."""
 
@@ -653,6 +668,8 @@ class CAPOConfig(Strict):
     """The PPO update and the training state (stage ``train``)."""
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation (stage ``eval``)."""
+    mc: MCConfig = MCConfig()
+    """Monte Carlo step values (stage ``mc``), for ``reward.estimator: vineppo``."""
     scale: ScaleConfig = ScaleConfig()
     """Where work runs; in no stage key."""
 
@@ -674,6 +691,9 @@ class CAPOConfig(Strict):
         if "logprob" in self.vote.sources and not c.logprob_readout and c.enabled and c.mode == "process":
             raise ValueError("vote.sources names logprob, which needs critique.logprob_readout=true (the readout "
                              "writes the scores it votes)")
+        if r.estimator == "vineppo" and r.process_weight > 0:
+            raise ValueError("reward.estimator=vineppo takes its credit from Monte Carlo step values and would ignore "
+                             f"the process reward (reward.process_weight={r.process_weight}); set it to 0 (preset vineppo)")
         if r.estimator == "grpo" and r.process_weight > 0:
             raise ValueError("reward.estimator=grpo is sequence-level and would ignore the process reward "
                              f"(reward.process_weight={r.process_weight}); use capo-token-group or set it to 0")

@@ -74,6 +74,21 @@ STEPS_SCHEMA = pa.schema(
     ]
 )
 
+MC_VALUES_SCHEMA = pa.schema(
+    _RUN
+    + [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("state_idx", pa.int32(), nullable=False),  # k: the response cut after its k-th step (k >= 1)
+        pa.field("token_end", pa.int32()),  # the state's end in response_token_ids (exclusive)
+        pa.field("value", pa.float32()),  # share of the continuations with the right answer
+        pa.field("n_continuations", pa.int32()),
+        pa.field("n_correct", pa.int32()),
+        pa.field("continuations", pa.list_(pa.string())),  # the continuations' texts
+        pa.field("correct", pa.list_(pa.bool_())),  # each continuation's outcome (the verify stage's rules)
+        pa.field("finish_reasons", pa.list_(pa.string())),  # stop | length
+    ]
+)
+
 CRITIQUES_SCHEMA = pa.schema(
     _RUN
     + [
@@ -227,6 +242,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "outcomes": OUTCOMES_SCHEMA,
     "steps": STEPS_SCHEMA,
     "critiques": CRITIQUES_SCHEMA,
+    "mc_values": MC_VALUES_SCHEMA,
     "step_verdicts": STEP_VERDICTS_SCHEMA,
     "token_rewards": TOKEN_REWARDS_SCHEMA,
     "train_metrics": TRAIN_METRICS_SCHEMA,

@@ -169,6 +169,13 @@ TABLES: dict[str, dict[str, str]] = {
         "rows": "one per step",
         "where": "`runs/<run_id>/round_XXX/steps.parquet` (stage `segment`)",
     },
+    "mc_values": {
+        "what": "VinePPO's Monte Carlo state values (`reward.estimator: vineppo`): for each response's first "
+                "steps, K continuations sampled by the round's policy from the end of the step, their texts and "
+                "outcomes; `value` is the share that reach the right answer.",
+        "rows": "one per response x valued state (k >= 1; the prompt's value comes from the group)",
+        "where": "`runs/<run_id>/round_XXX/mc_values.parquet` (stage `mc`)",
+    },
     "critiques": {
         "what": "Every verdict on a response's steps, by source: the critic's N sampled critiques (`source = "
                 "'llm'`), one exact arithmetic check per response (`'arithmetic'`) and, with "

@@ -298,6 +298,9 @@ class RoundRewards:
         correct_weight: C, the reward of a right answer (``reward.correct_weight``).
         scale_by_std: divide by the group's std (``reward.scale_by_std``).
         eps: added to that std (``reward.eps``).
+        state_values: (sum M_b,) float, Monte Carlo values of each response's valued states
+            ``S_0 .. S_{M_b - 1}`` (the ``mc`` stage; :mod:`pipeline.core.mc`), None without them.
+        n_states: (B,) int, ``M_b``, None without them.
     """
 
     run_rewards: np.ndarray
@@ -309,6 +312,8 @@ class RoundRewards:
     correct_weight: float
     scale_by_std: bool
     eps: float
+    state_values: np.ndarray | None = None
+    n_states: np.ndarray | None = None
 
 
 def capo_token_group(r: RoundRewards) -> np.ndarray:
@@ -338,10 +343,30 @@ def grpo_lambda(r: RoundRewards) -> np.ndarray:
     return np.maximum(grpo_outcome(r), np.float32(GRPO_LAMBDA_ADVANTAGE_FLOOR)).astype(np.float32)
 
 
+def vineppo(r: RoundRewards) -> np.ndarray:
+    """VinePPO's advantage (Kazemnejad et al. 2025, arXiv 2410.01679): each step's change of Monte Carlo
+    value (:func:`pipeline.core.mc.mc_step_advantages`, the final reward ``r_v`` plus any overlong
+    penalty), whitened over every token of the round (:func:`pipeline.core.mc.whiten_runs`). The runs
+    must be the responses' steps. Returns (S,) float32.
+
+    Raises:
+        ValueError: the round has no Monte Carlo values (run the ``mc`` stage), or they do not fit the runs.
+    """
+    from pipeline.core.mc import mc_step_advantages, whiten_runs
+
+    if r.state_values is None or r.n_states is None:
+        raise ValueError("reward.estimator=vineppo needs the round's Monte Carlo state values (the mc stage's "
+                         "mc_values table); none were given")
+    n_steps = np.bincount(r.run_response, minlength=len(r.outcome))
+    adv = mc_step_advantages(r.state_values, r.n_states, n_steps, r.outcome + r.length_penalty)
+    return whiten_runs(adv, r.run_lengths, r.eps)
+
+
 ADVANTAGE_ESTIMATORS = {
     "capo-token-group": capo_token_group,
     "grpo": grpo_outcome,
     "grpo-lambda": grpo_lambda,
+    "vineppo": vineppo,
 }
 """``reward.estimator`` -> the function from a round's rewards (:class:`RoundRewards`) to one
 advantage per run, (S,) float32; the reward stage repeats it over each run's tokens. A new credit

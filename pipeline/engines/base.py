@@ -104,6 +104,17 @@ class Engine(ABC):
                 length than ``conversations``.
         """
 
+    def continue_prefixes(self, prefixes: Sequence[Sequence[int]], n: int, sampling: SamplingConfig,
+                          max_tokens: Sequence[int]) -> list[Generation]:
+        """Sample ``n`` continuations of each token prefix (no chat template: a prefix is a prompt's
+        templated ids followed by the start of a response), with ``sampling``'s temperature and top-p
+        and ``max_tokens[i]`` new tokens for prefix i (the Monte Carlo values of VinePPO).
+
+        Raises:
+            ValueError: the engine cannot continue raw token prefixes (engines that can: vllm, transformers).
+        """
+        raise ValueError(f"the {self.name} engine cannot continue token prefixes; valid engines: vllm, transformers")
+
     def close(self) -> None:  # pragma: no cover - trivial
         """Release the model."""
 

@@ -140,6 +140,26 @@ class TransformersEngine(Engine):
         self.stats.extra["readout_seconds"] = self.stats.extra.get("readout_seconds", 0.0) + time.perf_counter() - t0
         return [np.asarray(o) for o in out]
 
+    def continue_prefixes(self, prefixes, n, sampling, max_tokens):
+        """See :meth:`Engine.continue_prefixes`; prefixes with the same budget are batched together."""
+        import torch
+
+        gens: list[Generation | None] = [None] * len(prefixes)
+        t0 = time.perf_counter()
+        prompts = [list(map(int, p)) for p in prefixes]
+        cuda = self.device == "cuda"
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+            torch.manual_seed(call_seed(self.seed, prompts))
+            for m in sorted(set(int(x) for x in max_tokens)):
+                idx = [i for i, x in enumerate(max_tokens) if int(x) == m]
+                for start in range(0, len(idx), self.cfg.batch_size):
+                    chunk = idx[start : start + self.cfg.batch_size]
+                    for i, g in zip(chunk, self._batch([prompts[i] for i in chunk], n, sampling.model_copy(
+                            update={"max_tokens": m}))):
+                        gens[i] = g
+        self._account(gens, time.perf_counter() - t0)
+        return gens
+
     def _batch(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Generation]:
         import torch
 

@@ -78,7 +78,18 @@ class VLLMEngine(Engine):
 
         constrained = check_constraints(self, conversations, constraints)
         params = [make_params(c) for c in constraints] if constrained else make_params()
-        prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
+        return self._run([apply_chat_template(self.tokenizer, c) for c in conversations], params)
+
+    def continue_prefixes(self, prefixes, n, sampling, max_tokens):
+        """See :meth:`Engine.continue_prefixes`."""
+        from vllm import SamplingParams
+
+        params = [SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=int(m),
+                                 logprobs=0, skip_special_tokens=True) for m in max_tokens]
+        return self._run([list(map(int, p)) for p in prefixes], params)
+
+    def _run(self, prompts: list[list[int]], params) -> list[Generation]:
+        """Generate from token-id prompts with ``params`` (one ``SamplingParams`` or one per prompt)."""
         before = self.prompt_counters()
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)

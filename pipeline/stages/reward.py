@@ -41,6 +41,8 @@ def reward_key(cfg: CAPOConfig, round_idx: int) -> dict:
     mode = critique_mode(cfg.critique)
     if mode.type == "process":
         ins.update(steps=input_fp(p["steps"]), step_verdicts=input_fp(p["step_verdicts"]))
+    if cfg.reward.estimator == "vineppo":
+        ins.update(steps=input_fp(p["steps"]), mc_values=input_fp(p["mc_values"]), mc=cfg.mc.model_dump(mode="json"))
     if mode.type == "outcome":
         ins.update(critiques=input_fp(p["critiques"]))
     reward = dict(c["reward"])
@@ -87,9 +89,10 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
         if rc.outcome == "shuffled":  # the control: each group's outcomes dealt out again at random
             r_v = shuffle_within_groups(r_v, groups, [cfg.seed, round_idx])
         process = critique_mode(cfg.critique).votes_steps
+        vine = rc.estimator == "vineppo"
         B = len(n_tok)
-        if process:  # one run per step: the tokens of a step share their reward
-            pos_S, len_S, w_S, n_valid = _step_runs(p, rid, offsets, cfg.vote.rule)
+        if process or vine:  # one run per step: the tokens of a step share their reward
+            pos_S, len_S, w_S, n_valid = _step_runs(p, rid, offsets, cfg.vote.rule if process else None)
         else:  # one run per response
             pos_S, len_S, w_S, n_valid = np.arange(B), n_tok, np.zeros(B, np.float32), np.zeros(B, np.int32)
         run_off = np.concatenate([[0], np.cumsum(np.bincount(pos_S, minlength=B))])
@@ -98,8 +101,10 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
         if rc.overlong_buffer:  # DAPO's soft overlong punishment, the same for every token of a response
             pen_B = overlong_penalty(n_tok, cfg.rollout.sampling.max_tokens, rc.overlong_buffer, rc.overlong_penalty)
             R_S = R_S + pen_B[pos_S]
+        values = _mc_state_values(p, rid.to_pylist(), r_v, groups, np.bincount(pos_S, minlength=B),
+                                  cfg.mc.max_states) if vine else (None, None)
         A_S = ADVANTAGE_ESTIMATORS[rc.estimator](RoundRewards(R_S, len_S, pos_S, r_v, pen_B, groups, rc.correct_weight,
-                                                              rc.scale_by_std, rc.eps))
+                                                              rc.scale_by_std, rc.eps, *values))
         R, A = np.repeat(R_S, len_S), np.repeat(A_S, len_S)  # (N,): the only per-token work
         pen_S = (w_S > 0) & (rc.process_weight > 0)
         n_pen = np.bincount(pos_S, weights=len_S * pen_S, minlength=B).astype(np.int64)
@@ -141,18 +146,53 @@ def _genorm_outcomes(p, rollout_ids: list[str], rule_r_v: np.ndarray) -> tuple[n
                "genorm_no_valid_verdict": no_valid}
 
 
-def _step_runs(p, rid: pa.Array, offsets: np.ndarray, rule: str) -> tuple[np.ndarray, ...]:
+def _mc_state_values(p, rollout_ids: list[str], r_v: np.ndarray, groups: np.ndarray, n_steps: np.ndarray,
+                     max_states: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each response's Monte Carlo state values ``V(S_0) .. V(S_{M-1})`` for the vineppo estimator:
+    ``V(S_0)`` the group's other outcomes (:func:`pipeline.core.mc.leave_one_out_means`), the rest from
+    ``mc_values.parquet``. Returns ``(state_values (sum M,), n_states (B,))``.
+
+    Raises:
+        ValueError: the table lacks a state the steps call for, or holds one they do not (re-run the mc stage).
+    """
+    from pipeline.core.mc import leave_one_out_means
+
+    v0 = leave_one_out_means(r_v, groups)
+    rows = storage.read_table(p["mc_values"], "mc_values").select(["rollout_id", "state_idx", "value"]).to_pylist()
+    got: dict[str, dict[int, float]] = {}
+    for r in rows:
+        got.setdefault(r["rollout_id"], {})[r["state_idx"]] = float(r["value"])
+    values, n_states = [], np.ones(len(rollout_ids), np.int64)
+    for b, rid in enumerate(rollout_ids):
+        have = got.pop(rid, {})
+        m = len(have) + 1
+        if have and (sorted(have) != list(range(1, m)) or m != min(int(n_steps[b]), max_states)):
+            raise ValueError(f"mc_values.parquet holds states {sorted(have)} of rollout {rid}, which has "
+                             f"{int(n_steps[b])} steps (mc.max_states={max_states}); re-run the mc stage")
+        n_states[b] = m
+        values += [v0[b]] + [have[k] for k in range(1, m)]
+    if got:
+        raise ValueError(f"mc_values.parquet holds states of {len(got)} rollouts not in rollouts.parquet, e.g. "
+                         f"{next(iter(got))}; re-run the mc stage")
+    return np.asarray(values, np.float64), n_states
+
+
+def _step_runs(p, rid: pa.Array, offsets: np.ndarray, rule: str | None) -> tuple[np.ndarray, ...]:
     """Steps as runs of tokens, sorted by (response position, step_idx).
 
     Returns ``pos_S`` (S,) response position, ``len_S`` (S,) tokens, ``w_S`` (S,) voted weight of
-    ``rule`` (0 without a verdict) and ``n_valid_B`` (B,) valid critiques per response. The step
-    token spans must tile every response exactly (checked), so ``np.repeat(x_S, len_S)`` is the
-    per-token array.
+    ``rule`` (0 without a verdict, and everywhere when ``rule`` is None: no votes read) and
+    ``n_valid_B`` (B,) valid critiques per response. The step token spans must tile every response
+    exactly (checked), so ``np.repeat(x_S, len_S)`` is the per-token array.
     """
     steps = storage.read_table(p["steps"], "steps").select(["rollout_id", "step_idx", "token_start", "token_end"])
-    verd = storage.read_table(p["step_verdicts"], "step_verdicts")
-    verd = verd.filter(pc.equal(verd.column("rule"), rule)).select(["rollout_id", "step_idx", "n_valid", "weight"])
-    j = steps.join(verd, keys=["rollout_id", "step_idx"], join_type="left outer")
+    if rule is None:
+        j = steps.append_column("n_valid", pa.nulls(steps.num_rows, pa.int32())).append_column(
+            "weight", pa.nulls(steps.num_rows, pa.float32()))
+    else:
+        verd = storage.read_table(p["step_verdicts"], "step_verdicts")
+        verd = verd.filter(pc.equal(verd.column("rule"), rule)).select(["rollout_id", "step_idx", "n_valid", "weight"])
+        j = steps.join(verd, keys=["rollout_id", "step_idx"], join_type="left outer")
     pos_arr = pc.index_in(j.column("rollout_id"), value_set=rid)
     if pos_arr.null_count:
         raise ValueError(f"steps.parquet has {pos_arr.null_count} steps of rollouts not in rollouts.parquet")
@@ -180,5 +220,5 @@ def _step_runs(p, rid: pa.Array, offsets: np.ndarray, rule: str) -> tuple[np.nda
     return pos, length, weight, n_valid
 
 
-STAGE = Stage("reward", ("rollouts", "outcomes", "steps", "step_verdicts", "critiques"), ("token_rewards",), False,
+STAGE = Stage("reward", ("rollouts", "outcomes", "steps", "step_verdicts", "critiques", "mc_values"), ("token_rewards",), False,
               reward_key, "pipeline.stages.reward:reward_stage")

@@ -286,3 +286,5 @@ def test_the_grpo_lambda_arm_runs_its_preset(bench):
     assert bench.run_id(a, "grpo-lambda", 0, Path("t")) != bench.run_id(a, "grpo", 0, Path("t"))
     fipo = bench.arm_config(bench.parser().parse_args(["--arms", "fipo", "--seeds", "0"]), "fipo", 0, Path("t"))
     assert fipo.variant == "fipo" and fipo.train.future_kl is not None and fipo.train.ratio_trace is None
+    vine = bench.arm_config(bench.parser().parse_args(["--arms", "vineppo", "--seeds", "0"]), "vineppo", 0, Path("t"))
+    assert vine.variant == "vineppo" and vine.reward.estimator == "vineppo" and not vine.critique.enabled

@@ -22,7 +22,7 @@ FORBIDDEN_LAYERS = {"pipeline": {"flows", "train", "critic_eval"}, "train": {"fl
                     "critic_eval": {"flows", "train"}}
 PURE = ("pipeline.core", "pipeline.core.segment", "pipeline.core.critique", "pipeline.core.critique.escape",
         "pipeline.core.critique.templates", "pipeline.core.critique.parse", "pipeline.core.critique.health",
-        "pipeline.core.critique.mode", "pipeline.core.voting",
+        "pipeline.core.critique.mode", "pipeline.core.mc", "pipeline.core.voting",
         "pipeline.core.rewards", "pipeline.core.significance", "pipeline.core.tokenization", "train.loss")
 PURE_MAY_IMPORT = {"train.loss": {"torch"}}  # besides the standard library, numpy and other pure modules
 

@@ -11,9 +11,9 @@ from pipeline.stages.base import round_paths
 
 
 def test_registry_holds_the_round_in_order():
-    assert list(REGISTRY) == ["rollout", "verify", "segment", "critique", "vote", "reward", "train", "eval"]
-    assert STAGES == ("rollout", "verify", "segment", "critique", "vote", "reward", "train")
-    assert HEAVY_STAGES == ("rollout", "critique", "train", "eval")
+    assert list(REGISTRY) == ["rollout", "verify", "segment", "mc", "critique", "vote", "reward", "train", "eval"]
+    assert STAGES == ("rollout", "verify", "segment", "mc", "critique", "vote", "reward", "train")
+    assert HEAVY_STAGES == ("rollout", "mc", "critique", "train", "eval")
 
 
 def test_every_stage_names_real_tables_and_a_real_function(repo, tmp_path):
@@ -33,10 +33,12 @@ def test_not_applicable_rules_follow_the_config(repo, tmp_path):
     capo = load_config(repo / "configs" / "tiny.yaml", base)
     grpo = load_config(repo / "configs" / "tiny.yaml", base, preset="grpo")
     genorm = load_config(repo / "configs" / "tiny.yaml", base, preset="grpo-genorm")
+    vine = load_config(repo / "configs" / "tiny.yaml", base, preset="vineppo")
     no_eval = load_config(repo / "configs" / "tiny.yaml", [*base, "eval.enabled=false"])
-    assert all(s.not_applicable(capo) is None for s in REGISTRY.values())
-    assert {n for n, s in REGISTRY.items() if s.not_applicable(grpo)} == {"critique", "vote"}
-    assert {n for n, s in REGISTRY.items() if s.not_applicable(genorm)} == {"vote"}
+    assert {n for n, s in REGISTRY.items() if s.not_applicable(capo)} == {"mc"}  # Monte Carlo values: VinePPO only
+    assert {n for n, s in REGISTRY.items() if s.not_applicable(grpo)} == {"mc", "critique", "vote"}
+    assert {n for n, s in REGISTRY.items() if s.not_applicable(genorm)} == {"mc", "vote"}
+    assert {n for n, s in REGISTRY.items() if s.not_applicable(vine)} == {"critique", "vote"}
     assert "eval.enabled is false" in get_stage("eval").not_applicable(no_eval)
 
 
@@ -61,13 +63,13 @@ def test_each_stage_is_one_module_that_declares_its_record():
 def test_the_runner_reads_records_not_names():
     """The runner, the CLI and the Prefect flows know stages only through their records (environment,
     launcher, fan-out and rounds are fields): no string in them is a stage's name. ``flows/fanout.py``
-    (the critique shards on a cluster) and ``flows/critic_eval.py`` (critic-eval's own stages) are
-    the critique's own modules."""
+    (the critique shards on a cluster, configured by ``scale.critique``) reaches its stage through
+    the critique stage's record; ``flows/critic_eval.py`` is checked in the next test."""
     import ast
 
     from tests.conftest import REPO
 
-    for module in ("runner", "cli", "round", "children", "artifacts"):
+    for module in ("runner", "cli", "round", "children", "artifacts", "fanout"):
         tree = ast.parse((REPO / "flows" / f"{module}.py").read_text())
         named = [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in REGISTRY]
         assert not named, f"flows/{module}.py names stages at {named}"
@@ -105,5 +107,5 @@ def test_round_plan_follows_each_stages_rounds():
     assert round_plan(1) == train + [("eval", 0), ("eval", 1)]  # round 1 also evaluates the starting policy
     assert round_plan(3) == [(n, 3) for n in REGISTRY if n != "eval"] + [("eval", 3)]
     assert REGISTRY["eval"].batch_invariant and REGISTRY["train"].launch_module == "pipeline.stages.train_launch"
-    assert [n for n, s in REGISTRY.items() if s.engine_env] == ["rollout", "critique", "train", "eval"]
+    assert [n for n, s in REGISTRY.items() if s.engine_env] == ["rollout", "mc", "critique", "train", "eval"]
     assert [n for n, s in REGISTRY.items() if s.shard_function] == ["critique"]
