@@ -345,6 +345,35 @@ def signal_cmd(
     typer.echo("\n".join(json.dumps(r) for r in rows) if as_json else format_rows(rows))
 
 
+@app.command("mc-labels")
+def mc_labels_cmd(
+    out: str = typer.Option(..., "--out", help="the ProcessBench-format JSONL file to write (must not exist)"),
+    round: int = typer.Option(1, "--round", "-r"),
+    config: str = typer.Option(DEFAULT_CONFIG),
+    preset: Optional[str] = typer.Option("vineppo", help="the preset the round ran with"),
+    drop: float = typer.Option(0.5, help="the smallest fall of Monte Carlo value that marks a step wrong"),
+    overrides: Optional[list[str]] = typer.Argument(None),
+) -> None:
+    """Write a VinePPO round's responses as a critic-eval benchmark: each fully valued response's first
+    step whose Monte Carlo value falls by at least --drop is its label (-1: none). Score a critic on
+    them with ``capo critic-eval run --benchmark FILE``. Reads the tables only."""
+    from collections import Counter
+
+    from pipeline.mc_labels import mc_label_records
+
+    path = Path(out)
+    if path.exists():
+        raise typer.BadParameter(f"{path} exists; give a new file (nothing is overwritten)", param_hint="--out")
+    cfg = _cfg(config, overrides, preset)
+    try:
+        records = mc_label_records(cfg, round, drop)
+    except (FileNotFoundError, ValueError) as e:
+        raise typer.BadParameter(str(e)) from None
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    labels = Counter("right" if r["label"] < 0 else f"step {r['label']}" for r in records)
+    typer.echo(json.dumps({"out": str(path), "items": len(records), "labels": dict(sorted(labels.items()))}))
+
+
 def _lock_down(con, catalog_path: Path) -> None:
     """Let ``con`` touch files only in the folders the catalog's views read (the runs folder, the
     prompt tables' folder): DuckDB ``allowed_directories`` with ``enable_external_access`` off and

@@ -129,3 +129,25 @@ def whiten_runs(values: np.ndarray, lengths: np.ndarray, eps: float = 1e-8) -> n
     mean = (values * lengths).sum() / n
     var = (lengths * (values - mean) ** 2).sum() / (n - 1)
     return ((values - mean) / (np.sqrt(var) + eps)).astype(np.float32)
+
+
+def first_error_from_values(values, final: float, drop: float) -> int:
+    """The first wrong step by Monte Carlo values (Math-Shepherd's idea, Wang et al. 2024, arXiv
+    2312.08935, read as a first-error label): the first step ``i`` (from 0) whose move ``S_i -> S_{i+1}``
+    lowers the value by at least ``drop``, with ``V(S_N) = final``; -1 when no step does.
+
+    Args:
+        values: ``V(S_0) .. V(S_{N-1})``, every state of an N-step response valued.
+        final: the response's outcome ``R`` (``V(S_N)``).
+        drop: the smallest fall of value that marks an error, in (0, 1].
+
+    Raises:
+        ValueError: no values, or ``drop`` outside (0, 1].
+    """
+    if not 0 < drop <= 1:
+        raise ValueError(f"drop must be in (0, 1], got {drop}")
+    v = [float(x) for x in values] + [float(final)]
+    if len(v) < 2:
+        raise ValueError("values is empty; a response has at least one state, S_0")
+    return next((i for i in range(len(v) - 1) if v[i] - v[i + 1] >= drop - 1e-12), -1)
+

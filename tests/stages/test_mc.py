@@ -63,3 +63,24 @@ def test_the_mc_stage_continues_each_state_with_the_policy(tmp_path, tiny_model)
     adv = storage.read_table(round_paths(cfg, 1)["token_rewards"], "token_rewards").column("advantages").to_pylist()
     flat = np.concatenate([np.asarray(a) for a in adv])
     assert len(flat) == 18 and abs(flat.mean()) < 1e-5  # whitened over the round's tokens
+
+
+def test_mc_values_become_a_critic_eval_benchmark(tmp_path):
+    from critic_eval.items import processbench_rows
+    from pipeline.mc_labels import mc_label_records
+
+    cfg = toy_config(tmp_path, *VINE)
+    write_round(cfg)
+    with pytest.raises(FileNotFoundError, match="run round 1 with reward.estimator=vineppo"):
+        mc_label_records(cfg, 1)
+    write_rows(cfg, "mc_values", [
+        {"rollout_id": rid, "state_idx": k, "token_end": 0, "value": v, "n_continuations": 2,
+         "n_correct": int(2 * v), "continuations": ["", ""], "correct": [False, False], "finish_reasons": ["stop"] * 2}
+        for rid, k, v in [("A", 1, 0.5), ("A", 2, 1.0), ("B", 1, 0.5), ("B", 2, 0.0)]], "mc")
+    recs = {r["id"]: r for r in mc_label_records(cfg, 1, drop=0.5)}
+    # A: V = 0 (B wrong), 0.5, 1.0, R 1: never falls -> -1. B: V = 1, 0.5, 0.0, R 0: falls 0.5 at step 0
+    assert (recs["A"]["label"], recs["B"]["label"]) == (-1, 0)
+    assert recs["B"]["step_values"] == [1.0, 0.5, 0.0, 0.0] and recs["B"]["steps"] == ["step 0", "step 1", "step 2"]
+    assert recs["A"]["problem"].startswith("Sam has 6 apples") and recs["A"]["gold_answer"] == "5"
+    rows = processbench_rows(list(recs.values()), "mc")  # critic-eval takes them as they are
+    assert [(r["id"], r["label"], r["kind"]) for r in rows] == [("A", -1, "mc"), ("B", 0, "mc")]

@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.core.mc import leave_one_out_means, mc_step_advantages, mc_step_advantages_loop, whiten_runs
+from pipeline.core.mc import (
+    first_error_from_values,
+    leave_one_out_means,
+    mc_step_advantages,
+    mc_step_advantages_loop,
+    whiten_runs,
+)
 from pipeline.core.rewards import ADVANTAGE_ESTIMATORS, RoundRewards
 
 
@@ -74,3 +80,14 @@ def test_the_vineppo_estimator_reads_the_runs_as_steps():
     with pytest.raises(ValueError, match="needs the round's Monte Carlo state values"):
         ADVANTAGE_ESTIMATORS["vineppo"](RoundRewards(np.zeros(8), lengths, run_response, final, np.zeros(3),
                                                      np.zeros(3, int), 2.0, True, 1e-8))
+
+
+def test_first_error_is_the_first_fall_of_value_by_drop():
+    # V = 0.75, 0.5, 0.0, R = 0: falls 0.25 then 0.5 -> step 1 at drop 0.5, step 0 at drop 0.25
+    assert first_error_from_values([0.75, 0.5, 0.0], 0.0, 0.5) == 1
+    assert first_error_from_values([0.75, 0.5, 0.0], 0.0, 0.25) == 0
+    # V = 0.5, 1.0, R = 1: never falls -> -1; R = 0 after 1.0: the last step is the error
+    assert first_error_from_values([0.5, 1.0], 1.0, 0.5) == -1
+    assert first_error_from_values([0.5, 1.0], 0.0, 0.5) == 1
+    with pytest.raises(ValueError, match=r"drop must be in \(0, 1\], got 0"):
+        first_error_from_values([0.5], 1.0, 0)
