@@ -78,14 +78,14 @@ def run_record(stage: Stage, cfg, unit, logger: logging.Logger | None = None, fo
     why_not = stage.not_applicable(cfg)
     if why_not:
         res = StageResult(stage.name, "", True, why_not)
-        logger.info(res.line())
+        _log_result(logger, res, unit)
         return res
     if not force and stage.key is not None:
         paths = stage.paths(cfg, unit)
         cur = storage.outputs_current([paths[out] for out in stage.outputs], stage.key(cfg, unit))
         if cur.current:
             res = StageResult(stage.name, str(paths[stage.output]), True, cur.reason)
-            logger.info(res.line())
+            _log_result(logger, res, unit)
             return res
     if stage.fans_out(cfg):  # the critique shards on a Dask / Ray cluster
         from flows.fanout import run_critique_fanout
@@ -96,6 +96,11 @@ def run_record(stage: Stage, cfg, unit, logger: logging.Logger | None = None, fo
             res = stage.load()(cfg, unit, force=force)
         return dataclasses.replace(res, peak_rss_mb=mem.peak_mb)
     return _run_child(stage, cfg, unit, logger, force)
+
+
+def _log_result(logger: logging.Logger, res: StageResult, unit) -> None:
+    """Log a stage's result line, led by its unit when that is a name (a critic-eval setup)."""
+    logger.info("[%s] %s", unit, res.line()) if isinstance(unit, str) else logger.info(res.line())
 
 
 class PeakRSS:
@@ -176,7 +181,7 @@ def _run_child(stage: Stage, cfg, unit, logger: logging.Logger, force: bool) -> 
     payload = stream_child(cmd, tag, logger, what, extra, silence_s=silence)
     result = StageResult(**payload) if payload is not None else \
         StageResult(stage.name, "", False, "child process finished (no result line)")
-    logger.info(result.line())
+    _log_result(logger, result, unit)
     return result
 
 

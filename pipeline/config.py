@@ -691,6 +691,9 @@ class CAPOConfig(Strict):
         if "logprob" in self.vote.sources and not c.logprob_readout and c.enabled and c.mode == "process":
             raise ValueError("vote.sources names logprob, which needs critique.logprob_readout=true (the readout "
                              "writes the scores it votes)")
+        if r.estimator == "vineppo" and r.outcome != "rule":
+            raise ValueError(f"reward.estimator=vineppo values its states by the rule verifier's grade of continuations, "
+                             f"so its final reward must be the same rule: reward.outcome={r.outcome!r}, set it to 'rule'")
         if r.estimator == "vineppo" and r.process_weight > 0:
             raise ValueError("reward.estimator=vineppo takes its credit from Monte Carlo step values and would ignore "
                              f"the process reward (reward.process_weight={r.process_weight}); set it to 0 (preset vineppo)")

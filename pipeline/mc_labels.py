@@ -21,7 +21,8 @@ def mc_label_records(cfg: CAPOConfig, round_idx: int, drop: float = 0.5) -> list
     """ProcessBench records (``id``, ``problem``, ``steps``, ``label``, ``gold_answer``, ``kind = 'mc'``,
     ``step_values``) of round ``round_idx``'s responses whose every state was valued (``N >= 2`` steps and
     ``N <= mc.max_states``), in rollouts-table order. ``V(S_0)`` is the group's other outcomes' mean, as
-    the vineppo estimator reads it.
+    the vineppo estimator reads it. A wrong answer whose values never fall by ``drop`` has an error no
+    step can be blamed for: it is left out (labelling it -1, every step right, would be false).
 
     Raises:
         FileNotFoundError: the round has no committed ``mc_values`` (or rollouts, steps, outcomes) table.
@@ -51,8 +52,10 @@ def mc_label_records(cfg: CAPOConfig, round_idx: int, drop: float = 0.5) -> list
         if len(texts) < 2 or sorted(have) != list(range(1, len(texts))):
             continue  # not every state valued (past mc.max_states, or one step only)
         values = [float(first)] + [have[k] for k in range(1, len(texts))]
+        label = first_error_from_values(values, oc[rid], drop)
+        if label < 0 and oc[rid] < 1:
+            continue  # wrong, and no step lowered the value by drop: the error has no place
         pr = prompts[r["prompt_id"]]
         out.append({"id": rid, "problem": pr["question"], "steps": texts, "gold_answer": pr["gold_answer"],
-                    "label": first_error_from_values(values, oc[rid], drop), "kind": "mc",
-                    "step_values": values + [oc[rid]]})
+                    "label": label, "kind": "mc", "step_values": values + [oc[rid]]})
     return out

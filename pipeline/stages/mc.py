@@ -60,17 +60,17 @@ def mc_key(cfg: CAPOConfig, round_idx: int) -> dict:
 
 
 def mc_states(rollouts: list[dict], steps: list[dict], max_states: int) -> list[dict]:
-    """The states to value: for each rollout with N >= 2 steps, ``k = 1 .. min(N, max_states) - 1``.
+    """The states to value: for each non-empty rollout with N >= 2 steps, ``k = 1 .. min(N, max_states) - 1``.
 
     Args:
-        rollouts: rollout rows (``rollout_id``, ``prompt_token_ids``, ``response_token_ids``, ``response_text``).
-        steps: step rows (``rollout_id``, ``step_idx``, ``char_end``, ``token_end``, ``empty_response``).
+        rollouts: rollout rows (``rollout_id``, ``prompt_token_ids``, ``response_token_ids``).
+        steps: step rows (``rollout_id``, ``step_idx``, ``token_end``, ``empty_response``).
         max_states: ``mc.max_states``.
 
     Returns:
         One dict per state, in rollout then k order: ``rollout_id``, ``state_idx`` (k), ``prefix`` (the
-        prompt's and the response's first token ids), ``token_end`` and ``text`` (the response's text
-        up to the end of step k).
+        prompt's and the response's first token ids), ``token_end`` and ``response_ids`` (the response's
+        first ``token_end`` token ids).
     """
     by_rid: dict[str, list[dict]] = {}
     for s in sorted(steps, key=lambda s: (s["rollout_id"], s["step_idx"])):
@@ -81,10 +81,10 @@ def mc_states(rollouts: list[dict], steps: list[dict], max_states: int) -> list[
         if len(st) < 2 or st[0]["empty_response"]:
             continue
         for k in range(1, min(len(st), max_states)):
-            end = st[k - 1]
-            out.append({"rollout_id": r["rollout_id"], "state_idx": k, "token_end": end["token_end"],
-                        "prefix": list(r["prompt_token_ids"]) + list(r["response_token_ids"][: end["token_end"]]),
-                        "text": r["response_text"][: end["char_end"]]})
+            end = st[k - 1]["token_end"]
+            head = list(r["response_token_ids"][:end])
+            out.append({"rollout_id": r["rollout_id"], "state_idx": k, "token_end": end,
+                        "prefix": list(r["prompt_token_ids"]) + head, "response_ids": head})
     return out
 
 
@@ -99,12 +99,14 @@ def mc_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResul
     key = mc_key(cfg, round_idx)
 
     def compute():
+        from pipeline.core.tokenization import decode_with_bytes
         from pipeline.engines import make_engine
+        from pipeline.engines.base import load_tokenizer
 
         ro = storage.read_table(p["rollouts"], "rollouts").select(
-            ["rollout_id", "prompt_id", "prompt_token_ids", "response_token_ids", "response_text"]).to_pylist()
+            ["rollout_id", "prompt_id", "prompt_token_ids", "response_token_ids"]).to_pylist()
         steps = storage.read_table(p["steps"], "steps").select(
-            ["rollout_id", "step_idx", "char_end", "token_end", "empty_response"]).to_pylist()
+            ["rollout_id", "step_idx", "token_end", "empty_response"]).to_pylist()
         gold = {r["prompt_id"]: r["gold_answer"]
                 for r in pq.read_table(prompts_path(cfg), columns=["prompt_id", "gold_answer"]).to_pylist()}
         prompt_of = {r["rollout_id"]: r["prompt_id"] for r in ro}
@@ -113,18 +115,21 @@ def mc_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResul
         stats = None
         rows = []
         if states:
-            policy = policy_for_round(cfg, round_idx)
+            policy = policy_for_round(cfg, round_idx)  # the model that sampled the round's responses
+            # the graded text of a state is its tokens' bytes decoded, as the segment stage decodes a response
+            tok = load_tokenizer(policy)
+            texts = [decode_with_bytes(tok, s["response_ids"])[0] for s in states]
             engine = make_engine(policy, cfg.rollout.engine, seed=round_seed(cfg, round_idx, 6))
-            try:
+            try:  # a state at the end of a budget-length response still gets one token to finish on
                 gens = engine.continue_prefixes([s["prefix"] for s in states], K, cfg.rollout.sampling,
-                                                [budget - s["token_end"] for s in states])
+                                                [max(1, budget - s["token_end"]) for s in states])
                 stats = engine.stats.as_dict()
             finally:
                 engine.close()
             pairs, finish = [], []
-            for s, g in zip(states, gens):
+            for s, text, g in zip(states, texts, gens):
                 for smp in g.samples:
-                    pairs.append((gold[prompt_of[s["rollout_id"]]], s["text"] + smp.text))
+                    pairs.append((gold[prompt_of[s["rollout_id"]]], text + smp.text))
                     finish.append(smp.finish_reason)
             graded = grade(pairs, answer=cfg.verify.answer, finish_reasons=finish, truncated=cfg.verify.truncated)
             for i, (s, g) in enumerate(zip(states, gens)):

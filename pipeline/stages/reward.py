@@ -166,7 +166,8 @@ def _mc_state_values(p, rollout_ids: list[str], r_v: np.ndarray, groups: np.ndar
     for b, rid in enumerate(rollout_ids):
         have = got.pop(rid, {})
         m = len(have) + 1
-        if have and (sorted(have) != list(range(1, m)) or m != min(int(n_steps[b]), max_states)):
+        want = min(int(n_steps[b]), max_states) if n_steps[b] >= 2 else 1  # one step (or empty): S_0 only
+        if sorted(have) != list(range(1, m)) or m != want:
             raise ValueError(f"mc_values.parquet holds states {sorted(have)} of rollout {rid}, which has "
                              f"{int(n_steps[b])} steps (mc.max_states={max_states}); re-run the mc stage")
         n_states[b] = m

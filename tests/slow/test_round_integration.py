@@ -53,9 +53,9 @@ def _t(cfg, name):
 
 def test_every_table_has_the_expected_rows(tiny_round):
     cfg, first, _, _ = tiny_round
-    assert [r["stage"] for r in first] == ["rollout", "verify", "segment", "critique", "vote", "reward", "train",
+    assert [r["stage"] for r in first] == ["rollout", "verify", "segment", "mc", "critique", "vote", "reward", "train",
                                            "eval", "eval"]  # round 1's policy, then round 0 = the starting one
-    assert not any(r["skipped"] for r in first)
+    assert [r["stage"] for r in first if r["skipped"]] == ["mc"]  # Monte Carlo values: the vineppo estimator only
     G, N, P = cfg.rollout.group_size, cfg.critique.num_critiques, cfg.data.prompts_per_round
     rollouts = _t(cfg, "rollouts")
     assert len(rollouts) == P * G

@@ -84,3 +84,17 @@ def test_mc_values_become_a_critic_eval_benchmark(tmp_path):
     assert recs["A"]["problem"].startswith("Sam has 6 apples") and recs["A"]["gold_answer"] == "5"
     rows = processbench_rows(list(recs.values()), "mc")  # critic-eval takes them as they are
     assert [(r["id"], r["label"], r["kind"]) for r in rows] == [("A", -1, "mc"), ("B", 0, "mc")]
+
+
+def test_a_wrong_answer_whose_values_never_fall_is_left_out_of_the_labels(tmp_path):
+    from pipeline.mc_labels import mc_label_records
+
+    cfg = toy_config(tmp_path, *VINE)
+    write_round(cfg)
+    # B (wrong): V = 1 (A right), 0.75, 0.5, R 0: falls 0.25, 0.25, 0.5 -> step 2 at drop 0.5, none at 0.75
+    write_rows(cfg, "mc_values", [
+        {"rollout_id": rid, "state_idx": k, "token_end": 0, "value": v, "n_continuations": 4,
+         "n_correct": int(4 * v), "continuations": [""] * 4, "correct": [False] * 4, "finish_reasons": ["stop"] * 4}
+        for rid, k, v in [("A", 1, 0.5), ("A", 2, 1.0), ("B", 1, 0.75), ("B", 2, 0.5)]], "mc")
+    assert {r["id"]: r["label"] for r in mc_label_records(cfg, 1, drop=0.5)} == {"A": -1, "B": 2}
+    assert {r["id"]: r["label"] for r in mc_label_records(cfg, 1, drop=0.75)} == {"A": -1}  # B: no place to blame

@@ -67,6 +67,18 @@ def test_whitening_is_over_tokens():
     assert whiten_runs(np.array([2.0]), np.array([1])).tolist() == [0.0]
 
 
+def test_vineppo_refuses_a_process_penalty_and_an_outcome_other_than_the_rule():
+    from pathlib import Path
+
+    from pipeline.config import load_config
+
+    default = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+    with pytest.raises(ValueError, match="reward.outcome='shuffled', set it to 'rule'"):
+        load_config(default, ["reward.outcome=shuffled"], preset="vineppo")
+    with pytest.raises(ValueError, match="would ignore the process reward"):
+        load_config(default, ["reward.process_weight=1", "critique.enabled=true"], preset="vineppo")
+
+
 def test_the_vineppo_estimator_reads_the_runs_as_steps():
     values, n_states, n_steps, final = _example()
     run_response = np.repeat(np.arange(3), n_steps)
