@@ -89,3 +89,24 @@ def test_noise_floor_table():
         cells = (f"| one bf16 step on {100 * share:.1f} % of the weights | {name} | {pts(r['diff'])} | "
                  f"[{pts(r['lo'])}, {pts(r['hi'])}] | {r['n10']} / {r['n01']} | {100 * r['same_text']:.0f} % |")
         assert cells in text, cells
+
+
+def test_learning_matrix_capo_seed0_figures():
+    s = next(r for r in _lines("learning-readout-3seeds.jsonl") if r.get("summary") == "capo")["paired_change_from_round0"]["0"]
+    text = _text("docs/benchmarks.md")
+    g, smp = s["format"], s["sampled"]
+    assert f"| greedy accuracy | {100 * s['acc_a']:.1f} % | {100 * s['acc_b']:.1f} % | **{100 * s['diff']:+.1f}** points " \
+           f"[{100 * s['lo']:.1f}, {100 * s['hi']:.1f}], McNemar p = {s['p_mcnemar']:.4f} |".replace("+-", "-") in text
+    for label, mode, field in [("greedy accuracy within boxed answers", "greedy", "accuracy_boxed"),
+                               ("greedy answers cut at the token budget", "greedy", "share_cut"),
+                               ("sampled accuracy within boxed answers", "sample", "accuracy_boxed"),
+                               ("samples that are Python programs", "sample", "share_program")]:
+        a, b = 100 * g["round0"][mode][field], 100 * g["roundK"][mode][field]
+        assert f"| {label} | {a:.1f} % | {b:.1f} % |" in text, label
+    assert f"| sampled accuracy (4 samples per problem) | {100 * smp['rate_a']:.1f} % | {100 * smp['rate_b']:.1f} % | " \
+           f"**{100 * smp['diff']:+.1f}** points [{100 * smp['lo']:+.1f}, {100 * smp['hi']:+.1f}] |" in text
+    t = s["transitions"]
+    assert f"({t['right->wrong (ok->ok)']} right -> wrong, {t['wrong->right (ok->ok)']} wrong -> right" in text
+    readme = _text("README.md")
+    assert f"greedy held-out accuracy fell {round(-100 * s['diff'])} points while its sampled accuracy rose " \
+           f"{round(100 * smp['diff'])}," in readme
