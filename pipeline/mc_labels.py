@@ -15,6 +15,7 @@ from pipeline import storage
 from pipeline.config import CAPOConfig
 from pipeline.core.mc import first_error_from_values, leave_one_out_means
 from pipeline.stages.base import prompts_path, round_paths
+from pipeline.stages.mc import read_state_values
 
 
 def mc_label_records(cfg: CAPOConfig, round_idx: int, drop: float = 0.5) -> list[dict]:
@@ -38,9 +39,7 @@ def mc_label_records(cfg: CAPOConfig, round_idx: int, drop: float = 0.5) -> list
     steps: dict[str, list[tuple[int, str]]] = {}
     for r in storage.read_table(p["steps"], "steps").select(["rollout_id", "step_idx", "step_text"]).to_pylist():
         steps.setdefault(r["rollout_id"], []).append((r["step_idx"], r["step_text"]))
-    vals: dict[str, dict[int, float]] = {}
-    for r in storage.read_table(p["mc_values"], "mc_values").select(["rollout_id", "state_idx", "value"]).to_pylist():
-        vals.setdefault(r["rollout_id"], {})[r["state_idx"]] = float(r["value"])
+    vals = read_state_values(p["mc_values"])
     prompts = {r["prompt_id"]: r for r in pq.read_table(prompts_path(cfg), columns=["prompt_id", "question", "gold_answer"]).to_pylist()}
     groups = {pid: i for i, pid in enumerate(dict.fromkeys(r["prompt_id"] for r in ro))}
     v0 = leave_one_out_means([oc[r["rollout_id"]] for r in ro], [groups[r["prompt_id"]] for r in ro])

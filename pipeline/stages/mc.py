@@ -88,6 +88,15 @@ def mc_states(rollouts: list[dict], steps: list[dict], max_states: int) -> list[
     return out
 
 
+def read_state_values(path) -> dict[str, dict[int, float]]:
+    """``mc_values.parquet`` as ``{rollout_id: {state_idx: value}}`` (what the vineppo estimator and
+    ``capo mc-labels`` read)."""
+    out: dict[str, dict[int, float]] = {}
+    for r in storage.read_table(path, "mc_values").select(["rollout_id", "state_idx", "value"]).to_pylist():
+        out.setdefault(r["rollout_id"], {})[r["state_idx"]] = float(r["value"])
+    return out
+
+
 def mc_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
     """Monte Carlo values of each response's first steps -> ``mc_values.parquet`` (module docstring).
 

@@ -156,12 +156,10 @@ def _mc_state_values(p, rollout_ids: list[str], r_v: np.ndarray, groups: np.ndar
         ValueError: the table lacks a state the steps call for, or holds one they do not (re-run the mc stage).
     """
     from pipeline.core.mc import leave_one_out_means
+    from pipeline.stages.mc import read_state_values
 
     v0 = leave_one_out_means(r_v, groups)
-    rows = storage.read_table(p["mc_values"], "mc_values").select(["rollout_id", "state_idx", "value"]).to_pylist()
-    got: dict[str, dict[int, float]] = {}
-    for r in rows:
-        got.setdefault(r["rollout_id"], {})[r["state_idx"]] = float(r["value"])
+    got = read_state_values(p["mc_values"])
     values, n_states = [], np.ones(len(rollout_ids), np.int64)
     for b, rid in enumerate(rollout_ids):
         have = got.pop(rid, {})
