@@ -187,7 +187,7 @@ def verdicts(per_arm: dict[str, dict], max_tokens: int) -> list[dict]:
         arm, _, settings = label.partition(" ")
         if arm != "capo":
             continue
-        for other in ("grpo", "random-credit", "grpo-lambda", "fipo", "vineppo"):
+        for other in ("grpo", "random-credit", "grpo-lambda", "fipo", "vineppo", "densr"):
             shared = settings if other == "random-credit" else " ".join(
                 p for p in settings.split() if not p.startswith("signal="))  # the critic-free arms have no signal
             o = per_arm.get(f"{other} {shared}".strip())

@@ -29,7 +29,9 @@
    (preset ``grpo-lambda``: GRPO-λ, critic-free credit over tokens from an eligibility trace on the
    PPO ratio, a rival of CAPO's) and ``fipo`` (preset ``fipo``: GRPO's advantage weighted per
    token by the future-KL influence of the update, another rival) and ``vineppo`` (preset ``vineppo``:
-   each step's change of Monte Carlo value from K continuations of the policy, no critic). The control
+   each step's change of Monte Carlo value from K continuations of the policy, no critic) and ``densr``
+   (preset ``densr``: GRPO's advantage weighted per token by the hidden-state divergence from the
+   group's responses with the other outcome). The control
    samples its final eval with round 0's seed, so its sampled accuracy cannot move; the **noise
    floor** that can: the starting policy evaluated again with the engine seeded by each of
    ``--noise-seeds`` (default 1 2; round 0's eval is the first measurement), its sampled
@@ -120,7 +122,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.core.answer_format import FORMAT_CODE, PROGRAM, answer_format  # noqa: E402
 
-ARMS = ("grpo", "capo", "control", "shuffled", "random-credit", "grpo-lambda", "fipo", "vineppo")
+ARMS = ("grpo", "capo", "control", "shuffled", "random-credit", "grpo-lambda", "fipo", "vineppo", "densr")
 METRICS = ("greedy", "sampled", "greedy_boxed", "sampled_boxed")
 """Per-item changes the verdicts are computed on: greedy accuracy, sampled accuracy (share of right
 samples), and both within finished, boxed answers (reasoning apart from format: :func:`boxed_rates`)."""
@@ -191,7 +193,7 @@ def arm_config(a: argparse.Namespace, arm: str, seed: int, train_file: Path):
         over.append("reward.outcome=shuffled")
     if arm == "random-credit":
         over.append("vote.random_credit=true")
-    preset = (a.capo_preset or None) if arm in ("capo", "random-credit") else arm if arm in ("grpo-lambda", "fipo", "vineppo") else "grpo"
+    preset = (a.capo_preset or None) if arm in ("capo", "random-credit") else arm if arm in ("grpo-lambda", "fipo", "vineppo", "densr") else "grpo"
     return load_config(ROOT / "configs" / "default.yaml", over, preset=preset)
 
 

@@ -70,6 +70,9 @@ def browser_queries(run_id: str, round_idx: int, variant: str, rule: str) -> dic
         "token_rewards": (
             "SELECT rollout_id, rewards, advantages\n"
             f"FROM token_rewards\nWHERE run_id = {run} AND round = {k} AND variant = {v}"),
+        "other_variants": (  # where each other method trained on the same responses puts its credit
+            "SELECT rollout_id, variant, advantages\n"
+            f"FROM token_rewards\nWHERE run_id = {run} AND round = {k} AND variant <> {v}\nORDER BY variant, rollout_id"),
         "parse_status": (f"SELECT parse_status, count(*) AS critiques\nFROM critiques\n"
                          f"WHERE run_id = {run} AND round = {k} AND coalesce(source, 'llm') = 'llm'\n"
                          "GROUP BY parse_status ORDER BY critiques DESC"),
@@ -225,8 +228,9 @@ def _other_rounds(data: dict[str, list[dict]], round_idx: int) -> dict[str, list
 
 
 def _response_entry(r: dict, st: list[dict], cs: list[dict], checks: list[dict], tr: dict, token_texts: list[str],
-                    parsed_ok: set[str]) -> dict:
-    """One response as the browser shows it: its steps, critiques, checks, tokens and filter flags."""
+                    parsed_ok: set[str], others: list[dict] = ()) -> dict:
+    """One response as the browser shows it: its steps, critiques, checks, tokens and filter flags, and
+    the token advantages of ``others``, the round's other variants trained on the same response."""
     response = {
         "rollout_id": r["rollout_id"], "sample_idx": r["sample_idx"], "correct": bool(r["outcome_correct"]),
         "extracted": r["extracted_answer"], "verify_status": r["verify_status"],
@@ -243,6 +247,8 @@ def _response_entry(r: dict, st: list[dict], cs: list[dict], checks: list[dict],
                     "judged": c["steps_judged"], "raw": c["raw_text"] or ""} for c in checks],
         "tokens": token_texts,
         "rewards": tr.get("rewards") or [], "advantages": tr.get("advantages") or [],
+        "other_advantages": [[o["variant"], o["advantages"]] for o in others
+                             if len(o["advantages"] or []) == len(tr.get("advantages") or [])],
     }
     flags = [s["n_flagged"] or 0 for s in st]
     valid = [s["n_valid"] or 0 for s in st]
@@ -260,6 +266,9 @@ def _group_prompts(data: dict[str, list[dict]], steps: dict[str, list[dict]], po
     for c in data["critiques"]:
         (crits if (c["source"] or "llm") == "llm" else checks).setdefault(c["rollout_id"], []).append(c)
     rewards = {t["rollout_id"]: t for t in data["token_rewards"]}
+    others: dict[str, list[dict]] = {}
+    for t in data["other_variants"]:
+        others.setdefault(t["rollout_id"], []).append(t)
     tokens = {p["rollout_id"]: (p["policy"], p["response_token_ids"]) for p in policy_rows}
     across = _other_rounds(data, round_idx)
     problems = {p["prompt_id"]: p for p in data["prompts"]}
@@ -271,7 +280,7 @@ def _group_prompts(data: dict[str, list[dict]], steps: dict[str, list[dict]], po
         policy, ids = tokens.get(rid, (None, []))
         tr = rewards.get(rid) or {}
         response = _response_entry(r, steps.get(rid, []), crits.get(rid, []), checks.get(rid, []), tr,
-                                   _token_texts(policy, ids, start) if tr else [], parsed_ok)
+                                   _token_texts(policy, ids, start) if tr else [], parsed_ok, others.get(rid, []))
         pid = r["prompt_id"]
         prob = problems.get(pid, {})
         p = out_prompts.setdefault(pid, {"prompt_id": pid, "question": prob.get("question"),

@@ -387,7 +387,9 @@ class RewardConfig(Strict):
     normalizes token rewards over all tokens of the group (docs/design.md §1.8); grpo is the
     sequence-level group-normalized outcome advantage broadcast to tokens; grpo-lambda is GRPO's with
     negative values floored (the traced ratio is in ``train.ratio_trace``); vineppo is each step's
-    change of Monte Carlo value (stage ``mc``), whitened over the round's tokens."""
+    change of Monte Carlo value (stage ``mc``), whitened over the round's tokens; densr is GRPO's
+    advantage reweighted per token by hidden-state divergence from the group's responses with the
+    other outcome (stage ``densr``)."""
     scale_by_std: bool = True
     """Divide by the group std (Dr.GRPO argues against it)."""
     eps: float = Field(1e-6, gt=0)
@@ -637,6 +639,20 @@ class MCConfig(Strict):
     the response's own return, so those steps get advantage 0 (:mod:`pipeline.core.mc`)."""
 
 
+class DenseRConfig(Strict):
+    """DenseR's token weights (stage ``densr``; Bansal 2026): each response token's hidden-state distance
+    from the group's responses with the other outcome, read from the round's policy. Used only by
+    ``reward.estimator: densr`` (:mod:`pipeline.core.densr`)."""
+
+    layer: int = -1
+    """Which hidden state: an index into the policy's ``hidden_states`` (0 the embeddings, -1 the last
+    layer's output after the final norm, as transformers returns them)."""
+    mix: float = Field(1.0, ge=0, le=1)
+    """Share of a token's weight that follows its divergence: ``w = (1 - mix) + mix * d / mean(d)``;
+    0 gives GRPO's flat weights, 1 (the default) all from the divergence. Applied in the reward
+    stage, so changing it recomputes no hidden state."""
+
+
 class CAPOConfig(Strict):
     """A whole run. ``configs/default.yaml`` is the embedded default."""
 
@@ -670,6 +686,8 @@ class CAPOConfig(Strict):
     """Held-out evaluation (stage ``eval``)."""
     mc: MCConfig = MCConfig()
     """Monte Carlo step values (stage ``mc``), for ``reward.estimator: vineppo``."""
+    densr: DenseRConfig = DenseRConfig()
+    """Hidden-state token weights (stage ``densr``), for ``reward.estimator: densr``."""
     scale: ScaleConfig = ScaleConfig()
     """Where work runs; in no stage key."""
 
@@ -694,9 +712,15 @@ class CAPOConfig(Strict):
         if r.estimator == "vineppo" and r.outcome != "rule":
             raise ValueError(f"reward.estimator=vineppo values its states by the rule verifier's grade of continuations, "
                              f"so its final reward must be the same rule: reward.outcome={r.outcome!r}, set it to 'rule'")
-        if r.estimator == "vineppo" and r.process_weight > 0:
-            raise ValueError("reward.estimator=vineppo takes its credit from Monte Carlo step values and would ignore "
-                             f"the process reward (reward.process_weight={r.process_weight}); set it to 0 (preset vineppo)")
+        if r.estimator == "densr" and r.outcome != "rule":
+            raise ValueError(f"reward.estimator=densr contrasts right and wrong responses as the rule verifier grades "
+                             f"them, so its outcome reward must be the same rule: reward.outcome={r.outcome!r}, set it "
+                             "to 'rule'")
+        if r.estimator in ("vineppo", "densr") and r.process_weight > 0:
+            source = "Monte Carlo step values" if r.estimator == "vineppo" else "hidden-state divergence"
+            raise ValueError(f"reward.estimator={r.estimator} takes its credit from {source} and would ignore the "
+                             f"process reward (reward.process_weight={r.process_weight}); set it to 0 (preset "
+                             f"{r.estimator})")
         if r.estimator == "grpo" and r.process_weight > 0:
             raise ValueError("reward.estimator=grpo is sequence-level and would ignore the process reward "
                              f"(reward.process_weight={r.process_weight}); use capo-token-group or set it to 0")

@@ -89,6 +89,18 @@ MC_VALUES_SCHEMA = pa.schema(
     ]
 )
 
+TOKEN_DIVERGENCE_SCHEMA = pa.schema(
+    _RUN
+    + [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("prompt_id", pa.string()),
+        pa.field("outcome_correct", pa.bool_()),  # the rule verifier's grade (right / wrong decides the contrast)
+        pa.field("layer", pa.int32()),  # densr.layer: index into the policy's hidden_states
+        pa.field("n_opposite", pa.int32()),  # responses of the group with the other outcome (0: no contrast)
+        pa.field("divergence", pa.list_(pa.float32())),  # (T,) 1 - max cos to the other outcome; null without one
+    ]
+)
+
 CRITIQUES_SCHEMA = pa.schema(
     _RUN
     + [
@@ -243,6 +255,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "steps": STEPS_SCHEMA,
     "critiques": CRITIQUES_SCHEMA,
     "mc_values": MC_VALUES_SCHEMA,
+    "token_divergence": TOKEN_DIVERGENCE_SCHEMA,
     "step_verdicts": STEP_VERDICTS_SCHEMA,
     "token_rewards": TOKEN_REWARDS_SCHEMA,
     "train_metrics": TRAIN_METRICS_SCHEMA,

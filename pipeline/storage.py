@@ -482,6 +482,7 @@ CATALOG_GLOBS = {
     "outcomes": "*/round_*/outcomes.parquet",
     "steps": "*/round_*/steps.parquet",
     "mc_values": "*/round_*/mc_values.parquet",
+    "token_divergence": "*/round_*/token_divergence.parquet",
     "critiques": "*/round_*/*critiques.parquet",
     "step_verdicts": "*/round_*/variants/*/step_verdicts.parquet",
     "token_rewards": "*/round_*/variants/*/token_rewards.parquet",

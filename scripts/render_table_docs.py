@@ -176,6 +176,13 @@ TABLES: dict[str, dict[str, str]] = {
         "rows": "one per response x valued state (k >= 1; the prompt's value comes from the group)",
         "where": "`runs/<run_id>/round_XXX/mc_values.parquet` (stage `mc`)",
     },
+    "token_divergence": {
+        "what": "DenseR's hidden-state divergence (`reward.estimator: densr`): for each response token, the cosine "
+                "distance of the round's policy's hidden state from the nearest response of the other outcome in "
+                "its group, at the aligned position. The reward stage turns it into per-token weights.",
+        "rows": "one per response (the tokens are list elements; null where the group has no other outcome)",
+        "where": "`runs/<run_id>/round_XXX/token_divergence.parquet` (stage `densr`)",
+    },
     "critiques": {
         "what": "Every verdict on a response's steps, by source: the critic's N sampled critiques (`source = "
                 "'llm'`), one exact arithmetic check per response (`'arithmetic'`) and, with "

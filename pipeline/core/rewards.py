@@ -301,6 +301,8 @@ class RoundRewards:
         state_values: (sum M_b,) float, Monte Carlo values of each response's valued states
             ``S_0 .. S_{M_b - 1}`` (the ``mc`` stage; :mod:`pipeline.core.mc`), None without them.
         n_states: (B,) int, ``M_b``, None without them.
+        token_weights: (S,) float, DenseR's weight of each run (then one token each;
+            :func:`pipeline.core.densr.densr_weights`), None without them.
     """
 
     run_rewards: np.ndarray
@@ -314,6 +316,7 @@ class RoundRewards:
     eps: float
     state_values: np.ndarray | None = None
     n_states: np.ndarray | None = None
+    token_weights: np.ndarray | None = None
 
 
 def capo_token_group(r: RoundRewards) -> np.ndarray:
@@ -362,11 +365,32 @@ def vineppo(r: RoundRewards) -> np.ndarray:
     return whiten_runs(adv, r.run_lengths, r.eps)
 
 
+def densr(r: RoundRewards) -> np.ndarray:
+    """DenseR's advantage (Bansal 2026, "DenseR: Dense Rewards For Free in LLM Reasoning"): GRPO's
+    sequence-level advantage (:func:`grpo_outcome`) times each token's weight from the hidden-state
+    divergence of its response from the group's responses with the other outcome
+    (:mod:`pipeline.core.densr`; mean weight 1 per response, so each response's total ``sum_t |A|`` is
+    GRPO's). The runs must be single tokens. Returns (S,) float32.
+
+    Raises:
+        ValueError: the round has no DenseR weights (run the ``densr`` stage), or they do not fit the runs.
+    """
+    if r.token_weights is None:
+        raise ValueError("reward.estimator=densr needs the round's hidden-state divergences (the densr stage's "
+                         "token_divergence table); none were given")
+    w = np.asarray(r.token_weights, np.float32)
+    if w.shape != r.run_lengths.shape or np.any(r.run_lengths != 1):
+        raise ValueError(f"densr weights {w.shape} must be one per token run; got {r.run_lengths.shape} runs of "
+                         f"{int(r.run_lengths.max()) if r.run_lengths.size else 0} tokens at most")
+    return (grpo_outcome(r) * w).astype(np.float32)
+
+
 ADVANTAGE_ESTIMATORS = {
     "capo-token-group": capo_token_group,
     "grpo": grpo_outcome,
     "grpo-lambda": grpo_lambda,
     "vineppo": vineppo,
+    "densr": densr,
 }
 """``reward.estimator`` -> the function from a round's rewards (:class:`RoundRewards`) to one
 advantage per run, (S,) float32; the reward stage repeats it over each run's tokens. A new credit

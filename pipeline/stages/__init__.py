@@ -1,8 +1,9 @@
 """The stages of a CAPO round, one module each, and the registry that lists them (docs/design.md §2).
 
-    rollout -> verify -> segment -> mc -> critique -> vote -> reward -> train -> eval
+    rollout -> verify -> segment -> mc -> densr -> critique -> vote -> reward -> train -> eval
 
-(``mc``, the Monte Carlo step values, runs only for ``reward.estimator: vineppo``.)
+(``mc``, the Monte Carlo step values, runs only for ``reward.estimator: vineppo``; ``densr``, the
+hidden-state divergences, only for ``reward.estimator: densr``.)
 
 Each stage module declares one :class:`~pipeline.stages.base.Stage` record (``STAGE``): its input and
 output tables, whether it is heavy (loads a model, so the flows run it in a child process), its key
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from pipeline.stages import (
     critique,
+    densr,
     eval,
     mc,
     reward,
@@ -30,7 +32,7 @@ from pipeline.stages import (
 from pipeline.stages.base import Stage
 
 REGISTRY: dict[str, Stage] = {m.STAGE.name: m.STAGE for m in (
-    rollout, verify, segment, mc, critique, vote, reward, train, eval)}
+    rollout, verify, segment, mc, densr, critique, vote, reward, train, eval)}
 """Every stage, in the order a round runs them (docs/architecture.md). ``eval`` runs after the
 training stages for the round's policy (and with round 1 for round 0, the starting policy:
 :func:`pipeline.stages.eval.eval_rounds`; :func:`round_plan`)."""

@@ -51,7 +51,8 @@ def round_paths(cfg: CAPOConfig, round_idx: int) -> dict[str, Path]:
     """Every output path of round ``round_idx`` of ``cfg``'s run (and ``cfg.variant``)."""
     rd = cfg.round_dir(round_idx)
     vd = rd / "variants" / cfg.variant
-    paths = {name: rd / f"{name}.parquet" for name in ("rollouts", "outcomes", "steps", "mc_values")}
+    paths = {name: rd / f"{name}.parquet" for name in ("rollouts", "outcomes", "steps", "mc_values",
+                                                                     "token_divergence")}
     crit = "genorm_critiques" if cfg.critique.mode == "outcome" else "critiques"  # the table's name, even off
     paths.update(critiques=rd / f"{crit}.parquet", step_verdicts=vd / "step_verdicts.parquet",
                  token_rewards=vd / "token_rewards.parquet", train_metrics=vd / "train_metrics.parquet",

@@ -43,6 +43,8 @@ def reward_key(cfg: CAPOConfig, round_idx: int) -> dict:
         ins.update(steps=input_fp(p["steps"]), step_verdicts=input_fp(p["step_verdicts"]))
     if cfg.reward.estimator == "vineppo":
         ins.update(steps=input_fp(p["steps"]), mc_values=input_fp(p["mc_values"]), mc=cfg.mc.model_dump(mode="json"))
+    if cfg.reward.estimator == "densr":
+        ins.update(token_divergence=input_fp(p["token_divergence"]), densr_mix=cfg.densr.mix)
     if mode.type == "outcome":
         ins.update(critiques=input_fp(p["critiques"]))
     reward = dict(c["reward"])
@@ -89,10 +91,13 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
         if rc.outcome == "shuffled":  # the control: each group's outcomes dealt out again at random
             r_v = shuffle_within_groups(r_v, groups, [cfg.seed, round_idx])
         process = critique_mode(cfg.critique).votes_steps
-        vine = rc.estimator == "vineppo"
+        vine, densr = rc.estimator == "vineppo", rc.estimator == "densr"
         B = len(n_tok)
         if process or vine:  # one run per step: the tokens of a step share their reward
             pos_S, len_S, w_S, n_valid = _step_runs(p, rid, offsets, cfg.vote.rule if process else None)
+        elif densr:  # one run per token: each token has its own weight
+            pos_S, len_S = np.repeat(np.arange(B), n_tok), np.ones(int(offsets[-1]), np.int64)
+            w_S, n_valid = np.zeros(len(len_S), np.float32), np.zeros(B, np.int32)
         else:  # one run per response
             pos_S, len_S, w_S, n_valid = np.arange(B), n_tok, np.zeros(B, np.float32), np.zeros(B, np.int32)
         run_off = np.concatenate([[0], np.cumsum(np.bincount(pos_S, minlength=B))])
@@ -103,8 +108,9 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
             R_S = R_S + pen_B[pos_S]
         values = _mc_state_values(p, rid.to_pylist(), r_v, groups, np.bincount(pos_S, minlength=B),
                                   cfg.mc.max_states) if vine else (None, None)
+        token_w = _densr_weights(p, rid.to_pylist(), n_tok, offsets, cfg.densr.mix) if densr else None
         A_S = ADVANTAGE_ESTIMATORS[rc.estimator](RoundRewards(R_S, len_S, pos_S, r_v, pen_B, groups, rc.correct_weight,
-                                                              rc.scale_by_std, rc.eps, *values))
+                                                              rc.scale_by_std, rc.eps, *values, token_w))
         R, A = np.repeat(R_S, len_S), np.repeat(A_S, len_S)  # (N,): the only per-token work
         pen_S = (w_S > 0) & (rc.process_weight > 0)
         n_pen = np.bincount(pos_S, weights=len_S * pen_S, minlength=B).astype(np.int64)
@@ -176,6 +182,14 @@ def _mc_state_values(p, rollout_ids: list[str], r_v: np.ndarray, groups: np.ndar
     return np.asarray(values, np.float64), n_states
 
 
+def _densr_weights(p, rollout_ids: list[str], n_tok: np.ndarray, offsets: np.ndarray, mix: float) -> np.ndarray:
+    """DenseR's (N,) per-token weights from ``token_divergence.parquet`` (:func:`pipeline.core.densr.densr_weights`)."""
+    from pipeline.core.densr import densr_weights
+    from pipeline.stages.densr import read_divergence
+
+    return densr_weights(read_divergence(p["token_divergence"], rollout_ids, n_tok), offsets, mix)
+
+
 def _step_runs(p, rid: pa.Array, offsets: np.ndarray, rule: str | None) -> tuple[np.ndarray, ...]:
     """Steps as runs of tokens, sorted by (response position, step_idx).
 
@@ -219,5 +233,5 @@ def _step_runs(p, rid: pa.Array, offsets: np.ndarray, rule: str | None) -> tuple
     return pos, length, weight, n_valid
 
 
-STAGE = Stage("reward", ("rollouts", "outcomes", "steps", "step_verdicts", "critiques", "mc_values"), ("token_rewards",), False,
-              reward_key, "pipeline.stages.reward:reward_stage")
+STAGE = Stage("reward", ("rollouts", "outcomes", "steps", "step_verdicts", "critiques", "mc_values", "token_divergence"),
+              ("token_rewards",), False, reward_key, "pipeline.stages.reward:reward_stage")

@@ -53,9 +53,9 @@ def _t(cfg, name):
 
 def test_every_table_has_the_expected_rows(tiny_round):
     cfg, first, _, _ = tiny_round
-    assert [r["stage"] for r in first] == ["rollout", "verify", "segment", "mc", "critique", "vote", "reward", "train",
-                                           "eval", "eval"]  # round 1's policy, then round 0 = the starting one
-    assert [r["stage"] for r in first if r["skipped"]] == ["mc"]  # Monte Carlo values: the vineppo estimator only
+    assert [r["stage"] for r in first] == ["rollout", "verify", "segment", "mc", "densr", "critique", "vote", "reward",
+                                           "train", "eval", "eval"]  # round 1's policy, then round 0 = the starting one
+    assert [r["stage"] for r in first if r["skipped"]] == ["mc", "densr"]  # the vineppo and densr estimators only
     G, N, P = cfg.rollout.group_size, cfg.critique.num_critiques, cfg.data.prompts_per_round
     rollouts = _t(cfg, "rollouts")
     assert len(rollouts) == P * G
@@ -182,7 +182,7 @@ def test_manifests_record_the_resolved_precision_and_the_cpu(tiny_round):
 def test_second_run_skips_every_stage_quickly(tiny_round):
     _, _, second, second_s = tiny_round
     assert all(r["skipped"] for r in second), [r for r in second if not r["skipped"]]
-    assert all("current" in r["reason"] for r in second if r["stage"] != "mc")  # mc: not applicable (no vineppo)
+    assert all("current" in r["reason"] for r in second if r["stage"] not in ("mc", "densr"))  # not applicable
 
 
 def test_catalog_answers_sql_read_only(tiny_round, tmp_path):

@@ -221,3 +221,42 @@ def test_the_tokenizer_fallback_finds_an_embedded_starting_policy_without_conver
     assert len(a["tokens"]) == 11 and not any(t.startswith("#") for t in a["tokens"])
     other = CAPOConfig.model_validate({**cfg.model_dump(mode="json"), "data_dir": str(tmp_path / "nowhere")})
     assert _starting_policy(other) is None  # not on disk: no fallback, nothing fetched
+
+
+def test_each_variant_trained_on_the_same_responses_shows_where_it_puts_credit(toy_run, tmp_path):
+    """A second method retrained on the round's cached responses (here GRPO and DenseR beside CAPO):
+    the page of one variant shows the others' token advantages under each response, as the table holds them."""
+    from pipeline.stages.base import round_paths
+    from tests.toy_round import write_rows
+
+    grpo = toy_config(tmp_path, "critique.enabled=false", "reward.estimator=grpo", "reward.process_weight=0",
+                      "variant=grpo")
+    reward_stage(grpo, 1)
+    densr = toy_config(tmp_path, "critique.enabled=false", "reward.estimator=densr", "reward.process_weight=0",
+                       "variant=densr")
+    write_rows(densr, "token_divergence", [
+        {"rollout_id": "A", "prompt_id": "toy-train-00000", "outcome_correct": True, "layer": -1, "n_opposite": 1,
+         "divergence": [0.0] * 10 + [1.0]},
+        {"rollout_id": "B", "prompt_id": "toy-train-00000", "outcome_correct": False, "layer": -1, "n_opposite": 1,
+         "divergence": [0.0] * 6 + [1.0]}], "densr")
+    reward_stage(densr, 1)
+    data = collect(toy_run.run_dir(), 1, "capo-intersection")
+    assert data["meta"]["variants"] == ["capo-intersection", "densr", "grpo"]
+    a, b = data["prompts"][0]["responses"]
+    table = {(r["variant"], r["rollout_id"]): r["advantages"] for v in ("grpo", "densr") for r in
+             storage.read_table(round_paths(grpo if v == "grpo" else densr, 1)["token_rewards"], "token_rewards").to_pylist()}
+    assert a["other_advantages"] == [["densr", table["densr", "A"]], ["grpo", table["grpo", "A"]]]
+    assert b["other_advantages"] == [["densr", table["densr", "B"]], ["grpo", table["grpo", "B"]]]
+    # GRPO: one value per response; DenseR: all of it on the last token (weights 0 x 10, 11 for A)
+    assert len(set(table["grpo", "A"])) == 1 and table["densr", "A"][:10] == [0.0] * 10
+    assert table["densr", "A"][10] == pytest.approx(11 * table["grpo", "A"][0], rel=1e-5)
+    assert collect(toy_run.run_dir(), 1, "grpo")["prompts"][0]["responses"][0]["other_advantages"][0][0] == "capo-intersection"
+    page = build_browser(toy_run.run_dir(), 1, "capo-intersection")
+    _skip_without_chromium()
+    with headless_chromium() as browser:
+        tab = browser.new_page()
+        tab.goto(page.as_uri())
+        strips = tab.locator('.response[data-rollout="A"] [data-testid="variant-strip"]')
+        assert strips.count() == 2 and strips.first.get_attribute("data-variant") == "densr"
+        assert strips.first.locator(".strip span").count() == 11
+        assert "grpo on the same response" in strips.nth(1).inner_text()

@@ -8,8 +8,8 @@ import pytest
 from pipeline.config import list_presets, load_config
 
 PRESETS = ["capo-arithmetic", "capo-average", "capo-intersection", "capo-logprob-arithmetic", "capo-majority",
-           "capo-majority-arithmetic", "capo-readout", "capo-union", "fipo", "grpo", "grpo-genorm", "grpo-lambda",
-           "vineppo"]
+           "capo-majority-arithmetic", "capo-readout", "capo-union", "densr", "fipo", "grpo", "grpo-genorm",
+           "grpo-lambda", "vineppo"]
 SOURCES = {"capo-arithmetic": ["arithmetic"], "capo-majority-arithmetic": ["llm", "arithmetic"],
            "capo-logprob-arithmetic": ["arithmetic", "logprob"], "capo-readout": ["arithmetic", "logprob"]}
 

@@ -11,9 +11,10 @@ from pipeline.stages.base import round_paths
 
 
 def test_registry_holds_the_round_in_order():
-    assert list(REGISTRY) == ["rollout", "verify", "segment", "mc", "critique", "vote", "reward", "train", "eval"]
-    assert STAGES == ("rollout", "verify", "segment", "mc", "critique", "vote", "reward", "train")
-    assert HEAVY_STAGES == ("rollout", "mc", "critique", "train", "eval")
+    assert list(REGISTRY) == ["rollout", "verify", "segment", "mc", "densr", "critique", "vote", "reward", "train",
+                              "eval"]
+    assert STAGES == ("rollout", "verify", "segment", "mc", "densr", "critique", "vote", "reward", "train")
+    assert HEAVY_STAGES == ("rollout", "mc", "densr", "critique", "train", "eval")
 
 
 def test_every_stage_names_real_tables_and_a_real_function(repo, tmp_path):
@@ -34,11 +35,14 @@ def test_not_applicable_rules_follow_the_config(repo, tmp_path):
     grpo = load_config(repo / "configs" / "tiny.yaml", base, preset="grpo")
     genorm = load_config(repo / "configs" / "tiny.yaml", base, preset="grpo-genorm")
     vine = load_config(repo / "configs" / "tiny.yaml", base, preset="vineppo")
+    densr = load_config(repo / "configs" / "tiny.yaml", base, preset="densr")
     no_eval = load_config(repo / "configs" / "tiny.yaml", [*base, "eval.enabled=false"])
-    assert {n for n, s in REGISTRY.items() if s.not_applicable(capo)} == {"mc"}  # Monte Carlo values: VinePPO only
-    assert {n for n, s in REGISTRY.items() if s.not_applicable(grpo)} == {"mc", "critique", "vote"}
-    assert {n for n, s in REGISTRY.items() if s.not_applicable(genorm)} == {"mc", "vote"}
-    assert {n for n, s in REGISTRY.items() if s.not_applicable(vine)} == {"critique", "vote"}
+    # Monte Carlo values: VinePPO only; hidden-state divergences: DenseR only
+    assert {n for n, s in REGISTRY.items() if s.not_applicable(capo)} == {"mc", "densr"}
+    assert {n for n, s in REGISTRY.items() if s.not_applicable(grpo)} == {"mc", "densr", "critique", "vote"}
+    assert {n for n, s in REGISTRY.items() if s.not_applicable(genorm)} == {"mc", "densr", "vote"}
+    assert {n for n, s in REGISTRY.items() if s.not_applicable(vine)} == {"densr", "critique", "vote"}
+    assert {n for n, s in REGISTRY.items() if s.not_applicable(densr)} == {"mc", "critique", "vote"}
     assert "eval.enabled is false" in get_stage("eval").not_applicable(no_eval)
 
 
