@@ -49,8 +49,8 @@ def finish_task(config: str, overrides: list[str], round_idx: int, results: list
 @flow(name="capo-round", log_prints=True)
 def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional[list[str]] = None,
                preset: Optional[str] = None) -> list[dict]:
-    """Run one CAPO round: rollout, verify, segment, mc (VinePPO only), critique, vote, reward, train, eval,
-    catalog, report.
+    """Run one CAPO round: rollout, verify, segment, mc (VinePPO only), densr (DenseR only), critique, vote,
+    reward, train, eval, catalog, report.
 
     Args:
         round: round number; round 1 samples from ``rollout.policy``, round k from round k-1's
@@ -58,7 +58,8 @@ def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional
         config: YAML config path (``configs/default.yaml``: the embedded offline defaults).
         overrides: ``section.key=value`` strings, e.g. ``["vote.rule=union", "reward.process_weight=0.5"]``.
         preset: a name from ``configs/presets/`` (capo-intersection, capo-union, capo-majority,
-            capo-average, capo-majority-arithmetic, capo-arithmetic, capo-logprob-arithmetic, capo-readout, grpo, grpo-genorm, grpo-lambda, fipo); it also names the variant.
+            capo-average, capo-majority-arithmetic, capo-arithmetic, capo-logprob-arithmetic, capo-readout, grpo, grpo-genorm, grpo-lambda, fipo, vineppo,
+            densr); it also names the variant.
     """
     overrides = list(overrides or [])
     cfg = load_config(config, overrides, preset)  # fail before any work on a bad config

@@ -227,6 +227,21 @@ def _other_rounds(data: dict[str, list[dict]], round_idx: int) -> dict[str, list
     return across
 
 
+def _variants_on_these_rollouts(round_dir: Path, variants: list[str]) -> set[str]:
+    """The variants whose token rewards were computed from the round's current rollouts (their manifest's
+    key holds the rollouts' fingerprint): a variant computed before the rollouts were sampled again
+    would show advantages of other text."""
+    man = storage.read_manifest(round_dir / "rollouts.parquet")
+    if man is None:
+        return set()
+    out = set()
+    for v in variants:
+        tr = storage.read_manifest(round_dir / "variants" / v / "token_rewards.parquet")
+        if tr is not None and (tr.get("key") or {}).get("rollouts") == man["fingerprint"]:
+            out.add(v)
+    return out
+
+
 def _response_entry(r: dict, st: list[dict], cs: list[dict], checks: list[dict], tr: dict, token_texts: list[str],
                     parsed_ok: set[str], others: list[dict] = ()) -> dict:
     """One response as the browser shows it: its steps, critiques, checks, tokens and filter flags, and
@@ -330,6 +345,8 @@ def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
     prompts, start = _prompts_and_start(rc, run_dir)
     queries = browser_queries(run_id, round_idx, variant, rule)
     data, policy_rows, missing = _query_round(run_dir, prompts, queries, run_id, round_idx)
+    same = _variants_on_these_rollouts(round_dir, variants)
+    data["other_variants"] = [t for t in data["other_variants"] if t["variant"] in same]
 
     steps: dict[str, list[dict]] = {}
     for s in data["steps"]:

@@ -14,8 +14,8 @@ tokens, ``O_i`` the responses of its group with the other outcome, ``T_j > 0``):
 - divergence ``d_i[t] = 1 - max_{j in O_i} cos(h_i[t], h_j[min(t, T_j - 1)])``, clipped to ``>= 0``
   (aligned by position; past the end of a shorter response, its last token stands in);
 - weight ``w_i[t] = (1 - mix) + mix * d_i[t] / mean_t(d_i)``, so ``mean_t(w_i) = 1``; a response
-  with no opposite (its group all right or all wrong, where GRPO's advantage is 0 anyway) or whose
-  divergences are all 0 gets ``w = 1``;
+  with no opposite (its group all right or all wrong, where GRPO's advantage is 0 unless the
+  overlong penalty is on) or whose divergences are all 0 keeps GRPO's flat weights, ``w = 1``;
 - advantage ``A[i, t] = A_i * w_i[t]``, ``A_i`` GRPO's sequence advantage
   (:func:`pipeline.core.rewards.densr`).
 
@@ -49,7 +49,8 @@ def aligned_divergence(hidden: list[np.ndarray], correct: np.ndarray, groups: np
         response of the other outcome (and at least one token) in its group.
 
     Raises:
-        ValueError: ``hidden``, ``correct`` and ``groups`` differ in length, or the hidden sizes differ.
+        ValueError: ``hidden``, ``correct`` and ``groups`` differ in length, a hidden state is not
+            finite, or the hidden sizes differ.
     """
     correct_B, groups_B = np.asarray(correct, bool), np.asarray(groups)
     if not (len(hidden) == len(correct_B) == len(groups_B)):
@@ -60,6 +61,10 @@ def aligned_divergence(hidden: list[np.ndarray], correct: np.ndarray, groups: np
     dims = {h.shape[-1] for h in hidden if len(h)}
     if len(dims) > 1:
         raise ValueError(f"hidden states of one round must share one size; got {sorted(dims)}")
+    bad = [i for i, h in enumerate(hidden) if not np.all(np.isfinite(h))]
+    if bad:
+        raise ValueError(f"the hidden states of response {bad[0]} (and {len(bad) - 1} more) are not finite (NaN or "
+                         "inf, e.g. a float16 overflow): compute them in float32")
     unit = [_unit_rows(np.asarray(h, np.float64)) for h in hidden]
     out = []
     for i, u_i in enumerate(unit):

@@ -49,7 +49,8 @@ def densr_key(cfg: CAPOConfig, round_idx: int) -> dict:
 
 
 def response_hidden_states(model, sequences: list[tuple[list[int], list[int]]], layer: int) -> list[np.ndarray]:
-    """Hidden state ``layer`` at every response token, one forward pass per (prompt, response).
+    """Hidden state ``layer`` at every response token, one forward pass per (prompt, response), on the
+    model's device.
 
     Args:
         model: a transformers causal LM (eval mode).
@@ -68,25 +69,28 @@ def response_hidden_states(model, sequences: list[tuple[list[int], list[int]]], 
     if not -n_states <= layer < n_states:
         raise ValueError(f"densr.layer={layer} is out of range: the policy has {n_states} hidden states "
                          f"(valid: {-n_states} .. {n_states - 1})")
+    dev = next(model.parameters()).device
     out = []
     with torch.inference_mode():
         for prompt, response in sequences:
             if not response:
                 out.append(np.zeros((0, model.config.hidden_size), np.float32))
                 continue
-            ids = torch.tensor([list(prompt) + list(response)])
-            hs = model(input_ids=ids, output_hidden_states=True).hidden_states[layer]  # (1, P + T, d)
-            out.append(hs[0, len(prompt):].float().numpy())
+            ids = torch.tensor([list(prompt) + list(response)], device=dev)
+            # logits of the last position only: the states are what is read, not the vocabulary
+            hs = model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1).hidden_states[layer]
+            out.append(hs[0, len(prompt):].float().cpu().numpy())  # (T, d)
     return out
 
 
 def densr_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
     """Each response token's hidden-state divergence from the other outcome -> ``token_divergence``
-    (module docstring).
+    (module docstring). One prompt group at a time, so memory holds one group's hidden states.
 
     Raises:
         FileNotFoundError: the round's rollouts or outcomes table is missing.
-        ValueError: a rollout has no outcome, or ``densr.layer`` is out of range for the policy.
+        ValueError: a rollout has no outcome, ``densr.layer`` is out of range for the policy, or a
+            hidden state is not finite.
     """
     p = round_paths(cfg, round_idx)
     key = densr_key(cfg, round_idx)
@@ -105,40 +109,56 @@ def densr_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
         if at.null_count:
             raise ValueError(f"{at.null_count} rollouts have no outcome in {p['outcomes']}; re-run the verify stage")
         correct = np.asarray(oc.column("outcome_correct").combine_chunks().take(at).to_pylist(), bool)
-        groups = np.asarray([r["prompt_id"] for r in ro])
-        policy = policy_for_round(cfg, round_idx)
         dtype = precision_record(cfg)["rollout_dtype"]
-        model = AutoModelForCausalLM.from_pretrained(policy, dtype=getattr(torch, dtype)).eval()
-        hidden = response_hidden_states(model, [(r["prompt_token_ids"], r["response_token_ids"]) for r in ro],
-                                        cfg.densr.layer)
+        model = AutoModelForCausalLM.from_pretrained(policy_for_round(cfg, round_idx), dtype=getattr(torch, dtype))
+        model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+        by_group: dict[str, list[int]] = {}
+        for i, r in enumerate(ro):
+            by_group.setdefault(r["prompt_id"], []).append(i)
+        rows, total, n_tokens, contrasted = [None] * len(ro), 0.0, 0, 0
+        for idx in by_group.values():  # one group's states in memory at a time
+            hidden = response_hidden_states(
+                model, [(ro[i]["prompt_token_ids"], ro[i]["response_token_ids"]) for i in idx], cfg.densr.layer)
+            div = aligned_divergence(hidden, correct[idx], np.zeros(len(idx)))
+            for j, (i, d) in enumerate(zip(idx, div)):
+                # the responses of the other outcome that have a token to compare with
+                n_opp = sum(1 for k, h in zip(idx, hidden) if correct[k] != correct[i] and len(h))
+                has = len(d) > 0 and not np.isnan(d).any()
+                contrasted += has
+                total, n_tokens = total + (float(d.sum()) if has else 0.0), n_tokens + (len(d) if has else 0)
+                rows[i] = {"run_id": cfg.run_id, "round": round_idx, "rollout_id": ro[i]["rollout_id"],
+                           "prompt_id": ro[i]["prompt_id"], "outcome_correct": bool(correct[i]),
+                           "layer": cfg.densr.layer, "n_opposite": n_opp,
+                           "divergence": d.tolist() if n_opp else None}
+        hidden_size = int(model.config.hidden_size)
         del model
-        div = aligned_divergence(hidden, correct, groups)
-        n_opp = [int(((groups == g) & (correct != c)).sum()) for g, c in zip(groups, correct)]
-        rows = [{"run_id": cfg.run_id, "round": round_idx, "rollout_id": r["rollout_id"], "prompt_id": r["prompt_id"],
-                 "outcome_correct": bool(c), "layer": cfg.densr.layer, "n_opposite": n,
-                 "divergence": None if np.isnan(d).any() else d.tolist()}
-                for r, c, n, d in zip(ro, correct, n_opp, div)]
-        contrasted = [d for d in div if len(d) and not np.isnan(d).any()]
-        log.info("[densr] %d of %d responses have a response of the other outcome in their group",
-                 len(contrasted), len(ro))
-        flat = np.concatenate(contrasted) if contrasted else np.zeros(0)
+        log.info("[densr] %d of %d responses have a response of the other outcome in their group", contrasted, len(ro))
         return (pa.Table.from_pylist(rows, schema=TOKEN_DIVERGENCE_SCHEMA),
-                provenance(cfg, {"contrasted_responses": len(contrasted), "hidden_size": int(hidden[0].shape[-1])
-                                 if hidden else None, "mean_divergence": float(flat.mean()) if flat.size else None}))
+                provenance(cfg, {"contrasted_responses": contrasted, "hidden_size": hidden_size,
+                                 "mean_divergence": total / n_tokens if n_tokens else None}))
 
     return run_table_stage("densr", p["token_divergence"], "token_divergence", key, compute, force)
 
 
-def read_divergence(path, rollout_ids: list[str], n_tokens: np.ndarray) -> np.ndarray:
+def read_divergence(path, rollout_ids: list[str], n_tokens: np.ndarray, layer: int) -> np.ndarray:
     """``token_divergence.parquet`` as one (N,) float array in the order of ``rollout_ids`` (NaN for the
     tokens of a response without a response of the other outcome), for :func:`pipeline.core.densr.densr_weights`.
 
     Raises:
-        ValueError: the table lacks a rollout, or a response's divergences do not match its token count
-            (re-run the densr stage).
+        ValueError: the table lacks a rollout or holds one not in ``rollout_ids``, was computed at another
+            layer than ``layer``, or a response's divergences do not match its token count (re-run the
+            densr stage).
     """
-    got = {r["rollout_id"]: r["divergence"] for r in
-           storage.read_table(path, "token_divergence").select(["rollout_id", "divergence"]).to_pylist()}
+    rows = storage.read_table(path, "token_divergence").select(["rollout_id", "layer", "divergence"]).to_pylist()
+    got = {r["rollout_id"]: r["divergence"] for r in rows}
+    layers = {r["layer"] for r in rows}
+    if layers - {layer}:
+        raise ValueError(f"token_divergence.parquet was computed at layer(s) {sorted(layers)}, not densr.layer={layer}; "
+                         "re-run the densr stage")
+    extra = set(got) - set(rollout_ids)
+    if extra:
+        raise ValueError(f"token_divergence.parquet holds {len(extra)} rollouts not in rollouts.parquet, e.g. "
+                         f"{sorted(extra)[0]}; re-run the densr stage")
     out = []
     for rid, n in zip(rollout_ids, n_tokens):
         if rid not in got:
@@ -152,4 +172,4 @@ def read_divergence(path, rollout_ids: list[str], n_tokens: np.ndarray) -> np.nd
 
 
 STAGE = Stage("densr", ("rollouts", "outcomes"), ("token_divergence",), True, densr_key,
-              "pipeline.stages.densr:densr_stage", no_densr)
+              "pipeline.stages.densr:densr_stage", no_densr, engine_env=True)

@@ -44,7 +44,7 @@ def reward_key(cfg: CAPOConfig, round_idx: int) -> dict:
     if cfg.reward.estimator == "vineppo":
         ins.update(steps=input_fp(p["steps"]), mc_values=input_fp(p["mc_values"]), mc=cfg.mc.model_dump(mode="json"))
     if cfg.reward.estimator == "densr":
-        ins.update(token_divergence=input_fp(p["token_divergence"]), densr_mix=cfg.densr.mix)
+        ins.update(token_divergence=input_fp(p["token_divergence"]), densr=cfg.densr.model_dump(mode="json"))
     if mode.type == "outcome":
         ins.update(critiques=input_fp(p["critiques"]))
     reward = dict(c["reward"])
@@ -108,7 +108,7 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
             R_S = R_S + pen_B[pos_S]
         values = _mc_state_values(p, rid.to_pylist(), r_v, groups, np.bincount(pos_S, minlength=B),
                                   cfg.mc.max_states) if vine else (None, None)
-        token_w = _densr_weights(p, rid.to_pylist(), n_tok, offsets, cfg.densr.mix) if densr else None
+        token_w = _densr_weights(p, rid.to_pylist(), n_tok, offsets, cfg.densr.layer, cfg.densr.mix) if densr else None
         A_S = ADVANTAGE_ESTIMATORS[rc.estimator](RoundRewards(R_S, len_S, pos_S, r_v, pen_B, groups, rc.correct_weight,
                                                               rc.scale_by_std, rc.eps, *values, token_w))
         R, A = np.repeat(R_S, len_S), np.repeat(A_S, len_S)  # (N,): the only per-token work
@@ -182,12 +182,13 @@ def _mc_state_values(p, rollout_ids: list[str], r_v: np.ndarray, groups: np.ndar
     return np.asarray(values, np.float64), n_states
 
 
-def _densr_weights(p, rollout_ids: list[str], n_tok: np.ndarray, offsets: np.ndarray, mix: float) -> np.ndarray:
+def _densr_weights(p, rollout_ids: list[str], n_tok: np.ndarray, offsets: np.ndarray, layer: int,
+                   mix: float) -> np.ndarray:
     """DenseR's (N,) per-token weights from ``token_divergence.parquet`` (:func:`pipeline.core.densr.densr_weights`)."""
     from pipeline.core.densr import densr_weights
     from pipeline.stages.densr import read_divergence
 
-    return densr_weights(read_divergence(p["token_divergence"], rollout_ids, n_tok), offsets, mix)
+    return densr_weights(read_divergence(p["token_divergence"], rollout_ids, n_tok, layer), offsets, mix)
 
 
 def _step_runs(p, rid: pa.Array, offsets: np.ndarray, rule: str | None) -> tuple[np.ndarray, ...]:

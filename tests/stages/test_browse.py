@@ -252,6 +252,15 @@ def test_each_variant_trained_on_the_same_responses_shows_where_it_puts_credit(t
     assert table["densr", "A"][10] == pytest.approx(11 * table["grpo", "A"][0], rel=1e-5)
     assert collect(toy_run.run_dir(), 1, "grpo")["prompts"][0]["responses"][0]["other_advantages"][0][0] == "capo-intersection"
     page = build_browser(toy_run.run_dir(), 1, "capo-intersection")
+    html = page.read_text()
+    assert "variant &lt;&gt; &#39;capo-intersection&#39;" in html or "variant <> 'capo-intersection'" in html
+
+    # the round's rollouts sampled again: the other variants' advantages are of the old text, left out
+    rows = storage.read_table(round_paths(grpo, 1)["rollouts"], "rollouts").to_pylist()
+    rows[0]["response_text"] += " "
+    write_rows(grpo, "rollouts", [{k: v for k, v in r.items() if k not in ("run_id", "round")} for r in rows], "rollout")
+    reward_stage(toy_run, 1)  # CAPO's rewards made again on the new sample
+    assert collect(toy_run.run_dir(), 1, "capo-intersection")["prompts"][0]["responses"][0]["other_advantages"] == []
     _skip_without_chromium()
     with headless_chromium() as browser:
         tab = browser.new_page()

@@ -37,9 +37,19 @@ def test_densr_advantages_from_a_divergence_table_worked_by_hand(tmp_path):
     # the size of each response's update is GRPO's
     assert abs(sum(abs(x) for x in got["A"]["advantages"]) - 11 * a) < 1e-4
 
+    # another mix is another reward key: recomputed from the same divergences, no model read
+    mix1 = toy_config(tmp_path, *DENSR, "densr.mix=1.0")
+    res = reward_stage(mix1, 1)
+    assert not res.skipped and "densr" in res.reason
+    a1 = storage.read_table(round_paths(mix1, 1)["token_rewards"], "token_rewards").to_pylist()[0]["advantages"]
+    np.testing.assert_allclose(a1, [0.0] * 9 + [5.5 * a] * 2, rtol=1e-5)  # all of it on the two parting tokens
+
     write_rows(cfg, "token_divergence", _divergence_rows([0.0] * 10, [0.0] * 7), "densr")  # A is 11 tokens
     with pytest.raises(ValueError, match="holds 10 divergences for rollout A of 11 tokens"):
         reward_stage(cfg, 1)
+    write_rows(cfg, "token_divergence", _divergence_rows([0.0] * 11, [0.0] * 7), "densr")
+    with pytest.raises(ValueError, match=r"computed at layer\(s\) \[-1\], not densr.layer=-2"):
+        reward_stage(toy_config(tmp_path, *DENSR, "densr.layer=-2"), 1)
 
 
 def test_the_densr_stage_reads_the_policys_hidden_states(tmp_path, tiny_model):

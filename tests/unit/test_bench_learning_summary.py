@@ -288,3 +288,6 @@ def test_the_grpo_lambda_arm_runs_its_preset(bench):
     assert fipo.variant == "fipo" and fipo.train.future_kl is not None and fipo.train.ratio_trace is None
     vine = bench.arm_config(bench.parser().parse_args(["--arms", "vineppo", "--seeds", "0"]), "vineppo", 0, Path("t"))
     assert vine.variant == "vineppo" and vine.reward.estimator == "vineppo" and not vine.critique.enabled
+    dense = bench.arm_config(bench.parser().parse_args(["--arms", "densr", "--seeds", "0"]), "densr", 0, Path("t"))
+    assert dense.variant == "densr" and dense.reward.estimator == "densr" and dense.densr.mix == 1.0
+    assert not dense.critique.enabled and dense.reward.process_weight == 0

@@ -111,5 +111,5 @@ def test_round_plan_follows_each_stages_rounds():
     assert round_plan(1) == train + [("eval", 0), ("eval", 1)]  # round 1 also evaluates the starting policy
     assert round_plan(3) == [(n, 3) for n in REGISTRY if n != "eval"] + [("eval", 3)]
     assert REGISTRY["eval"].batch_invariant and REGISTRY["train"].launch_module == "pipeline.stages.train_launch"
-    assert [n for n, s in REGISTRY.items() if s.engine_env] == ["rollout", "mc", "critique", "train", "eval"]
+    assert [n for n, s in REGISTRY.items() if s.engine_env] == ["rollout", "mc", "densr", "critique", "train", "eval"]
     assert [n for n, s in REGISTRY.items() if s.shard_function] == ["critique"]
