@@ -160,12 +160,14 @@ def main() -> None:
                     shutil.rmtree(path, ignore_errors=True)
     for arm in a.arms:  # totals, from every line measured for the arm (this run's and earlier ones)
         st = {x["stage"]: x for x in lines if x.get("arm") == arm and x.get("stage")}
-        rss = [x["peak_rss_mb"] for x in st.values() if x["peak_rss_mb"] is not None]
+        own = {s: x for s, x in st.items() if s not in ("reward", "train")}
+        rss = [x["peak_rss_mb"] for x in own.values() if x["peak_rss_mb"] is not None]
         emit({"bench": "rivals", "arm": arm, "summary": True, "stages": sorted(st),
-              "own_stages_s": round(sum(x["seconds"] for s, x in st.items() if s not in ("reward", "train")), 2),
+              "own_stages_s": round(sum(x["seconds"] for x in own.values()), 2),
+              "own_stages_peak_rss_mb": max(rss) if rss else None,
               "reward_s": st["reward"]["seconds"] if "reward" in st else None,
               "train_s": st["train"]["seconds"] if "train" in st else None,
-              "peak_rss_mb": max(rss) if rss else None, **env})
+              "train_peak_rss_mb": st["train"]["peak_rss_mb"] if "train" in st else None, **env})
     totals = {x["arm"]: x for x in lines if x.get("summary")}
     for arm in a.arms:
         t = totals[arm]
@@ -180,9 +182,7 @@ def main() -> None:
             both = t["train_s"] is not None and b["train_s"] is not None
             if both:
                 extra += t["train_s"] - b["train_s"]
-            emit({**row, "extra_s": round(extra, 2), "train_compared": both,
-                  "extra_peak_rss_mb": round(t["peak_rss_mb"] - b["peak_rss_mb"], 1)
-                  if t["peak_rss_mb"] is not None and b["peak_rss_mb"] is not None else None, **env})
+            emit({**row, "extra_s": round(extra, 2), "train_compared": both, **env})
 
 
 if __name__ == "__main__":

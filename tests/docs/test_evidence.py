@@ -110,3 +110,25 @@ def test_learning_matrix_capo_seed0_figures():
     readme = _text("README.md")
     assert f"greedy held-out accuracy fell {round(-100 * s['diff'])} points while its sampled accuracy rose " \
            f"{round(100 * smp['diff'])}," in readme
+
+
+def test_rivals_cost_table():
+    lines = _lines("rivals-cost-default-avx512bf16.jsonl")
+    summary = {x["arm"]: x for x in lines if x.get("summary")}
+    assert set(summary) == {"grpo", "capo", "grpo-lambda", "fipo", "vineppo", "densr"}
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    section = page.split("## What each credit-assignment method costs per round", 1)[1].split("\n## ", 1)[0]
+    text = " ".join(section.split())
+    for arm, s in summary.items():
+        rss = "" if s["own_stages_peak_rss_mb"] is None else f"{s['own_stages_peak_rss_mb'] / 1024:.1f} GB"
+        train = "not measured" if s["train_s"] is None else f"{s['train_s']:.0f}"
+        row = re.search(rf"\| `{re.escape(arm)}` \|[^|]*\|([^|]*)\|([^|]*)\|([^|]*)\|", text)
+        assert row is not None, arm
+        assert [c.strip() for c in row.groups()] == [f"{s['own_stages_s']:.0f}", rss, train], arm
+    trains = [s["train_s"] for s in summary.values() if s["train_s"] is not None]
+    assert f"from {min(trains):.0f} to {max(trains):.0f} s across four methods" in text
+    mc = next(x for x in lines if x.get("stage") == "mc")
+    assert f"{mc['rows']} states x 4 continuations" in text
+    own = {arm: s["own_stages_s"] / 60 for arm, s in summary.items()}
+    assert (f"CAPO's critic {own['capo']:.1f} minutes, DenseR's hidden states {round(own['densr'])}, VinePPO's "
+            f"continuations {round(own['vineppo'])} (training: {round(sorted(trains)[len(trains) // 2] / 60)})") in _text("README.md")
