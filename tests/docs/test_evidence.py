@@ -132,3 +132,34 @@ def test_rivals_cost_table():
     own = {arm: s["own_stages_s"] / 60 for arm, s in summary.items()}
     assert (f"CAPO's critic {own['capo']:.1f} minutes, DenseR's hidden states {round(own['densr'])}, VinePPO's "
             f"continuations {round(own['vineppo'])} (training: {round(sorted(trains)[len(trains) // 2] / 60)})") in _text("README.md")
+
+
+def test_generation_precision_figures():
+    lines = _lines("generation-vllm-avx512bf16.jsonl")
+    by = {x["dtype"]: x["tokens_per_s"] for x in lines if x.get("engine") == "vllm"}
+    pick = next(x for x in lines if x.get("precision") == "vllm")
+    assert pick["pick_is_fastest"] and pick["auto_picks"] == "bfloat16"
+    text = _text("docs/benchmarks.md")
+    assert f"**{by['bfloat16']:.0f} tokens/s in bf16 and {by['float32']:.0f} in fp32**" in text
+    assert f"the faster by {pick['pick_over_slowest']:.1f}x" in text
+
+
+def test_engine_reload_figures():
+    lines = {x.get("way"): x for x in _lines("engine-reload-avx512bf16.jsonl")}
+    text = _text("docs/benchmarks.md")
+    assert f"the engine took **{lines['start']['client_seconds']:.1f} s**" in text
+    assert f"in place **{lines['reload']['client_seconds']:.1f} s** (best of {lines['reload']['repeats']})" in text
+    assert f"saves about {round(lines[None]['saved_seconds_per_engine_start'])} s per engine start" in text
+
+
+def test_critique_n_table():
+    lines = _lines("critique-n-avx512bf16.jsonl")
+    ratio = next(x for x in lines if "n4_over_n1" in x)
+    text = _text("docs/benchmarks.md")
+    for x in (x for x in lines if x.get("n")):
+        times_n1 = ratio[f"n{x['n']}_over_n1"]
+        row = (f"| {x['n']} | {x['critiques']} | {x['seconds']:.1f} | {times_n1:.2f}x | "
+               f"{x['vllm_prompt_tokens_cached']:,} of {x['prompt_tokens_requested']:,} |")
+        assert row in text, row
+    assert f"after a {next(x for x in lines if x.get('n'))['load_seconds']:.1f} s engine start" in text
+    assert f"cost {ratio['n4_over_n1']:.1f} times one" in text
