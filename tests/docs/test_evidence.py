@@ -163,3 +163,19 @@ def test_critique_n_table():
         assert row in text, row
     assert f"after a {next(x for x in lines if x.get('n'))['load_seconds']:.1f} s engine start" in text
     assert f"cost {ratio['n4_over_n1']:.1f} times one" in text
+
+
+def test_trainer_precision_figures():
+    pick = next(x for x in _lines("trainer-precision-avx512bf16.jsonl") if x.get("precision"))
+    s = pick["step_seconds_by_precision"]
+    assert pick["pick_is_fastest"] and pick["auto_picks"] == "bf16"
+    text = _text("docs/benchmarks.md")
+    assert f"**{s['bf16']:.1f} s in bf16 autocast and {s['no']:.1f} s in fp32**" in text
+    assert f"`auto` picked bf16, the faster by {pick['slowest_over_pick']:.1f}x" in text
+
+
+def test_trainer_memory_figures():
+    s = next(x for x in _lines("trainer-memory-avx512bf16.jsonl") if x.get("memory") == "summary")
+    text = _text("docs/benchmarks.md")
+    assert (f"**{s['peak_rss_mb']['after'] / 1024:.1f} GB against {s['peak_rss_mb']['before'] / 1024:.1f} GB** "
+            f"without the four, {s['saved_mb'] / 1024:.1f} GB saved") in text
