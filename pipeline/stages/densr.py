@@ -120,12 +120,11 @@ def densr_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
             hidden = response_hidden_states(
                 model, [(ro[i]["prompt_token_ids"], ro[i]["response_token_ids"]) for i in idx], cfg.densr.layer)
             div = aligned_divergence(hidden, correct[idx], np.zeros(len(idx)))
-            for j, (i, d) in enumerate(zip(idx, div)):
+            for i, d in zip(idx, div):
                 # the responses of the other outcome that have a token to compare with
                 n_opp = sum(1 for k, h in zip(idx, hidden) if correct[k] != correct[i] and len(h))
-                has = len(d) > 0 and not np.isnan(d).any()
-                contrasted += has
-                total, n_tokens = total + (float(d.sum()) if has else 0.0), n_tokens + (len(d) if has else 0)
+                if len(d) and n_opp:
+                    contrasted, total, n_tokens = contrasted + 1, total + float(d.sum()), n_tokens + len(d)
                 rows[i] = {"run_id": cfg.run_id, "round": round_idx, "rollout_id": ro[i]["rollout_id"],
                            "prompt_id": ro[i]["prompt_id"], "outcome_correct": bool(correct[i]),
                            "layer": cfg.densr.layer, "n_opposite": n_opp,
