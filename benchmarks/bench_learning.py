@@ -88,6 +88,13 @@
 held-out problem's greedy answer right or not and its format, its samples right, boxed, and right
 among the boxed, at round 0 and round K), from which every paired figure can be recomputed.
 ``--report-only`` runs no stage: the table of the runs finished so far, the others "not run".
+**Across machines**: the evidence file is read back as well as written. A run finished elsewhere
+(its two per-item records and its per-round lines in the file, under this invocation's settings:
+:func:`settings_id`, which holds no path of the checkout) counts as finished here and is not run
+again (:func:`carried_runs`), so the matrix resumes run by run on a fresh machine from the
+committed file; a run's round checkpoints stay where it trained, and a run stopped mid-way starts
+over. Every verdict is computed from the per-item records (:func:`changes_from_records`), local or
+carried alike.
 
 Defaults: the configuration under which learning was shown (docs/benchmarks.md, "Learning
 benchmark"): lr 2e-6, 320 tokens, 8 problems x 4 responses per round (16 per AdamW step), DAPO's
@@ -125,7 +132,7 @@ from pipeline.core.answer_format import FORMAT_CODE, PROGRAM, answer_format  # n
 ARMS = ("grpo", "capo", "control", "shuffled", "random-credit", "grpo-lambda", "fipo", "vineppo", "densr")
 METRICS = ("greedy", "sampled", "greedy_boxed", "sampled_boxed")
 """Per-item changes the verdicts are computed on: greedy accuracy, sampled accuracy (share of right
-samples), and both within finished, boxed answers (reasoning apart from format: :func:`boxed_rates`)."""
+samples), and both within finished, boxed answers (reasoning apart from format: :func:`changes_from_records`)."""
 DEFAULT_ARMS = ["grpo", "capo", "control"]
 log = logging.getLogger("capo.bench_learning")
 
@@ -163,6 +170,24 @@ def auto_overrides(a: argparse.Namespace) -> list[str]:
     return ["rollout.engine.dtype=auto", "train.mixed_precision=auto"] if a.precision == "auto" else []
 
 
+def _settings(a: argparse.Namespace, arm: str, seed: int, train_file: Path, portable: bool) -> dict:
+    """What a run's rounds depend on (see :func:`run_id`); ``portable``: without this checkout's
+    paths (runs and data directories) and with the training file's contents (sha256) in place of its path."""
+    import hashlib
+
+    # the eval's samples change no training round: a run evaluated with more of them is the same run
+    train_only = argparse.Namespace(**{**vars(a), "eval_samples": 1})
+    overrides = base_overrides(train_only, seed, arm)
+    preset = a.capo_preset if arm in ("capo", "random-credit") else None
+    named = preset not in (None, "capo-readout") and not (preset == "capo-majority" and a.n is not None)
+    if portable:
+        overrides = [o for o in overrides if not o.startswith(("runs_dir=", "data_dir="))]
+        train = {"train_file_sha256": hashlib.sha256(Path(train_file).read_bytes()).hexdigest()}
+    else:
+        train = {"train_file": str(train_file)}
+    return {"overrides": overrides, **train, **({"capo_preset": preset} if named else {})}
+
+
 def run_id(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> str:
     """``learn-<arm>-s<seed>-<hash>``: the hash covers every setting of the arm's rounds (and the
     training file), so a run resumes only under the settings it started with; other settings start
@@ -173,13 +198,17 @@ def run_id(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> str:
     capo-majority --n 2`` gives the ids of the runs made then."""
     from pipeline.config import section_hash
 
-    # the eval's samples change no training round: a run evaluated with more of them is the same run
-    train_only = argparse.Namespace(**{**vars(a), "eval_samples": 1})
-    preset = a.capo_preset if arm in ("capo", "random-credit") else None
-    named = preset not in (None, "capo-readout") and not (preset == "capo-majority" and a.n is not None)
-    return f"learn-{arm}-s{seed}-" + section_hash({"overrides": base_overrides(train_only, seed, arm),
-                                                   "train_file": str(train_file),
-                                                   **({"capo_preset": preset} if named else {})})[:8]
+    return f"learn-{arm}-s{seed}-" + section_hash(_settings(a, arm, seed, train_file, portable=False))[:8]
+
+
+def settings_id(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> str:
+    """``learn-<arm>-s<seed>-<hash>``, the hash of :func:`run_id`'s settings without this checkout's
+    paths and with the training file's contents instead of its path: equal on any machine for the
+    same rounds. ``--evidence`` records it per run; :func:`carried_runs` matches committed runs by it.
+    Like :func:`run_id` it covers the overrides, not the preset files they name."""
+    from pipeline.config import section_hash
+
+    return f"learn-{arm}-s{seed}-" + section_hash(_settings(a, arm, seed, train_file, portable=True))[:16]
 
 
 def arm_config(a: argparse.Namespace, arm: str, seed: int, train_file: Path):
@@ -644,6 +673,71 @@ def write_evidence(path: Path, lines: list[dict]) -> None:
     tmp.replace(path)
 
 
+def carried_runs(a: argparse.Namespace, path: Path, train_file: Path,
+                 local: set[tuple[str, int]]) -> tuple[dict[tuple[str, int], dict], dict | None]:
+    """Runs finished elsewhere, read back from an evidence file written earlier (``--evidence``):
+    per arm and seed of this invocation that did not finish here (not in ``local``), the run's
+    per-round lines, its two per-item records (round 0 and round K) and its paired change from
+    round 0 (from its arm's summary line), where the file holds both item records and its settings
+    are this invocation's (:func:`settings_id`; a file written before that was recorded is
+    matched by :func:`run_id`, which holds this checkout's paths). So the matrix resumes across
+    machines run by run: a run's round checkpoints stay on the machine that trained it, its
+    committed evidence counts everywhere (remove its lines from the file to run it again here).
+    Returns ``({(arm, seed): {"rows", "items", "paired"}}, noise floor)``: the second the file's
+    :func:`noise_floor` where it was measured for this invocation's held-out eval (policy, dataset,
+    size, samples) and ``--noise-seeds``, else None; ``({}, None)`` without the file.
+
+    Raises:
+        ValueError: a line of the file is not JSON (named with its line number); or the file holds a
+            finished run that this invocation would drop when it writes the file again: one outside
+            its ``--arms`` and ``--seeds``, or one run under other settings (another ``--rounds``,
+            learning rate, ...), named in the message, so that no finished run is overwritten."""
+    if not path.exists():
+        return {}, None
+    lines = []
+    for n, text in enumerate(path.read_text().splitlines(), 1):
+        try:
+            lines.append(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not a JSON line ({e.msg}); the evidence file is written by --evidence") from e
+    final = next((ln for ln in reversed(lines) if "run_ids" in ln), {})
+    records: dict[tuple[str, int], list[dict]] = {}
+    for ln in lines:
+        if "items" in ln:
+            records.setdefault((ln["items"], ln["seed"]), []).append(ln)
+    finished = {run: sorted(recs, key=lambda r: r["round"]) for run, recs in records.items()
+                if sorted(r["round"] for r in recs) == [0, final.get("rounds")]}
+    out, dropped = {}, []
+    for (arm, seed), items in sorted(finished.items()):
+        name = f"{arm}-s{seed}"
+        if arm not in a.arms or seed not in a.seeds:
+            dropped.append(f"{name} (not among --arms {' '.join(a.arms)} --seeds {' '.join(map(str, a.seeds))})")
+            continue
+        if final.get("rounds") != a.rounds:
+            same = False
+        elif "settings" in final:
+            same = final["settings"].get(name) == settings_id(a, arm, seed, train_file)
+        else:
+            same = final["run_ids"].get(name) == run_id(a, arm, seed, train_file)
+        if not same:
+            dropped.append(f"{name} (other settings: {final.get('rounds')} rounds, lr {final.get('lr')}, ...)")
+        elif (arm, seed) not in local:
+            summary = next((ln for ln in lines if ln.get("summary") == arm), {})
+            out[(arm, seed)] = {
+                "rows": [ln for ln in lines if ln.get("arm") == arm and ln.get("seed") == seed and "round" in ln],
+                "items": items, "paired": (summary.get("paired_change_from_round0") or {}).get(str(seed))}
+    if dropped:
+        raise ValueError(f"{path} holds finished runs this invocation would drop when it writes the file: "
+                         f"{', '.join(dropped)}; give their arms and seeds and settings too, or write another --evidence file")
+    noise = next((ln["noise_floor"] for ln in lines if "noise_floor" in ln), None)
+    same_eval = all(final.get(k) == v for k, v in (("policy", a.policy), ("dataset", a.dataset),
+                                                  ("eval_size", a.eval_size), ("eval_samples", a.eval_samples)))
+    if not (noise and same_eval and noise["sample_seeds"][1:] == [s for s in dict.fromkeys(a.noise_seeds)
+                                                                  if s != noise["sample_seeds"][0]]):
+        noise = None
+    return out, noise
+
+
 def format_breakdown(rows: list[dict], decoding: str) -> dict | None:
     """Reasoning apart from format, over an eval table's rows of one ``decoding`` (greedy, sample):
     ``n``; the shares of answers ``cut`` at the budget, ``boxed`` (finished with a box),
@@ -663,37 +757,41 @@ def format_breakdown(rows: list[dict], decoding: str) -> dict | None:
             "accuracy_boxed": float(np.mean(boxed)) if boxed else None}
 
 
-def boxed_rates(rows: list[dict], decoding: str) -> dict[tuple[str, str], float]:
-    """``{(benchmark, prompt_id): right / finished boxed answers}`` of one ``decoding``, over the
-    problems with at least one finished, boxed answer (accuracy within boxed answers, per problem)."""
-    by: dict[tuple[str, str], list[bool]] = {}
-    for r in rows:
-        if r["decoding"] == decoding and answer_format(r["response_text"], r["finish_reason"]) == "boxed":
-            by.setdefault((r["benchmark"], r["prompt_id"]), []).append(bool(r["correct"]))
-    return {i: float(np.mean(v)) for i, v in by.items()}
-
-
 def item_changes(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> dict[str, dict] | None:
-    """Each held-out problem's change from round 0 to round K: ``{"greedy": {item: -1/0/1},
-    "sampled": {item: change of its share of right samples}}`` (``sampled`` empty without
-    ``--eval-samples``), and the same within finished, boxed answers (``greedy_boxed``,
-    ``sampled_boxed``: :func:`boxed_rates`, over the problems with such an answer at both ends);
-    None before round K is evaluated. Items are ``(benchmark, prompt_id)``."""
-    tables = eval_tables(a, arm, seed, train_file)
-    if tables is None:
-        return None
-    rows0, rowsk = tables
+    """Each held-out problem's change from round 0 to round K (:func:`changes_from_records` over the
+    run's :func:`item_records`); None before round K is evaluated."""
+    records = item_records(a, arm, seed, train_file)
+    return changes_from_records(records) if records else None
 
-    def greedy(rows):
-        return {(r["benchmark"], r["prompt_id"]): float(bool(r["correct"])) for r in rows if r["decoding"] == "greedy"}
 
-    g0, gk, s0, sk = greedy(rows0), greedy(rowsk), sampled_rates(rows0), sampled_rates(rowsk)
-    out = {"greedy": {i: gk[i] - g0[i] for i in set(g0) & set(gk)},
-           "sampled": {i: sk[i] - s0[i] for i in set(s0) & set(sk)}}
-    for metric, decoding in (("greedy_boxed", "greedy"), ("sampled_boxed", "sample")):
-        b0, bk = boxed_rates(rows0, decoding), boxed_rates(rowsk, decoding)
-        out[metric] = {i: bk[i] - b0[i] for i in set(b0) & set(bk)}
-    return out
+def changes_from_records(records: list[dict]) -> dict[str, dict]:
+    """Each held-out problem's change from round 0 to round K, from a run's two per-item records
+    (:func:`item_records`, round 0's first; also read back from committed evidence):
+    ``{"greedy": {item: -1/0/1}, "sampled": {item: change of its share of right samples}}``
+    (``sampled`` empty without sampled answers), and the same within finished, boxed answers:
+    ``greedy_boxed`` over the problems whose greedy answer is boxed at both ends, ``sampled_boxed``
+    (right / boxed samples) over the problems with a boxed sample at both ends. Items are
+    ``"benchmark/prompt_id"``.
+
+    Raises:
+        ValueError: not two records of one run (round 0 and a later round)."""
+    if len(records) != 2 or records[0]["round"] != 0 or records[1]["round"] <= 0:
+        raise ValueError(f"need a run's round-0 and round-K item records, got rounds {[r.get('round') for r in records]}")
+    boxed = FORMAT_CODE["boxed"]
+
+    def per_item(rec: dict) -> dict[str, dict[str, float]]:
+        ids = rec["ids"]
+        out: dict[str, dict[str, float]] = {
+            "greedy": {i: float(g == "1") for i, g in zip(ids, rec["greedy"])},
+            "greedy_boxed": {i: float(g == "1") for i, g, f in zip(ids, rec["greedy"], rec["greedy_format"]) if f == boxed},
+            "sampled": {}, "sampled_boxed": {}}
+        if rec.get("samples"):
+            out["sampled"] = {i: r / rec["samples"] for i, r in zip(ids, rec["sampled_right"])}
+            out["sampled_boxed"] = {i: r / b for i, r, b in zip(ids, rec["sampled_boxed_right"], rec["sampled_boxed"]) if b}
+        return out
+
+    start, end = per_item(records[0]), per_item(records[1])
+    return {m: {i: end[m][i] - start[m][i] for i in start[m].keys() & end[m].keys()} for m in METRICS}
 
 
 def pooled_changes(a: argparse.Namespace, arm: str, changes: dict[tuple[str, int], dict | None]) -> dict[str, dict]:
@@ -1070,38 +1168,71 @@ def main() -> None:
             return
         train_file = clean
     round0 = earlier_round0(a)
+    # runs finished on another machine count through their committed evidence (--evidence)
+    finished_here = {(arm, seed) for arm in a.arms for seed in a.seeds if eval_tables(a, arm, seed, train_file)}
+    try:
+        carried, carried_noise = (carried_runs(a, Path(a.evidence), train_file, finished_here) if a.evidence else ({}, None))
+    except ValueError as e:
+        raise SystemExit(f"--evidence: {e}") from None
+    for arm, seed in carried:
+        log.info("%s seed %d: finished elsewhere; its lines in %s count (remove them to run it here)", arm, seed, a.evidence)
     # the training arms of every seed first, the control (no update) last
     order = [(arm, seed) for seed in a.seeds for arm in a.arms if arm != "control"]
     order += [("control", seed) for seed in a.seeds if "control" in a.arms]
-    ran = []
+    ran: list[dict] = []
+    head = list(evidence)  # the hygiene line, printed already
+
+    def report(final: bool) -> None:
+        """The table of what has finished (printed when ``final``), and with ``--evidence`` the file:
+        written after every run this invocation finishes too, so a stopped matrix keeps its finished runs."""
+        lines = list(head)
+
+        def put(line: dict) -> None:
+            if final:
+                print(json.dumps(line), flush=True)
+            lines.append(line)
+
+        rows = [r for seed in a.seeds for arm in a.arms
+                for r in (carried[(arm, seed)]["rows"] if (arm, seed) in carried else round_metrics(a, arm, seed, train_file))]
+        for r in rows:
+            if set(r) - {"bench", "arm", "seed", "round"}:  # a round not run yet measured nothing
+                put({**ctx, **r})  # a carried line keeps the machine it ran on
+        paired = {(arm, seed): carried[(arm, seed)]["paired"] if (arm, seed) in carried
+                  else paired_change(a, arm, seed, train_file) for arm in a.arms for seed in a.seeds}
+        items = {(arm, seed): carried[(arm, seed)]["items"] if (arm, seed) in carried
+                 else item_records(a, arm, seed, train_file) for arm in a.arms for seed in a.seeds}
+        changes = {run: changes_from_records(recs) if recs else None for run, recs in items.items()}
+        noise = noise_floor(a, round0[0], compute=final and not a.report_only) if round0 else None
+        noise = noise or carried_noise
+        if noise:
+            put({"bench": "learning", "noise_floor": noise, **ctx})
+        for s in summarize(a, rows, paired, changes, noise):
+            put({**s, **ctx})
+        plot_path = Path(a.plot) if a.plot else Path(a.runs_dir) / "learning.png"
+        if final:
+            plot_path.parent.mkdir(parents=True, exist_ok=True)
+            plot(a, rows, plot_path)
+        put({"bench": "learning", "plot": _shown(plot_path), "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1),
+             "stages_run_this_invocation": len(ran), "rounds": a.rounds, "seeds": a.seeds, "arms": a.arms, "lr": a.lr,
+             "policy": a.policy, "critic": a.critic, "n": a.n, "capo_preset": a.capo_preset or "capo-readout",
+             "dataset": a.dataset, "eval_size": a.eval_size, "eval_samples": a.eval_samples,
+             "run_ids": {f"{arm}-s{seed}": run_id(a, arm, seed, train_file) for arm, seed in order},
+             "settings": {f"{arm}-s{seed}": settings_id(a, arm, seed, train_file) for arm, seed in order},
+             "carried_from_evidence": [f"{arm}-s{seed}" for arm, seed in order if (arm, seed) in carried], **ctx})
+        if a.evidence:
+            records = [rec for seed in a.seeds for arm in a.arms for rec in items[(arm, seed)]]
+            write_evidence(Path(a.evidence), lines + records)
+            log.info("wrote %d summary and %d per-item lines to %s", len(lines), len(records), a.evidence)
+
     for arm, seed in order:
-        if not a.report_only:
-            ran += run_arm(a, arm, seed, train_file, round0)
+        if not a.report_only and (arm, seed) not in carried:
+            new = run_arm(a, arm, seed, train_file, round0)
+            ran += new
+            if new and a.evidence and eval_tables(a, arm, seed, train_file):  # a run finished: keep it
+                report(final=False)
         r0 = round_paths(arm_config(a, arm, seed, train_file), 0)["eval"]
         round0 = [r0, *round0] if r0.exists() else round0
-    rows = [r for seed in a.seeds for arm in a.arms for r in round_metrics(a, arm, seed, train_file)]
-    for r in rows:
-        if set(r) - {"bench", "arm", "seed", "round"}:  # a round not run yet measured nothing
-            emit({**r, **ctx})
-    paired = {(arm, seed): paired_change(a, arm, seed, train_file) for arm in a.arms for seed in a.seeds}
-    changes = {(arm, seed): item_changes(a, arm, seed, train_file) for arm in a.arms for seed in a.seeds}
-    noise = noise_floor(a, round0[0], compute=not a.report_only) if round0 else None
-    if noise:
-        emit({"bench": "learning", "noise_floor": noise, **ctx})
-    for s in summarize(a, rows, paired, changes, noise):
-        emit({**s, **ctx})
-    out = Path(a.plot) if a.plot else Path(a.runs_dir) / "learning.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    plot(a, rows, out)
-    emit({"bench": "learning", "plot": _shown(out), "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1),
-          "stages_run_this_invocation": len(ran), "rounds": a.rounds, "seeds": a.seeds, "arms": a.arms, "lr": a.lr,
-          "policy": a.policy, "critic": a.critic, "n": a.n, "capo_preset": a.capo_preset or "capo-readout",
-          "dataset": a.dataset, "eval_size": a.eval_size, "eval_samples": a.eval_samples,
-          "run_ids": {f"{arm}-s{seed}": run_id(a, arm, seed, train_file) for arm, seed in order}, **ctx})
-    if a.evidence:
-        items = [rec for seed in a.seeds for arm in a.arms for rec in item_records(a, arm, seed, train_file)]
-        write_evidence(Path(a.evidence), evidence + items)
-        log.info("wrote %d summary and %d per-item lines to %s", len(evidence), len(items), a.evidence)
+    report(final=True)
 
 
 if __name__ == "__main__":

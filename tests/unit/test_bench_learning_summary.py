@@ -173,8 +173,6 @@ def test_format_breakdown_by_hand(bench):
     assert f["accuracy_boxed"] == pytest.approx(2 / 3)  # 2 of the 3 boxed answers are right
     assert bench.format_breakdown(rows, "greedy")["accuracy_boxed"] == 1.0
     assert bench.format_breakdown([r for r in rows if r["decoding"] == "sample"], "greedy") is None
-    # per problem: a = 1 of 2 boxed right, b = 1 of 1 (the bare program and the cut one do not count)
-    assert bench.boxed_rates(rows, "sample") == {("mawps", "a"): 0.5, ("mawps", "b"): 1.0}
 
 
 def test_verdicts_within_boxed_answers_say_not_run_without_the_other_arm(bench):
@@ -247,8 +245,97 @@ def test_item_records_recompute_the_paired_figures(bench, monkeypatch):
     assert r0["sampled_boxed_right"] == [1, 0]
     assert rk["greedy"] == "11" and rk["greedy_format"] == "bb" and rk["sampled_right"] == [2, 1]
     assert rk["sampled_boxed"] == [2, 2] and rk["sampled_boxed_right"] == [2, 1]
+    # the per-item changes the verdicts use, from those two records:
+    ch = bench.changes_from_records([r0, rk])
+    assert ch["greedy"] == {"mawps/a": 1.0, "mawps/b": 1.0}  # 0 -> 1 on both
+    assert ch["greedy_boxed"] == {}  # no greedy answer was boxed at round 0
+    assert ch["sampled"] == {"mawps/a": 2 / 2 - 1 / 2, "mawps/b": 1 / 2 - 1 / 2}
+    # a: 1 of 2 boxed right -> 2 of 2; b had no boxed sample at round 0, so it is left out
+    assert ch["sampled_boxed"] == {"mawps/a": 2 / 2 - 1 / 2}
+    assert bench.item_changes(a, "capo", 0, Path("train.jsonl")) == ch
+    with pytest.raises(ValueError, match=r"rounds \[3, 0\]"):
+        bench.changes_from_records([rk, r0])
     monkeypatch.setattr(bench, "eval_tables", lambda *args: None)
     assert bench.item_records(a, "capo", 0, Path("train.jsonl")) == []
+    assert bench.item_changes(a, "capo", 0, Path("train.jsonl")) is None
+
+
+def _evidence(bench, a, train_file: Path, path: Path, settings: dict | None = None) -> None:
+    """An evidence file as ``--evidence`` writes it: capo seed 0 finished (rounds 0 and 2 per item),
+    grpo seed 0 finished under other settings, random-credit seed 0 stopped after round 0's eval."""
+    import json
+
+    rec = {"ids": ["mawps/a", "mawps/b"], "greedy_format": "bb", "samples": 2, "sampled_right": [1, 1],
+           "sampled_boxed": [2, 2], "sampled_boxed_right": [1, 1]}
+    lines = [{"bench": "learning", "arm": "capo", "seed": 0, "round": k, "heldout_accuracy": acc, "cpu_model": "elsewhere"}
+             for k, acc in ((0, 0.5), (1, None), (2, 1.0))]
+    lines += [{"bench": "learning", "noise_floor": {"sample_seeds": [0, 1, 2], "sample": {"spread": 0.02}}},
+              {"bench": "learning", "summary": "capo", "paired_change_from_round0": {"0": {"diff": 0.5}}},
+              {"bench": "learning", "plot": "x.png", "rounds": 2, "policy": a.policy, "dataset": a.dataset,
+               "eval_size": a.eval_size, "eval_samples": a.eval_samples,
+               "run_ids": {n: bench.run_id(a, n.split("-s")[0], 0, train_file) for n in ("capo-s0", "grpo-s0")}},
+              {"bench": "learning", "items": "capo", "seed": 0, "round": 0, "greedy": "10", **rec},
+              {"bench": "learning", "items": "capo", "seed": 0, "round": 2, "greedy": "11", **rec},
+              {"bench": "learning", "items": "grpo", "seed": 0, "round": 0, "greedy": "10", **rec},
+              {"bench": "learning", "items": "grpo", "seed": 0, "round": 2, "greedy": "00", **rec},
+              {"bench": "learning", "items": "random-credit", "seed": 0, "round": 0, "greedy": "10", **rec}]
+    if settings is not None:
+        lines[5]["settings"] = settings
+    path.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+
+
+def test_runs_finished_elsewhere_count_through_their_committed_evidence(bench, tmp_path):
+    """The matrix resumes across machines run by run: a finished run's lines in the evidence file
+    stand in for its tables when its settings are this invocation's; an unfinished run or a run
+    finished here carries nothing; a finished run the invocation would drop (other settings, other
+    arms, another number of rounds) stops it before anything is overwritten."""
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"question": "1 + 1?", "answer": "2"}\n')
+    a = bench.parser().parse_args(["--arms", "capo", "grpo", "random-credit", "--seeds", "0", "--rounds", "2",
+                                   "--runs-dir", str(tmp_path / "runs"), "--noise-seeds", "1", "2"])
+    ev = tmp_path / "learning.jsonl"
+    ids = {arm: bench.settings_id(a, arm, 0, train) for arm in ("capo", "grpo")}
+    assert ids["capo"].startswith("learn-capo-s0-") and ids["capo"] != ids["grpo"]
+    # the portable id holds no path: another checkout with a copy of the training file gets the same one
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "train.jsonl").write_bytes(train.read_bytes())
+    b = bench.parser().parse_args(["--arms", "capo", "--seeds", "0", "--rounds", "2", "--runs-dir", str(other / "runs"),
+                                   "--data-dir", str(other / "data")])
+    assert bench.settings_id(b, "capo", 0, other / "train.jsonl") == ids["capo"]
+    assert bench.run_id(b, "capo", 0, other / "train.jsonl") != bench.run_id(a, "capo", 0, train)
+
+    _evidence(bench, a, train, ev, settings={"capo-s0": ids["capo"], "grpo-s0": ids["grpo"]})
+    runs, noise = bench.carried_runs(a, ev, train, local=set())
+    assert set(runs) == {("capo", 0), ("grpo", 0)}  # random credit stopped after round 0: it runs here
+    capo = runs[("capo", 0)]
+    assert [r["round"] for r in capo["rows"]] == [0, 1, 2] and capo["rows"][0]["cpu_model"] == "elsewhere"
+    assert capo["paired"] == {"diff": 0.5} and [r["round"] for r in capo["items"]] == [0, 2]
+    assert bench.changes_from_records(capo["items"])["greedy"] == {"mawps/a": 0.0, "mawps/b": 1.0}
+    assert noise == {"sample_seeds": [0, 1, 2], "sample": {"spread": 0.02}}
+    # finished here: the local tables win
+    assert set(bench.carried_runs(a, ev, train, local={("capo", 0)})[0]) == {("grpo", 0)}
+    # a file written before settings ids were recorded is matched by run id
+    _evidence(bench, a, train, ev)
+    assert set(bench.carried_runs(a, ev, train, local=set())[0]) == {("capo", 0), ("grpo", 0)}
+    # other noise seeds: no noise floor carried
+    c = bench.parser().parse_args(["--arms", "capo", "grpo", "--seeds", "0", "--rounds", "2",
+                                   "--runs-dir", str(tmp_path / "runs"), "--noise-seeds", "5"])
+    assert bench.carried_runs(c, ev, train, local=set())[1] is None
+    # nothing finished is overwritten: a run under other settings, outside the arms, another --rounds
+    _evidence(bench, a, train, ev, settings={"capo-s0": ids["capo"], "grpo-s0": "learn-grpo-s0-other"})
+    with pytest.raises(ValueError, match=r"would drop .*grpo-s0 \(other settings"):
+        bench.carried_runs(a, ev, train, local=set())
+    only_capo = bench.parser().parse_args(["--arms", "capo", "--seeds", "0", "--rounds", "2", "--runs-dir", str(tmp_path / "runs")])
+    with pytest.raises(ValueError, match=r"grpo-s0 \(not among --arms capo --seeds 0\)"):
+        bench.carried_runs(only_capo, ev, train, local=set())
+    longer = bench.parser().parse_args(["--arms", "capo", "grpo", "--seeds", "0", "--rounds", "3", "--runs-dir", str(tmp_path / "runs")])
+    with pytest.raises(ValueError, match=r"capo-s0 \(other settings: 2 rounds"):
+        bench.carried_runs(longer, ev, train, local=set())
+    assert bench.carried_runs(a, tmp_path / "none.jsonl", train, local=set()) == ({}, None)
+    ev.write_text(ev.read_text() + "{not json\n")
+    with pytest.raises(ValueError, match=r"learning.jsonl:12: not a JSON line"):
+        bench.carried_runs(a, ev, train, local=set())
 
 
 def test_a_finished_run_gives_back_its_final_training_state(bench, tmp_path):
