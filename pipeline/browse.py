@@ -68,10 +68,10 @@ def browser_queries(run_id: str, round_idx: int, variant: str, rule: str) -> dic
             "       raw_text, critic_tokens, finish_reason\n"
             f"FROM critiques\nWHERE run_id = {run} AND round = {k}\nORDER BY rollout_id, coalesce(source, 'llm') = 'llm' DESC, source, critique_idx"),
         "token_rewards": (
-            "SELECT rollout_id, rewards, advantages\n"
+            "SELECT rollout_id, rewards, advantages, credit\n"
             f"FROM token_rewards\nWHERE run_id = {run} AND round = {k} AND variant = {v}"),
         "other_variants": (  # where each other method trained on the same responses puts its credit
-            "SELECT rollout_id, variant, advantages\n"
+            "SELECT rollout_id, variant, coalesce(credit, advantages) AS credit, credit IS NOT NULL AS traced\n"
             f"FROM token_rewards\nWHERE run_id = {run} AND round = {k} AND variant <> {v}\nORDER BY variant, rollout_id"),
         "parse_status": (f"SELECT parse_status, count(*) AS critiques\nFROM critiques\n"
                          f"WHERE run_id = {run} AND round = {k} AND coalesce(source, 'llm') = 'llm'\n"
@@ -244,8 +244,9 @@ def _variants_on_these_rollouts(round_dir: Path, variants: list[str]) -> set[str
 
 def _response_entry(r: dict, st: list[dict], cs: list[dict], checks: list[dict], tr: dict, token_texts: list[str],
                     parsed_ok: set[str], others: list[dict] = ()) -> dict:
-    """One response as the browser shows it: its steps, critiques, checks, tokens and filter flags, and
-    the token advantages of ``others``, the round's other variants trained on the same response."""
+    """One response as the browser shows it: its steps, critiques, checks, tokens and filter flags, its
+    credit under a traced ratio (GRPO-λ) where the variant has one, and where ``others``, the round's
+    other variants trained on the same response, put theirs (their credit, else their advantages)."""
     response = {
         "rollout_id": r["rollout_id"], "sample_idx": r["sample_idx"], "correct": bool(r["outcome_correct"]),
         "extracted": r["extracted_answer"], "verify_status": r["verify_status"],
@@ -261,9 +262,9 @@ def _response_entry(r: dict, st: list[dict], cs: list[dict], checks: list[dict],
         "checks": [{"source": c["source"], "status": c["parse_status"], "wrong": c["wrong_steps"],
                     "judged": c["steps_judged"], "raw": c["raw_text"] or ""} for c in checks],
         "tokens": token_texts,
-        "rewards": tr.get("rewards") or [], "advantages": tr.get("advantages") or [],
-        "other_advantages": [[o["variant"], o["advantages"]] for o in others
-                             if len(o["advantages"] or []) == len(tr.get("advantages") or [])],
+        "rewards": tr.get("rewards") or [], "advantages": tr.get("advantages") or [], "credit": tr.get("credit") or [],
+        "other_advantages": [[o["variant"], o["credit"], bool(o["traced"])] for o in others
+                             if len(o["credit"] or []) == len(tr.get("advantages") or [])],
     }
     flags = [s["n_flagged"] or 0 for s in st]
     valid = [s["n_valid"] or 0 for s in st]

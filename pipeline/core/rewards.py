@@ -346,6 +346,57 @@ def grpo_lambda(r: RoundRewards) -> np.ndarray:
     return np.maximum(grpo_outcome(r), np.float32(GRPO_LAMBDA_ADVANTAGE_FLOOR)).astype(np.float32)
 
 
+
+def trace_credit(advantages: np.ndarray, offsets: np.ndarray, kappa: float, style: str = "recent") -> np.ndarray:
+    """Where GRPO-λ's traced ratio puts the credit at the start of an update: each token's weight on
+    its own log-prob gradient, ``-d(loss)/d(log pi_j)`` at ratio 1 times the number of tokens (so
+    that without a trace it is the advantage itself). The traced log-ratio of
+    :func:`train.loss.traced_log_ratio`, ``z_t = sum_{j <= t} w(t, j) * log_ratio_j``, carries the
+    advantage of every later token back to token j:
+
+        credit_j = sum_{t >= j} A_t * w(t, j),   w(t, j) = kappa^(t-j)              (``recent``)
+                                                 w(t, j) = max(kappa^(t-j), kappa^j)  (``both``)
+
+    (arXiv 2510.00194, §3.2 eq. 2, differentiated). With GRPO's advantage A on every token and the
+    ``recent`` trace: ``A * (1 - kappa^(T-j)) / (1 - kappa)``, up to ``1 / (1 - kappa)`` times A on
+    a response's first tokens and A on its last. At ratio 1 the clip is inactive, so this is the
+    first mini-batch's gradient exactly; later mini-batches move with the ratio. The reward stage
+    writes it as ``token_rewards.credit``; the critique browser draws it.
+
+    Args:
+        advantages: (N,) per-token advantages of B responses laid end to end.
+        offsets: (B+1,) int, response b's tokens are ``advantages[offsets[b]:offsets[b+1]]``.
+        kappa: gamma * lambda, in [0, 1].
+        style: ``recent`` or ``both``.
+
+    Returns:
+        (N,) float32 credits.
+
+    Raises:
+        ValueError: ``kappa`` outside [0, 1], another ``style``, offsets that do not cover ``advantages``.
+    """
+    if not 0.0 <= kappa <= 1.0:
+        raise ValueError(f"kappa={kappa}: the trace decay gamma * lambda must be in [0, 1]")
+    if style not in ("recent", "both"):
+        raise ValueError(f"unknown ratio trace style {style!r}; valid: ('recent', 'both')")
+    offsets = np.asarray(offsets, np.int64)
+    if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(advantages) or np.any(np.diff(offsets) < 0):
+        raise ValueError(f"offsets must rise from 0 to {len(advantages)} (the number of advantages)")
+    A = np.asarray(advantages, np.float64)
+    out = np.zeros(len(A), np.float32)
+    n = np.diff(offsets)
+    T = int(n.max()) if len(n) else 0
+    t = np.arange(T)
+    lag = t[:, None] - t[None, :]  # (T, T): t - j
+    w = np.where(lag >= 0, float(kappa) ** np.clip(lag, 0, None), 0.0)  # w[t, j]; a response of n tokens uses w[:n, :n]
+    if style == "both":
+        w = np.where(lag >= 0, np.maximum(w, float(kappa) ** t[None, :]), 0.0)
+    for length in np.unique(n[n > 0]):  # responses of one length in one product
+        rows = np.flatnonzero(n == length)
+        idx = offsets[rows][:, None] + np.arange(length)[None, :]  # (R, length)
+        out[idx] = A[idx] @ w[:length, :length]  # credit[r, j] = sum_t A[r, t] * w[t, j]
+    return out
+
 def vineppo(r: RoundRewards) -> np.ndarray:
     """VinePPO's advantage (Kazemnejad et al. 2025, arXiv 2410.01679): each step's change of Monte Carlo
     value (:func:`pipeline.core.mc.mc_step_advantages`, the final reward ``r_v`` plus any overlong

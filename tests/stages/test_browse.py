@@ -224,8 +224,9 @@ def test_the_tokenizer_fallback_finds_an_embedded_starting_policy_without_conver
 
 
 def test_each_variant_trained_on_the_same_responses_shows_where_it_puts_credit(toy_run, tmp_path):
-    """A second method retrained on the round's cached responses (here GRPO and DenseR beside CAPO):
-    the page of one variant shows the others' token advantages under each response, as the table holds them."""
+    """Other methods retrained on the round's cached responses (here GRPO, DenseR and GRPO-λ beside
+    CAPO): the page of one variant shows the others' token credit under each response, as the table
+    holds it: their advantages, or for GRPO-λ the credit its traced ratio gives."""
     from pipeline.stages.base import round_paths
     from tests.toy_round import write_rows
 
@@ -240,17 +241,30 @@ def test_each_variant_trained_on_the_same_responses_shows_where_it_puts_credit(t
         {"rollout_id": "B", "prompt_id": "toy-train-00000", "outcome_correct": False, "layer": -1, "n_opposite": 1,
          "divergence": [0.0] * 6 + [1.0]}], "densr")
     reward_stage(densr, 1)
+    lam = toy_config(tmp_path, "critique.enabled=false", "reward.estimator=grpo-lambda", "reward.process_weight=0",
+                     "variant=grpo-lambda", "train.ratio_trace={kappa: 0.5, style: recent}")
+    reward_stage(lam, 1)
     data = collect(toy_run.run_dir(), 1, "capo-intersection")
-    assert data["meta"]["variants"] == ["capo-intersection", "densr", "grpo"]
+    assert data["meta"]["variants"] == ["capo-intersection", "densr", "grpo", "grpo-lambda"]
     a, b = data["prompts"][0]["responses"]
-    table = {(r["variant"], r["rollout_id"]): r["advantages"] for v in ("grpo", "densr") for r in
-             storage.read_table(round_paths(grpo if v == "grpo" else densr, 1)["token_rewards"], "token_rewards").to_pylist()}
-    assert a["other_advantages"] == [["densr", table["densr", "A"]], ["grpo", table["grpo", "A"]]]
-    assert b["other_advantages"] == [["densr", table["densr", "B"]], ["grpo", table["grpo", "B"]]]
-    # GRPO: one value per response; DenseR: all of it on the last token (weights 0 x 10, 11 for A)
-    assert len(set(table["grpo", "A"])) == 1 and table["densr", "A"][:10] == [0.0] * 10
-    assert table["densr", "A"][10] == pytest.approx(11 * table["grpo", "A"][0], rel=1e-5)
+    cfgs = {"grpo": grpo, "densr": densr, "grpo-lambda": lam}
+    table = {(r["variant"], r["rollout_id"]): r for v, c in cfgs.items()
+             for r in storage.read_table(round_paths(c, 1)["token_rewards"], "token_rewards").to_pylist()}
+    for resp, rid in ((a, "A"), (b, "B")):
+        assert resp["other_advantages"] == [["densr", table["densr", rid]["advantages"], False],
+                                            ["grpo", table["grpo", rid]["advantages"], False],
+                                            ["grpo-lambda", table["grpo-lambda", rid]["credit"], True]]
+    # GRPO: one value per response; DenseR: all of it on the last token (weights 0 x 10, 11 for A);
+    # GRPO-λ: the flat advantage traced back, 2x on the first token of A, 1x on the last
+    assert len(set(table["grpo", "A"]["advantages"])) == 1 and table["densr", "A"]["advantages"][:10] == [0.0] * 10
+    assert table["densr", "A"]["advantages"][10] == pytest.approx(11 * table["grpo", "A"]["advantages"][0], rel=1e-5)
+    lam_a = table["grpo-lambda", "A"]
+    assert lam_a["credit"][0] == pytest.approx(2 * (1 - 0.5 ** 11) * lam_a["advantages"][0], rel=1e-5)
+    assert lam_a["credit"][-1] == pytest.approx(lam_a["advantages"][-1], rel=1e-6)
     assert collect(toy_run.run_dir(), 1, "grpo")["prompts"][0]["responses"][0]["other_advantages"][0][0] == "capo-intersection"
+    own = collect(toy_run.run_dir(), 1, "grpo-lambda")["prompts"][0]["responses"][0]
+    assert own["credit"] == lam_a["credit"] and own["advantages"] == lam_a["advantages"]
+    lam_page = build_browser(toy_run.run_dir(), 1, "grpo-lambda")
     page = build_browser(toy_run.run_dir(), 1, "capo-intersection")
     html = page.read_text()
     assert "variant &lt;&gt; &#39;capo-intersection&#39;" in html or "variant <> 'capo-intersection'" in html
@@ -266,6 +280,11 @@ def test_each_variant_trained_on_the_same_responses_shows_where_it_puts_credit(t
         tab = browser.new_page()
         tab.goto(page.as_uri())
         strips = tab.locator('.response[data-rollout="A"] [data-testid="variant-strip"]')
-        assert strips.count() == 2 and strips.first.get_attribute("data-variant") == "densr"
+        assert strips.count() == 3 and strips.first.get_attribute("data-variant") == "densr"
         assert strips.first.locator(".strip span").count() == 11
         assert "grpo on the same response" in strips.nth(1).inner_text()
+        assert "grpo-lambda on the same response (credit of its traced ratio)" in strips.nth(2).inner_text()
+        tab.goto(lam_page.as_uri())
+        credit = tab.locator('.response[data-rollout="A"] [data-testid="credit-strip"]')
+        assert credit.count() == 1 and credit.locator(".strip span").count() == 11
+        assert "credit 1.41" in credit.locator(".strip span").first.get_attribute("title")

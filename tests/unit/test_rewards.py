@@ -269,3 +269,43 @@ def test_estimators_by_hand_on_one_group():
     np.testing.assert_allclose(ADVANTAGE_ESTIMATORS["grpo"](r), [1 / s2, 1 / s2, -1 / s2], rtol=1e-5)
     # grpo-lambda: GRPO's advantage with negative values raised to -0.1
     np.testing.assert_allclose(ADVANTAGE_ESTIMATORS["grpo-lambda"](r), [1 / s2, 1 / s2, -0.1], rtol=1e-5)
+
+
+def test_trace_credit_is_the_traced_loss_gradient_at_ratio_1():
+    """GRPO-λ's credit column. By hand, one response with A = 1, 1, -2, kappa 0.5, recent: token 0
+    gets 1 + 0.5 * 1 + 0.25 * -2 = 1.0, token 1 gets 1 + 0.5 * -2 = 0.0, token 2 gets -2. Both:
+    w(t, j) = max(0.5^(t-j), 0.5^j); token 0: 1 + max(0.5, 1) * 1 + max(0.25, 1) * -2 = 0, token 1:
+    1 + max(0.5, 0.5) * -2 = 0. On random responses of different lengths it equals
+    -d(loss)/d(logp) x tokens of the trainer's PPO loss with the traced ratio, at ratio 1."""
+    from pipeline.core.rewards import trace_credit
+    from train.loss import ppo_clip_loss
+
+    A, off = np.array([1.0, 1.0, -2.0, 0.5]), np.array([0, 3, 4])  # a second response of one token
+    np.testing.assert_allclose(trace_credit(A, off, 0.5), [1.0, 0.0, -2.0, 0.5])
+    np.testing.assert_allclose(trace_credit(A, off, 0.5, "both"), [0.0, 0.0, -2.0, 0.5])
+    np.testing.assert_allclose(trace_credit(A, off, 0.0), A)  # no trace: the advantage
+    # GRPO's flat advantage under the recent trace: A * (1 - kappa^(T - j)) / (1 - kappa)
+    np.testing.assert_allclose(trace_credit(np.full(4, 0.5), np.array([0, 4]), 0.9),
+                               [0.5 * (1 - 0.9 ** (4 - j)) / 0.1 for j in range(4)], rtol=1e-6)
+    rng = np.random.default_rng(1)
+    lengths = [7, 3, 3, 1, 0]
+    off = np.concatenate([[0], np.cumsum(lengths)])
+    A = rng.normal(size=off[-1])
+    T = max(lengths)
+    adv = torch.zeros(len(lengths), T, dtype=torch.float64)
+    mask = torch.zeros(len(lengths), T, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        adv[b, :n] = torch.from_numpy(A[off[b]:off[b + 1]])
+        mask[b, :n] = True
+    old = -torch.rand(len(lengths), T, dtype=torch.float64)
+    for style in ("recent", "both"):
+        lp = old.clone().requires_grad_(True)
+        ppo_clip_loss(lp, old, adv, mask, loss_agg_mode="token-mean", ratio_trace=(0.8, style)).loss.backward()
+        want = (-lp.grad * mask.sum())[mask].numpy()  # (N,), responses end to end
+        np.testing.assert_allclose(trace_credit(A, off, 0.8, style), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="kappa=1.5"):
+        trace_credit(A, off, 1.5)
+    with pytest.raises(ValueError, match="unknown ratio trace style 'old'"):
+        trace_credit(A, off, 0.5, "old")
+    with pytest.raises(ValueError, match="offsets must rise from 0 to 14"):
+        trace_credit(A, np.array([0, 5]), 0.5)
