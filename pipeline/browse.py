@@ -28,9 +28,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import duckdb
+import numpy as np
 
 from pipeline import storage
 from pipeline.core.critique import OUTCOME_PARSE_STATUSES, VERDICT_STATUSES
+from pipeline.core.rewards import trace_credit
 from pipeline.schemas import SCHEMAS
 from pipeline.storage import sql_literal
 
@@ -68,10 +70,10 @@ def browser_queries(run_id: str, round_idx: int, variant: str, rule: str) -> dic
             "       raw_text, critic_tokens, finish_reason\n"
             f"FROM critiques\nWHERE run_id = {run} AND round = {k}\nORDER BY rollout_id, coalesce(source, 'llm') = 'llm' DESC, source, critique_idx"),
         "token_rewards": (
-            "SELECT rollout_id, rewards, advantages, credit\n"
+            "SELECT rollout_id, rewards, advantages\n"
             f"FROM token_rewards\nWHERE run_id = {run} AND round = {k} AND variant = {v}"),
         "other_variants": (  # where each other method trained on the same responses puts its credit
-            "SELECT rollout_id, variant, coalesce(credit, advantages) AS credit, credit IS NOT NULL AS traced\n"
+            "SELECT rollout_id, variant, advantages\n"
             f"FROM token_rewards\nWHERE run_id = {run} AND round = {k} AND variant <> {v}\nORDER BY variant, rollout_id"),
         "parse_status": (f"SELECT parse_status, count(*) AS critiques\nFROM critiques\n"
                          f"WHERE run_id = {run} AND round = {k} AND coalesce(source, 'llm') = 'llm'\n"
@@ -242,6 +244,23 @@ def _variants_on_these_rollouts(round_dir: Path, variants: list[str]) -> set[str
     return out
 
 
+def _ratio_trace(round_dir: Path, variant: str) -> dict | None:
+    """The variant's ``train.ratio_trace`` (GRPO-λ) from the config its token rewards were made
+    under (their manifest); None without one."""
+    man = storage.read_manifest(round_dir / "variants" / variant / "token_rewards.parquet") or {}
+    return ((man.get("resolved_config") or {}).get("train") or {}).get("ratio_trace")
+
+
+def _add_trace_credit(rows: list[dict], trace: dict | None) -> None:
+    """Give each token-rewards row of a variant its ``credit``: under a traced ratio ``trace``
+    (GRPO-λ's ``train.ratio_trace``) where the loss puts the credit at the update's start
+    (:func:`pipeline.core.rewards.trace_credit`), else None (its advantages are its credit)."""
+    for r in rows:
+        adv = np.asarray(r.get("advantages") or [], np.float64)
+        r["credit"] = (trace_credit(adv, np.array([0, len(adv)]), trace["kappa"], trace["style"]).tolist()
+                       if trace else None)
+
+
 def _response_entry(r: dict, st: list[dict], cs: list[dict], checks: list[dict], tr: dict, token_texts: list[str],
                     parsed_ok: set[str], others: list[dict] = ()) -> dict:
     """One response as the browser shows it: its steps, critiques, checks, tokens and filter flags, its
@@ -263,8 +282,8 @@ def _response_entry(r: dict, st: list[dict], cs: list[dict], checks: list[dict],
                     "judged": c["steps_judged"], "raw": c["raw_text"] or ""} for c in checks],
         "tokens": token_texts,
         "rewards": tr.get("rewards") or [], "advantages": tr.get("advantages") or [], "credit": tr.get("credit") or [],
-        "other_advantages": [[o["variant"], o["credit"], bool(o["traced"])] for o in others
-                             if len(o["credit"] or []) == len(tr.get("advantages") or [])],
+        "other_advantages": [[o["variant"], o["credit"] or o["advantages"], o["credit"] is not None] for o in others
+                             if len(o["advantages"] or []) == len(tr.get("advantages") or [])],
     }
     flags = [s["n_flagged"] or 0 for s in st]
     valid = [s["n_valid"] or 0 for s in st]
@@ -348,6 +367,10 @@ def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
     data, policy_rows, missing = _query_round(run_dir, prompts, queries, run_id, round_idx)
     same = _variants_on_these_rollouts(round_dir, variants)
     data["other_variants"] = [t for t in data["other_variants"] if t["variant"] in same]
+    traces = {v: _ratio_trace(round_dir, v) for v in {variant, *(t["variant"] for t in data["other_variants"])}}
+    _add_trace_credit(data["token_rewards"], traces[variant])
+    for t in data["other_variants"]:
+        _add_trace_credit([t], traces[t["variant"]])
 
     steps: dict[str, list[dict]] = {}
     for s in data["steps"]:

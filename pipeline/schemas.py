@@ -156,9 +156,6 @@ TOKEN_REWARDS_SCHEMA = pa.schema(
         pa.field("rewards", pa.list_(pa.float32())),  # R[t] = C*r_v - P*w[step(t)]
         pa.field("advantages", pa.list_(pa.float32())),  # A[t]
         pa.field("reward_config_hash", pa.string()),
-        # where a traced ratio (GRPO-λ, train.ratio_trace) puts the credit at the update's start:
-        # -d(loss)/d(log pi_t) x tokens (pipeline.core.rewards.trace_credit); null where that is A[t] itself
-        pa.field("credit", pa.list_(pa.float32())),
     ]
 )
 
@@ -274,7 +271,6 @@ SCHEMAS: dict[str, pa.Schema] = {
 ADDED_COLUMNS: dict[str, dict[str, object]] = {
     "critiques": {"source": "llm", "step_scores": None},
     "critic_eval_critiques": {"source": "llm", "step_scores": None},
-    "token_rewards": {"credit": None},
 }
 """Columns added to a table since earlier releases wrote it, and the value they take in an older table
 (:func:`fill_added_columns`): a table whose stage key did not change (GenORM critiques) stays readable."""

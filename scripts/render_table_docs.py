@@ -270,9 +270,6 @@ COLUMN_NOTES: dict[tuple[str | None, str], str] = {
     ("token_rewards", "n_valid_critiques"): "valid critiques of the response",
     ("token_rewards", "rule"): "the variant's voting rule (null without a process penalty)",
     ("token_rewards", "reward_config_hash"): "hash of the reward stage's key",
-    ("token_rewards", "credit"): "under a traced ratio (GRPO-λ): each token's weight on its log-prob gradient at "
-                                 "the update's start, every later token's advantage traced back; null where that "
-                                 "is `advantages` itself (`coalesce(credit, advantages)`)",
     ("train_metrics", "name"): "the metric (see above)",
     ("critic_eval_benchmark", "id"): "the item",
     ("critic_eval_benchmark", "problem"): "the question shown to the critic",

@@ -349,19 +349,23 @@ def grpo_lambda(r: RoundRewards) -> np.ndarray:
 
 def trace_credit(advantages: np.ndarray, offsets: np.ndarray, kappa: float, style: str = "recent") -> np.ndarray:
     """Where GRPO-λ's traced ratio puts the credit at the start of an update: each token's weight on
-    its own log-prob gradient, ``-d(loss)/d(log pi_j)`` at ratio 1 times the number of tokens (so
-    that without a trace it is the advantage itself). The traced log-ratio of
-    :func:`train.loss.traced_log_ratio`, ``z_t = sum_{j <= t} w(t, j) * log_ratio_j``, carries the
-    advantage of every later token back to token j:
+    its own log-prob gradient. The traced log-ratio of :func:`train.loss.traced_log_ratio`,
+    ``z_t = sum_{j <= t} w(t, j) * log_ratio_j``, carries the advantage of every later token back
+    to token j (arXiv 2510.00194, §3.2 eq. 2, differentiated at ratio 1):
 
         credit_j = sum_{t >= j} A_t * w(t, j),   w(t, j) = kappa^(t-j)              (``recent``)
                                                  w(t, j) = max(kappa^(t-j), kappa^j)  (``both``)
 
-    (arXiv 2510.00194, §3.2 eq. 2, differentiated). With GRPO's advantage A on every token and the
-    ``recent`` trace: ``A * (1 - kappa^(T-j)) / (1 - kappa)``, up to ``1 / (1 - kappa)`` times A on
-    a response's first tokens and A on its last. At ratio 1 the clip is inactive, so this is the
-    first mini-batch's gradient exactly; later mini-batches move with the ratio. The reward stage
-    writes it as ``token_rewards.credit``; the critique browser draws it.
+    With GRPO's advantage A on every token and the ``recent`` trace: ``A * (1 - kappa^(T-j)) /
+    (1 - kappa)``, up to ``1 / (1 - kappa)`` times A on a response's first tokens and A on its last.
+    It is ``-d(loss)/d(log pi_j)`` times the number of tokens of the first mini-batch's PPO loss
+    under ``token-mean`` aggregation without a KL term (at ratio 1 the clip is inactive; other
+    aggregations scale each response's credits by its weight in the loss; later mini-batches move
+    with the ratio). The critique browser draws it for a variant with ``train.ratio_trace``.
+
+    Linear in the tokens: ``D_j = A_j + kappa * D_{j+1}`` (``recent``), and for ``both``, where
+    ``kappa^(t-j)`` is the larger weight exactly for ``t <= 2j``,
+    ``credit_j = D_j - kappa^(j+1) * D_{2j+1} + kappa^j * S_{2j+1}`` with ``S_k = sum_{t >= k} A_t``.
 
     Args:
         advantages: (N,) per-token advantages of B responses laid end to end.
@@ -382,20 +386,25 @@ def trace_credit(advantages: np.ndarray, offsets: np.ndarray, kappa: float, styl
     offsets = np.asarray(offsets, np.int64)
     if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(advantages) or np.any(np.diff(offsets) < 0):
         raise ValueError(f"offsets must rise from 0 to {len(advantages)} (the number of advantages)")
-    A = np.asarray(advantages, np.float64)
-    out = np.zeros(len(A), np.float32)
+    A_all = np.asarray(advantages, np.float64)
+    out = np.zeros(len(A_all), np.float32)
     n = np.diff(offsets)
-    T = int(n.max()) if len(n) else 0
-    t = np.arange(T)
-    lag = t[:, None] - t[None, :]  # (T, T): t - j
-    w = np.where(lag >= 0, float(kappa) ** np.clip(lag, 0, None), 0.0)  # w[t, j]; a response of n tokens uses w[:n, :n]
-    if style == "both":
-        w = np.where(lag >= 0, np.maximum(w, float(kappa) ** t[None, :]), 0.0)
-    for length in np.unique(n[n > 0]):  # responses of one length in one product
-        rows = np.flatnonzero(n == length)
-        idx = offsets[rows][:, None] + np.arange(length)[None, :]  # (R, length)
-        out[idx] = A[idx] @ w[:length, :length]  # credit[r, j] = sum_t A[r, t] * w[t, j]
+    k = float(kappa)
+    for length in np.unique(n[n > 0]):  # responses of one length together: (R, length)
+        idx = offsets[:-1][n == length][:, None] + np.arange(length)[None, :]
+        A = A_all[idx]
+        D = np.zeros((len(idx), length + 1))  # D[:, length] = 0
+        for j in range(length - 1, -1, -1):
+            D[:, j] = A[:, j] + k * D[:, j + 1]
+        credit = D[:, :length]
+        if style == "both":
+            S = np.concatenate([np.cumsum(A[:, ::-1], axis=1)[:, ::-1], np.zeros((len(idx), 1))], axis=1)
+            j = np.arange(length)
+            far = np.minimum(2 * j + 1, length)  # 2j+1, or past the end (D and S are 0 there)
+            credit = credit - k ** (j + 1) * D[:, far] + k ** j * S[:, far]
+        out[idx] = credit
     return out
+
 
 def vineppo(r: RoundRewards) -> np.ndarray:
     """VinePPO's advantage (Kazemnejad et al. 2025, arXiv 2410.01679): each step's change of Monte Carlo

@@ -20,7 +20,6 @@ from pipeline.core.rewards import (
     overlong_penalty,
     shuffle_within_groups,
     token_rewards,
-    trace_credit,
 )
 from pipeline.schemas import TOKEN_REWARDS_SCHEMA
 from pipeline.stages.base import (
@@ -61,10 +60,8 @@ def reward_key(cfg: CAPOConfig, round_idx: int) -> dict:
         del vote["logprob_threshold"]
     if not vote["random_credit"]:  # the control, in the key only when on
         del vote["random_credit"]
-    # the traced ratio (GRPO-λ) shapes the credit column, in the key only when set (other keys stay)
-    trace = {"ratio_trace": cfg.train.ratio_trace.model_dump(mode="json")} if cfg.train.ratio_trace else {}
     return {**ins, "critique_enabled": cfg.critique.enabled, "critique_mode": cfg.critique.mode,
-            "vote": vote, "reward": reward, "variant": cfg.variant, **trace}
+            "vote": vote, "reward": reward, "variant": cfg.variant}
 
 
 def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
@@ -128,9 +125,6 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
             "rewards": pa.ListArray.from_arrays(off32, pa.array(R.astype(np.float32))),
             "advantages": pa.ListArray.from_arrays(off32, pa.array(A.astype(np.float32))),
             "reward_config_hash": pa.array([storage.key_hash(key)] * B, pa.string()),
-            "credit": (pa.ListArray.from_arrays(off32, pa.array(trace_credit(A, offsets, cfg.train.ratio_trace.kappa,
-                                                                             cfg.train.ratio_trace.style)))
-                       if cfg.train.ratio_trace else pa.nulls(B, pa.list_(pa.float32()))),
         })
         overlong_stats = ({"overlong_penalized": int((pen_B < 0).sum()), "mean_overlong_penalty": float(pen_B.mean())}
                           if rc.overlong_buffer else {})

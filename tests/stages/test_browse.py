@@ -248,22 +248,26 @@ def test_each_variant_trained_on_the_same_responses_shows_where_it_puts_credit(t
     assert data["meta"]["variants"] == ["capo-intersection", "densr", "grpo", "grpo-lambda"]
     a, b = data["prompts"][0]["responses"]
     cfgs = {"grpo": grpo, "densr": densr, "grpo-lambda": lam}
-    table = {(r["variant"], r["rollout_id"]): r for v, c in cfgs.items()
+    table = {(r["variant"], r["rollout_id"]): r for c in cfgs.values()
              for r in storage.read_table(round_paths(c, 1)["token_rewards"], "token_rewards").to_pylist()}
+    # GRPO-λ's advantage is GRPO's, floored at -0.1; its credit is that advantage traced back:
+    # A * (1 - 0.5^(T - j)) / (1 - 0.5), 2x A on the first token, A on the last
+    lam_adv = {rid: table["grpo-lambda", rid]["advantages"] for rid in "AB"}
+    credit = {rid: [lam_adv[rid][0] * (1 - 0.5 ** (len(lam_adv[rid]) - j)) / 0.5 for j in range(len(lam_adv[rid]))]
+              for rid in "AB"}
+    assert lam_adv["B"] == pytest.approx([-0.1] * 7)
     for resp, rid in ((a, "A"), (b, "B")):
-        assert resp["other_advantages"] == [["densr", table["densr", rid]["advantages"], False],
-                                            ["grpo", table["grpo", rid]["advantages"], False],
-                                            ["grpo-lambda", table["grpo-lambda", rid]["credit"], True]]
-    # GRPO: one value per response; DenseR: all of it on the last token (weights 0 x 10, 11 for A);
-    # GRPO-λ: the flat advantage traced back, 2x on the first token of A, 1x on the last
+        (d, dv, dt), (g, gv, gt), (lam_name, lv, lt) = resp["other_advantages"]
+        assert (d, dv, dt) == ("densr", table["densr", rid]["advantages"], False)
+        assert (g, gv, gt) == ("grpo", table["grpo", rid]["advantages"], False)
+        assert lam_name == "grpo-lambda" and lt is True and lv == pytest.approx(credit[rid], rel=1e-5)
+    # GRPO: one value per response; DenseR: all of it on the last token (weights 0 x 10, 11 for A)
     assert len(set(table["grpo", "A"]["advantages"])) == 1 and table["densr", "A"]["advantages"][:10] == [0.0] * 10
     assert table["densr", "A"]["advantages"][10] == pytest.approx(11 * table["grpo", "A"]["advantages"][0], rel=1e-5)
-    lam_a = table["grpo-lambda", "A"]
-    assert lam_a["credit"][0] == pytest.approx(2 * (1 - 0.5 ** 11) * lam_a["advantages"][0], rel=1e-5)
-    assert lam_a["credit"][-1] == pytest.approx(lam_a["advantages"][-1], rel=1e-6)
     assert collect(toy_run.run_dir(), 1, "grpo")["prompts"][0]["responses"][0]["other_advantages"][0][0] == "capo-intersection"
     own = collect(toy_run.run_dir(), 1, "grpo-lambda")["prompts"][0]["responses"][0]
-    assert own["credit"] == lam_a["credit"] and own["advantages"] == lam_a["advantages"]
+    assert own["credit"] == pytest.approx(credit["A"], rel=1e-5) and own["advantages"] == lam_adv["A"]
+    assert a["credit"] == []  # CAPO's page: no traced ratio, no credit strip
     lam_page = build_browser(toy_run.run_dir(), 1, "grpo-lambda")
     page = build_browser(toy_run.run_dir(), 1, "capo-intersection")
     html = page.read_text()
