@@ -183,6 +183,11 @@ def _settings(a: argparse.Namespace, arm: str, seed: int, train_file: Path, port
     if portable:
         overrides = [o for o in overrides if not o.startswith(("runs_dir=", "data_dir="))]
         train = {"train_file_sha256": hashlib.sha256(Path(train_file).read_bytes()).hexdigest()}
+        if a.precision == "auto":  # what auto resolves to differs between machines (bf16 where native)
+            from pipeline.precision import bench_context
+
+            ctx = bench_context()
+            train["auto_precision"] = [ctx["auto_dtype"], ctx["auto_mixed_precision"]]
     else:
         train = {"train_file": str(train_file)}
     return {"overrides": overrides, **train, **({"capo_preset": preset} if named else {})}
@@ -688,10 +693,12 @@ def carried_runs(a: argparse.Namespace, path: Path, train_file: Path,
     size, samples) and ``--noise-seeds``, else None; ``({}, None)`` without the file.
 
     Raises:
-        ValueError: a line of the file is not JSON (named with its line number); or the file holds a
-            finished run that this invocation would drop when it writes the file again: one outside
-            its ``--arms`` and ``--seeds``, or one run under other settings (another ``--rounds``,
-            learning rate, ...), named in the message, so that no finished run is overwritten."""
+        ValueError: a line of the file is not JSON (named with its line number); a run's item
+            records are not one of round 0 and one of round K; or the file holds a finished run
+            that this invocation would drop when it writes the file again: one outside its
+            ``--arms`` and ``--seeds``, or one run under other settings (another ``--rounds``,
+            ``--eval-samples``, learning rate, ...), named in the message, so that no finished run
+            is overwritten."""
     if not path.exists():
         return {}, None
     lines = []
@@ -705,8 +712,12 @@ def carried_runs(a: argparse.Namespace, path: Path, train_file: Path,
     for ln in lines:
         if "items" in ln:
             records.setdefault((ln["items"], ln["seed"]), []).append(ln)
-    finished = {run: sorted(recs, key=lambda r: r["round"]) for run, recs in records.items()
-                if sorted(r["round"] for r in recs) == [0, final.get("rounds")]}
+    for (arm, seed), recs in records.items():
+        rounds = sorted(r["round"] for r in recs)
+        if rounds not in ([0], [0, final.get("rounds")]):
+            raise ValueError(f"{path}: {arm} seed {seed} has item records of rounds {rounds}; a run has one of round 0 "
+                             f"and one of round {final.get('rounds')} (files merged by hand?)")
+    finished = {run: sorted(recs, key=lambda r: r["round"]) for run, recs in records.items() if len(recs) == 2}
     out, dropped = {}, []
     for (arm, seed), items in sorted(finished.items()):
         name = f"{arm}-s{seed}"
@@ -714,13 +725,15 @@ def carried_runs(a: argparse.Namespace, path: Path, train_file: Path,
             dropped.append(f"{name} (not among --arms {' '.join(a.arms)} --seeds {' '.join(map(str, a.seeds))})")
             continue
         if final.get("rounds") != a.rounds:
-            same = False
-        elif "settings" in final:
-            same = final["settings"].get(name) == settings_id(a, arm, seed, train_file)
-        else:
-            same = final["run_ids"].get(name) == run_id(a, arm, seed, train_file)
-        if not same:
-            dropped.append(f"{name} (other settings: {final.get('rounds')} rounds, lr {final.get('lr')}, ...)")
+            dropped.append(f"{name} (its {final.get('rounds')} rounds, not --rounds {a.rounds})")
+        elif final.get("eval_samples") != a.eval_samples:
+            dropped.append(f"{name} (evaluated with --eval-samples {final.get('eval_samples')}, not {a.eval_samples}; "
+                           "a run carried from the file cannot be evaluated again)")
+        elif "settings" in final and final["settings"].get(name) != (mine := settings_id(a, arm, seed, train_file)):
+            dropped.append(f"{name} (other settings: the file's {final['settings'].get(name)}, this invocation's {mine})")
+        elif "settings" not in final and final["run_ids"].get(name) != (mine := run_id(a, arm, seed, train_file)):
+            dropped.append(f"{name} (the file's run id {final['run_ids'].get(name)}, this invocation's {mine}: the file "
+                           "records no path-free settings id, so its run ids, which hold the checkout's paths, must match)")
         elif (arm, seed) not in local:
             summary = next((ln for ln in lines if ln.get("summary") == arm), {})
             out[(arm, seed)] = {
@@ -755,13 +768,6 @@ def format_breakdown(rows: list[dict], decoding: str) -> dict | None:
             "share_finished_unboxed": (fmt.count("program") + fmt.count("other")) / n,
             "accuracy": float(np.mean([bool(r["correct"]) for r in rs])),
             "accuracy_boxed": float(np.mean(boxed)) if boxed else None}
-
-
-def item_changes(a: argparse.Namespace, arm: str, seed: int, train_file: Path) -> dict[str, dict] | None:
-    """Each held-out problem's change from round 0 to round K (:func:`changes_from_records` over the
-    run's :func:`item_records`); None before round K is evaluated."""
-    records = item_records(a, arm, seed, train_file)
-    return changes_from_records(records) if records else None
 
 
 def changes_from_records(records: list[dict]) -> dict[str, dict]:
@@ -823,7 +829,7 @@ def sampled_rates(rows: list[dict]) -> dict[tuple[str, str], float]:
 def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, int], dict | None],
               changes: dict[tuple[str, int], dict | None] | None = None, noise: dict | None = None) -> list[dict]:
     """Per arm at round K: mean/spread over seeds, gain over control, significance against 2 x spread,
-    and with ``changes`` (:func:`item_changes` per arm and seed) the change from round 0 pooled over
+    and with ``changes`` (:func:`changes_from_records` per arm and seed) the change from round 0 pooled over
     seeds with its crossed bootstrap interval (``pooled_change_from_round0``); with ``noise``
     (:func:`noise_floor`) whether that interval's lower end lies above the sampled accuracy's spread
     over sample seeds (``sampled_beyond_noise``: None without the noise floor, without the pooled
@@ -1037,7 +1043,8 @@ def plot(a: argparse.Namespace, rows: list[dict], path: Path) -> None:
             xlabel="round", ylabel="correct (%)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a panel with nothing run yet has no legend
+            ax.legend(fontsize=8)
     extras = [x for x, on in ((f"KL coef {a.kl_coef}", a.kl_coef), ("dynamic sampling", a.dynamic_sampling),
                               (f"overlong buffer {a.overlong_buffer}", a.overlong_buffer)) if on]
     fig.suptitle(f"bench_learning: mean over seeds {a.seeds}, band = min..max; lr {a.lr:g}, {a.max_tokens} tokens"
@@ -1127,7 +1134,10 @@ def parser() -> argparse.ArgumentParser:
                          "unfinished runs count as not run, noise-floor evals are read, not computed")
     ap.add_argument("--evidence", default=None,
                     help="also write every JSON line printed, plus per-item results of each finished run's "
-                         "round-0 and round-K evals (item_records), to this JSON-lines file (e.g. under docs/data/)")
+                         "round-0 and round-K evals (item_records), to this JSON-lines file (e.g. under docs/data/), "
+                         "after every run that finishes and at the end. An existing file is read first: its runs "
+                         "finished under these settings count and are not run again; an invocation that would drop "
+                         "one of its finished runs stops and names it")
     ap.add_argument("--keep-final-state", action="store_true",
                     help="keep round K's training state of a finished run (7.6 GB for the 0.5B policy; needed only "
                          "to train it further with a larger --rounds)")

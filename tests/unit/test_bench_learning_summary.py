@@ -252,12 +252,10 @@ def test_item_records_recompute_the_paired_figures(bench, monkeypatch):
     assert ch["sampled"] == {"mawps/a": 2 / 2 - 1 / 2, "mawps/b": 1 / 2 - 1 / 2}
     # a: 1 of 2 boxed right -> 2 of 2; b had no boxed sample at round 0, so it is left out
     assert ch["sampled_boxed"] == {"mawps/a": 2 / 2 - 1 / 2}
-    assert bench.item_changes(a, "capo", 0, Path("train.jsonl")) == ch
     with pytest.raises(ValueError, match=r"rounds \[3, 0\]"):
         bench.changes_from_records([rk, r0])
     monkeypatch.setattr(bench, "eval_tables", lambda *args: None)
     assert bench.item_records(a, "capo", 0, Path("train.jsonl")) == []
-    assert bench.item_changes(a, "capo", 0, Path("train.jsonl")) is None
 
 
 def _evidence(bench, a, train_file: Path, path: Path, settings: dict | None = None) -> None:
@@ -330,11 +328,24 @@ def test_runs_finished_elsewhere_count_through_their_committed_evidence(bench, t
     with pytest.raises(ValueError, match=r"grpo-s0 \(not among --arms capo --seeds 0\)"):
         bench.carried_runs(only_capo, ev, train, local=set())
     longer = bench.parser().parse_args(["--arms", "capo", "grpo", "--seeds", "0", "--rounds", "3", "--runs-dir", str(tmp_path / "runs")])
-    with pytest.raises(ValueError, match=r"capo-s0 \(other settings: 2 rounds"):
+    with pytest.raises(ValueError, match=r"capo-s0 \(its 2 rounds, not --rounds 3\)"):
         bench.carried_runs(longer, ev, train, local=set())
+    more_samples = bench.parser().parse_args(["--arms", "capo", "grpo", "--seeds", "0", "--rounds", "2",
+                                              "--runs-dir", str(tmp_path / "runs"), "--eval-samples", "8"])
+    with pytest.raises(ValueError, match=r"capo-s0 \(evaluated with --eval-samples 4, not 8"):
+        bench.carried_runs(more_samples, ev, train, local=set())
+    _evidence(bench, a, train, ev)  # matched by run id: another checkout's paths make other ids
+    moved = bench.parser().parse_args(["--arms", "capo", "grpo", "--seeds", "0", "--rounds", "2",
+                                       "--runs-dir", str(other / "runs")])
+    with pytest.raises(ValueError, match=r"capo-s0 \(the file's run id learn-capo-s0-\w+, this invocation's learn-capo-s0-\w+"):
+        bench.carried_runs(moved, ev, train, local=set())
+    lines = ev.read_text().splitlines()
+    ev.write_text("\n".join(lines + [lines[-1]]) + "\n")  # random credit's round-0 record twice
+    with pytest.raises(ValueError, match=r"random-credit seed 0 has item records of rounds \[0, 0\]"):
+        bench.carried_runs(a, ev, train, local=set())
     assert bench.carried_runs(a, tmp_path / "none.jsonl", train, local=set()) == ({}, None)
     ev.write_text(ev.read_text() + "{not json\n")
-    with pytest.raises(ValueError, match=r"learning.jsonl:12: not a JSON line"):
+    with pytest.raises(ValueError, match=r"learning.jsonl:13: not a JSON line"):
         bench.carried_runs(a, ev, train, local=set())
 
 
@@ -378,3 +389,70 @@ def test_the_grpo_lambda_arm_runs_its_preset(bench):
     dense = bench.arm_config(bench.parser().parse_args(["--arms", "densr", "--seeds", "0"]), "densr", 0, Path("t"))
     assert dense.variant == "densr" and dense.reward.estimator == "densr" and dense.densr.mix == 1.0
     assert not dense.critique.enabled and dense.reward.process_weight == 0
+
+
+def test_the_matrix_resumes_from_its_committed_evidence_and_keeps_every_finished_run(bench, tmp_path, monkeypatch):
+    """The whole invocation, its rounds and eval tables stood in for: CAPO seed 0 finished elsewhere
+    (in the evidence file) is not run again and stays in the file; GRPO seed 0 runs here, and the
+    file is written once it finishes and again at the end, with both runs' records and the verdict
+    computed from both; an invocation without CAPO's arm stops before running anything."""
+    import json
+    import sys
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"question": "1 + 1?", "answer": "2"}\n')
+    argv = ["--arms", "capo", "grpo", "--seeds", "0", "--rounds", "2", "--runs-dir", str(tmp_path / "runs"),
+            "--no-heldout-dedup", "--noise-seeds", "--plot", str(tmp_path / "p.png")]
+    a = bench.parser().parse_args(argv)
+    ev = tmp_path / "learning.jsonl"
+    _evidence(bench, a, train, ev, settings={"capo-s0": bench.settings_id(a, "capo", 0, train)})
+    ev.write_text("".join(ln + "\n" for ln in ev.read_text().splitlines()
+                          if json.loads(ln).get("items") != "grpo"))  # GRPO seed 0 has not finished anywhere
+    before = [json.loads(ln) for ln in ev.read_text().splitlines() if '"items": "capo"' in ln]
+
+    monkeypatch.setattr(bench, "shipped_selection", lambda a: str(train))
+    monkeypatch.setattr(bench, "select_training_items", lambda a: train)
+    ran, writes, finished = [], [], set()
+    rows0 = [_row("a", "greedy", "\\boxed{5}", True), _row("b", "greedy", "\\boxed{6}", False)]
+    rowsk = [_row("a", "greedy", "\\boxed{5}", True), _row("b", "greedy", "\\boxed{5}", True)]
+
+    def run_arm(a, arm, seed, train_file, round0):
+        ran.append((arm, seed))
+        finished.add((arm, seed))
+        return [{"arm": arm, "seed": seed, "round": 1, "stage": "train", "seconds": 1.0}]
+
+    monkeypatch.setattr(bench, "run_arm", run_arm)
+    monkeypatch.setattr(bench, "eval_tables", lambda a, arm, seed, tf: (rows0, rowsk) if (arm, seed) in finished else None)
+    monkeypatch.setattr(bench, "round_metrics", lambda a, arm, seed, tf: [
+        {"bench": "learning", "arm": arm, "seed": seed, "round": k, "heldout_accuracy": acc}
+        for k, acc in ((0, 0.5), (2, 1.0))] if (arm, seed) in finished else [])
+    monkeypatch.setattr(bench, "paired_change", lambda *args: {"diff": 0.5})
+    real_write = bench.write_evidence
+    monkeypatch.setattr(bench, "write_evidence", lambda path, lines: (writes.append(len(lines)), real_write(path, lines)))
+    monkeypatch.setattr(sys, "argv", ["bench_learning.py", *argv, "--evidence", str(ev)])
+    bench.main()
+
+    assert ran == [("grpo", 0)] and len(writes) == 2  # after GRPO finished, and at the end
+    out = [json.loads(ln) for ln in ev.read_text().splitlines()]
+    assert [r for r in out if r.get("items") == "capo"] == before  # carried as committed
+    grpo = [r for r in out if r.get("items") == "grpo"]
+    assert [(r["round"], r["greedy"]) for r in grpo] == [(0, "10"), (2, "11")]
+    final = next(r for r in out if "run_ids" in r)
+    assert final["carried_from_evidence"] == ["capo-s0"] and set(final["settings"]) == {"capo-s0", "grpo-s0"}
+    assert next(r for r in out if r.get("arm") == "capo" and r["round"] == 0)["cpu_model"] == "elsewhere"
+    capo = next(r for r in out if r.get("summary") == "capo")
+    assert capo["paired_change_from_round0"]["0"] == {"diff": 0.5}
+    assert capo["pooled_change_from_round0"]["greedy"]["per_seed"] == [0.5]  # b: 0 -> 1 of 2 problems
+    # both arms gained +0.5 on the same items: CAPO minus GRPO is 0 on greedy accuracy
+    head = next(r for r in out if "capo_minus_grpo_pooled" in r)
+    assert head["capo_minus_grpo_pooled"]["diff"] == 0.0
+
+    # read back again: both runs are finished now, nothing runs; without CAPO's arm, nothing starts
+    ran.clear()
+    finished.clear()
+    bench.main()
+    assert ran == [] and [r for r in map(json.loads, ev.read_text().splitlines()) if r.get("items") == "grpo"] == grpo
+    monkeypatch.setattr(sys, "argv", ["bench_learning.py", "--arms", "grpo", *argv[3:], "--evidence", str(ev)])
+    with pytest.raises(SystemExit, match=r"capo-s0 \(not among --arms grpo"):
+        bench.main()
+    assert ran == []
