@@ -140,7 +140,7 @@ def _run_round(cfg, round_idx: int, force: list[str]) -> None:
 
 @app.command()
 def stage(
-    name: str = typer.Argument(..., help="rollout | verify | segment | critique | vote | reward | train | eval"),
+    name: str = typer.Argument(..., help="rollout | verify | segment | mc | densr | critique | vote | reward | train | eval"),
     round: int = typer.Option(1, "--round", "-r"),
     config: str = typer.Option(DEFAULT_CONFIG),
     preset: Optional[str] = typer.Option(None),
