@@ -68,7 +68,7 @@ def browser_queries(run_id: str, round_idx: int, variant: str, rule: str) -> dic
         "critiques": (
             "SELECT rollout_id, source, critique_idx, parse_status, wrong_steps, steps_judged, steps_wrong_lines,\n"
             "       raw_text, critic_tokens, finish_reason\n"
-            f"FROM critiques\nWHERE run_id = {run} AND round = {k}\nORDER BY rollout_id, coalesce(source, 'llm') = 'llm' DESC, source, critique_idx"),
+            f"FROM critiques\nWHERE run_id = {run} AND round = {k}\nORDER BY rollout_id, source = 'llm' DESC, source, critique_idx"),
         "token_rewards": (
             "SELECT rollout_id, rewards, advantages\n"
             f"FROM token_rewards\nWHERE run_id = {run} AND round = {k} AND variant = {v}"),
@@ -76,10 +76,10 @@ def browser_queries(run_id: str, round_idx: int, variant: str, rule: str) -> dic
             "SELECT rollout_id, variant, advantages\n"
             f"FROM token_rewards\nWHERE run_id = {run} AND round = {k} AND variant <> {v}\nORDER BY variant, rollout_id"),
         "parse_status": (f"SELECT parse_status, count(*) AS critiques\nFROM critiques\n"
-                         f"WHERE run_id = {run} AND round = {k} AND coalesce(source, 'llm') = 'llm'\n"
+                         f"WHERE run_id = {run} AND round = {k} AND source = 'llm'\n"
                          "GROUP BY parse_status ORDER BY critiques DESC"),
         "verdict_lists": (f"SELECT wrong_steps::VARCHAR AS wrong_steps, count(*) AS critiques\nFROM critiques\n"
-                          f"WHERE run_id = {run} AND round = {k} AND coalesce(source, 'llm') = 'llm' AND len(wrong_steps) > 0\n"
+                          f"WHERE run_id = {run} AND round = {k} AND source = 'llm' AND len(wrong_steps) > 0\n"
                           "GROUP BY 1 ORDER BY critiques DESC, 1 LIMIT 5"),
         "across_rounds": (
             "SELECT r.prompt_id, r.round, count(*) AS responses, sum(o.outcome_correct::INT) AS correct,\n"
@@ -103,10 +103,10 @@ def _register_views(con: duckdb.DuckDBPyConnection, run_dir: Path, prompts: Path
         files = sorted(run_dir.glob(pattern)) if pattern else ([prompts] if prompts and prompts.exists() else [])
         files = [f for f in files if "superseded" not in f.parts]
         con.register(f"_{name}_empty", SCHEMAS[name].empty_table())
-        if files:  # over the current schema: a column an older table lacks reads as NULL
-            paths = ", ".join(sql_literal(str(f)) for f in files)
+        if files:  # over the current schema, columns an older table lacks filled as the catalog fills them
+            paths = "[" + ", ".join(sql_literal(str(f)) for f in files) + "]"
             con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}_empty UNION ALL BY NAME "
-                        f"SELECT * FROM read_parquet([{paths}], union_by_name = true)")
+                        f"SELECT * FROM ({storage.view_select(con, name, paths)})")
         else:
             missing.append(name)
             con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}_empty")

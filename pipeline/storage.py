@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.faults import kill_point
-from pipeline.schemas import check_schema, fill_added_columns
+from pipeline.schemas import ADDED_COLUMNS, SCHEMAS, check_schema, fill_added_columns
 
 log = logging.getLogger("capo.storage")
 
@@ -583,6 +583,27 @@ def _remove_dead_temporaries(runs_dir: Path) -> None:
             f.unlink(missing_ok=True)
 
 
+def view_select(con, name: str, source: str) -> str:
+    """The SELECT of view ``name`` over the Parquet files ``source`` (a SQL literal or list of them).
+
+    Columns of :data:`pipeline.schemas.ADDED_COLUMNS` read at their value in files written before the
+    column existed, as :func:`read_table` reads them, even when no file of the view has the column yet
+    (an empty relation with every added column is unioned by name, so a later file that has the
+    column does not clash with the view).
+    """
+    select = f"SELECT * FROM read_parquet({source}, union_by_name = true)"
+    added = ADDED_COLUMNS.get(name)
+    if not added:
+        return select
+    empty = pa.schema([SCHEMAS[name].field(c) for c in added]).empty_table()
+    types = con.from_arrow(empty).dtypes
+    typed = ", ".join(f'NULL::{t} AS "{c}"' for c, t in zip(added, types))
+    literal = lambda v: sql_literal(v) if isinstance(v, str) else repr(v)  # noqa: E731
+    fills = ", ".join(f'coalesce("{c}", {literal(v)}) AS "{c}"' for c, v in added.items() if v is not None)
+    union = f"{select} UNION ALL BY NAME SELECT {typed} WHERE false"
+    return f"SELECT * REPLACE ({fills}) FROM ({union})" if fills else f"SELECT * FROM ({union})"
+
+
 def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
     """(Re)build ``<runs_dir>/catalog.duckdb``: one view per table over every run and round.
 
@@ -620,8 +641,7 @@ def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
                 continue
             else:  # the readable files only; the others are named in skipped_tables
                 source = "[" + ", ".join(sql_literal(str(f)) for f in files if f not in bad) + "]"
-            con.execute(f"CREATE OR REPLACE VIEW cat.{name} AS SELECT * FROM "
-                        f"read_parquet({source}, union_by_name = true)")
+            con.execute(f"CREATE OR REPLACE VIEW cat.{name} AS {view_select(con, name, source)}")
         if skipped:
             for view, f, why in skipped:
                 log.warning("catalog: view %s leaves out %s (%s); recompute its stage (--force) or delete it", view, f, why)

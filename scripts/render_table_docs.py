@@ -98,7 +98,7 @@ catalog. Read them with `read_parquet`, which `capo sql` allows inside the runs 
 -- 1. The critic's critiques by parse status (source 'llm'; the arithmetic check and the
 --    log-prob readout are rows of their own, one per response)
 SELECT run_id, round, parse_status, count(*) AS critiques
-FROM critiques WHERE coalesce(source, 'llm') = 'llm'
+FROM critiques WHERE source = 'llm'
 GROUP BY ALL ORDER BY run_id, round, critiques DESC;
 
 -- 2. Share of steps each voting rule flags, and of steps with at least one valid critique
@@ -131,7 +131,7 @@ GROUP BY ALL ORDER BY ALL;
 SELECT s.step_idx, s.step_text, c.critique_idx, c.parse_status, c.wrong_steps
 FROM steps s JOIN critiques c USING (run_id, round, rollout_id)
 WHERE s.rollout_id = (SELECT any_value(rollout_id) FROM critiques WHERE parse_status = 'complete')
-  AND coalesce(c.source, 'llm') = 'llm'
+  AND c.source = 'llm'
 ORDER BY c.critique_idx, s.step_idx;
 
 -- 6. Held-out accuracy per round, variant and benchmark (round 0: the starting policy, variant NULL)

@@ -226,6 +226,45 @@ def test_empty_runs_dir_gives_an_empty_catalog(tmp_path):
         assert con.execute("SELECT count(*) FROM duckdb_views() WHERE NOT internal").fetchall() == [(0,)]
 
 
+def _critiques(run_id: str, sources: list[str], drop: tuple[str, ...] = ()) -> pa.Table:
+    rows = [{f.name: None for f in SCHEMAS["critiques"]} | {
+        "run_id": run_id, "round": 1, "rollout_id": f"{run_id}-{i}", "critique_idx": 0, "source": s,
+        "parse_status": "ok", "step_scores": [0.25, 0.75] if s == "logprob" else None} for i, s in enumerate(sources)]
+    table = pa.Table.from_pylist(rows, schema=SCHEMAS["critiques"])
+    return table.drop_columns(list(drop))
+
+
+def test_catalog_reads_columns_added_since_a_table_was_written(tmp_path):
+    """A critiques file from before `source` and `step_scores` existed reads as source 'llm' and null
+    scores in the SQL view, as read_table reads it; with no new file at all, the columns still exist."""
+    runs = tmp_path / "runs"
+    old = runs / "old" / "round_001" / "critiques.parquet"
+    old.parent.mkdir(parents=True)
+    pq.write_table(_critiques("old", ["llm", "llm"], drop=("source", "step_scores")), old)
+    with duckdb.connect(str(storage.refresh_catalog(runs)), read_only=True) as con:
+        assert con.execute("SELECT rollout_id, source, step_scores FROM critiques ORDER BY ALL").fetchall() == [
+            ("old-0", "llm", None), ("old-1", "llm", None)]
+        types = dict(con.execute("SELECT column_name, data_type FROM information_schema.columns "
+                                 "WHERE table_name = 'critiques'").fetchall())
+        assert types["source"] == "VARCHAR" and types["step_scores"] == "FLOAT[]"
+    new = runs / "new" / "round_001" / "critiques.parquet"
+    new.parent.mkdir(parents=True)
+    pq.write_table(_critiques("new", ["arithmetic", "logprob"]), new)
+    with duckdb.connect(str(storage.refresh_catalog(runs)), read_only=True) as con:
+        assert con.execute("SELECT rollout_id, source, step_scores FROM critiques ORDER BY ALL").fetchall() == [
+            ("new-0", "arithmetic", None), ("new-1", "logprob", [0.25, 0.75]), ("old-0", "llm", None), ("old-1", "llm", None)]
+        assert con.execute("SELECT count(*) FROM critiques WHERE source = 'llm' AND parse_status = 'ok'").fetchall() == [(2,)]
+    from pipeline.browse import _register_views
+
+    with duckdb.connect() as con:  # the browser's views over one run answer the same
+        _register_views(con, runs / "old", None)
+        assert con.execute("SELECT rollout_id, step_scores FROM critiques WHERE source = 'llm' ORDER BY 1").fetchall() == [
+            ("old-0", None), ("old-1", None)]
+    for path in (old, new):  # the view answers as the reader the stages use
+        t = storage.read_table(path, "critiques")
+        assert t.column("source").to_pylist() == (["llm", "llm"] if path == old else ["arithmetic", "logprob"])
+
+
 # -------------------------------------------------------------------------------- fingerprints
 def test_dir_fingerprint_sees_small_file_changes(tmp_path):
     ck = tmp_path / "checkpoint"
