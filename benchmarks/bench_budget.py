@@ -19,7 +19,15 @@ there was the budget. Evaluations are written to ``<runs-dir>/budget-<N>/<run>.p
 manifest keyed on the checkpoint's fingerprint and the eval settings, and reused when current (the
 benchmark resumes). JSON lines on stdout.
 
-    .venv/bin/python benchmarks/bench_budget.py --runs-dir runs/bench_learning --max-tokens 512
+Every figure is computed from one per-run record of per-item results (:func:`run_record`: the four
+greedy evals of the run, at both budgets). With ``--evidence FILE`` those records are written to the
+file and read back: a run recorded there whose checkpoint is not under ``--runs-dir`` (re-evaluated
+on another machine, whose ``runs/`` is gone) is carried into the pooled figures and the verdicts and
+kept in the file, so the matrix's re-evaluations accumulate over machines. A run found both here and
+there is evaluated here and replaces its record.
+
+    .venv/bin/python benchmarks/bench_budget.py --runs-dir runs/bench_learning --max-tokens 512 \
+        --evidence docs/data/budget-512.jsonl
 
 Cost: one greedy eval of the held-out problems per checkpoint (200 problems at up to 512 tokens:
 about 3-5 minutes on a 2-core CPU with vLLM), plus one for the starting policy.
@@ -47,8 +55,9 @@ log = logging.getLogger("capo.bench_budget")
 
 def finished_runs(runs_dir: Path) -> list[dict]:
     """The learning runs under ``runs_dir`` whose last evaluated round still has its checkpoint:
-    ``{"name", "arm", "seed", "round", "eval0", "evalK", "checkpoint", "config"}`` (eval paths of
-    round 0 and round K, the resolved config of round K's eval), sorted by name."""
+    ``{"name", "arm", "seed", "round", "eval0", "evalK", "checkpoint", "config", "budget"}`` (eval
+    paths of round 0 and round K, the resolved config of round K's eval and its token budget), sorted
+    by name."""
     from pipeline import storage
 
     out = []
@@ -63,7 +72,8 @@ def finished_runs(runs_dir: Path) -> list[dict]:
         arm, seed = parse_run_name(run.name)
         out.append({"name": run.name, "arm": arm_label(arm, man["resolved_config"]), "seed": seed,
                     "round": int(ek.parts[-4].split("_")[1]), "eval0": e0, "evalK": ek,
-                    "checkpoint": ek.parent / "checkpoint", "config": man["resolved_config"]})
+                    "checkpoint": ek.parent / "checkpoint", "config": man["resolved_config"],
+                    "budget": man["resolved_config"]["eval"]["max_tokens"]})
     return out
 
 
@@ -99,13 +109,21 @@ def arm_label(arm: str, rc: dict) -> str:
     return " ".join(parts)
 
 
-def greedy_rows(rows: list[dict]) -> dict[tuple[str, str], dict]:
-    """``{(benchmark, prompt_id): row}`` of an eval table's greedy rows."""
-    return {(r["benchmark"], r["prompt_id"]): r for r in rows if r["decoding"] == "greedy"}
+Items = dict[str, tuple[bool, str]]
+"""One greedy eval's per-item results: ``{"benchmark/prompt_id": (correct, format)}``, the format
+one of :func:`pipeline.core.answer_format.answer_format`'s (``cut`` when stopped at the budget)."""
 
 
-def budget_change(before: list[dict], after: list[dict]) -> dict:
-    """Greedy round 0 (``before``) vs round K (``after``) on the items both evaluated.
+def greedy_items(rows: list[dict]) -> Items:
+    """The :data:`Items` of an eval table's greedy rows (sampled rows are left out)."""
+    return {f"{r['benchmark']}/{r['prompt_id']}": (bool(r["correct"]),
+                                                   answer_format(r.get("response_text"), r["finish_reason"]))
+            for r in rows if r["decoding"] == "greedy"}
+
+
+def budget_change(before: Items, after: Items) -> dict:
+    """Greedy round 0 (``before``) vs round K (``after``) on the items both evaluated
+    (:func:`greedy_items` of each eval, or :func:`record_items` of a carried record).
 
     Returns ``n``, the paired change (:func:`pipeline.core.significance.compare`: ``acc_a``,
     ``acc_b``, ``diff``, bootstrap ``lo``/``hi``, ``p_mcnemar``, ``significant``), ``cut_a`` /
@@ -117,36 +135,31 @@ def budget_change(before: list[dict], after: list[dict]) -> dict:
     seeds) and ``boxed_item_change`` (the same over the items boxed at both ends).
 
     Raises:
-        ValueError: the two tables share no greedy item.
+        ValueError: the two evals share no greedy item.
     """
     from pipeline.core.significance import compare
 
-    g0, gk = greedy_rows(before), greedy_rows(after)
-    ids = sorted(set(g0) & set(gk))
+    ids = sorted(set(before) & set(after))
     if not ids:
-        raise ValueError(f"no greedy item in common between the two eval tables ({len(g0)} and {len(gk)} greedy rows)")
-    out = compare([bool(g0[i]["correct"]) for i in ids], [bool(gk[i]["correct"]) for i in ids]).as_dict()
+        raise ValueError(f"no greedy item in common between the two evals ({len(before)} and {len(after)} greedy items)")
+    out = compare([before[i][0] for i in ids], [after[i][0] for i in ids]).as_dict()
 
-    def finished_acc(g):
-        ok = [bool(g[i]["correct"]) for i in ids if g[i]["finish_reason"] != "length"]
+    def share(g, fmt):
+        return float(np.mean([g[i][1] == fmt for i in ids]))
+
+    def acc_where(g, keep):
+        ok = [g[i][0] for i in ids if keep(g[i][1])]
         return float(np.mean(ok)) if ok else None
 
-    def boxed(g, i):
-        return answer_format(g[i].get("response_text"), g[i]["finish_reason"]) == "boxed"
+    def change(i):
+        return float(after[i][0]) - float(before[i][0])
 
-    def boxed_acc(g):
-        ok = [bool(g[i]["correct"]) for i in ids if boxed(g, i)]
-        return float(np.mean(ok)) if ok else None
-
-    out.update(boxed_a=float(np.mean([boxed(g0, i) for i in ids])), boxed_b=float(np.mean([boxed(gk, i) for i in ids])),
-               boxed_acc_a=boxed_acc(g0), boxed_acc_b=boxed_acc(gk),
-               boxed_item_change={f"{b}/{p}": float(bool(gk[(b, p)]["correct"])) - float(bool(g0[(b, p)]["correct"]))
-                                  for b, p in ids if boxed(g0, (b, p)) and boxed(gk, (b, p))})
-    out.update(cut_a=float(np.mean([g0[i]["finish_reason"] == "length" for i in ids])),
-               cut_b=float(np.mean([gk[i]["finish_reason"] == "length" for i in ids])),
-               finished_acc_a=finished_acc(g0), finished_acc_b=finished_acc(gk),
-               item_change={f"{b}/{p}": float(bool(gk[(b, p)]["correct"])) - float(bool(g0[(b, p)]["correct"]))
-                            for b, p in ids})
+    out.update(boxed_a=share(before, "boxed"), boxed_b=share(after, "boxed"),
+               boxed_acc_a=acc_where(before, lambda f: f == "boxed"), boxed_acc_b=acc_where(after, lambda f: f == "boxed"),
+               boxed_item_change={i: change(i) for i in ids if before[i][1] == "boxed" == after[i][1]})
+    out.update(cut_a=share(before, "cut"), cut_b=share(after, "cut"),
+               finished_acc_a=acc_where(before, lambda f: f != "cut"), finished_acc_b=acc_where(after, lambda f: f != "cut"),
+               item_change={i: change(i) for i in ids})
     return out
 
 
@@ -161,16 +174,68 @@ def pooled(changes: list[dict[str, float]]) -> dict | None:
     return pooled_over_seeds([[c[i] for i in items] for c in changes]).as_dict() if items else None
 
 
-def item_record(arm: str, seed: int | None, rows: list[dict], max_tokens: int, run: str | None = None) -> dict:
-    """One eval's per-item results, for the evidence file: ``ids`` (``benchmark/prompt_id``, sorted),
-    ``greedy`` (a string of 0/1) and ``greedy_format`` (a letter per answer:
-    :data:`pipeline.core.answer_format.FORMAT_CODE`). ``arm`` ``"start"`` is the starting policy."""
-    g = greedy_rows(rows)
-    ids = sorted(g)
-    return {"bench": "budget", "items": arm, "seed": seed, "run": run, "max_tokens": max_tokens,
-            "ids": [f"{b}/{p}" for b, p in ids], "greedy": "".join("1" if g[i]["correct"] else "0" for i in ids),
-            "greedy_format": "".join(FORMAT_CODE[answer_format(g[i].get("response_text"), g[i]["finish_reason"])]
-                                     for i in ids)}
+EVALS = ("round_0", "round_k", "start", "final")
+"""The four greedy evals of a run's record: round 0 and round K at the training budget (the run's own
+eval tables), the starting policy and round K's checkpoint at the larger budget."""
+
+
+def run_record(run: dict, max_tokens: int, evals: dict[str, Items]) -> dict:
+    """One run's per-item results, for the evidence file and for every figure: ``ids`` (the items all
+    four evals share, sorted) and, per eval of :data:`EVALS`, ``{"greedy": "0110...", "format":
+    "bbcp..."}`` (a letter per answer: :data:`pipeline.core.answer_format.FORMAT_CODE`).
+
+    ``run``: a :func:`finished_runs` entry (its ``name``, ``arm`` label, ``seed``, ``round`` and the
+    training ``budget``); ``evals``: the :func:`greedy_items` of each of :data:`EVALS`.
+
+    Raises:
+        ValueError: an eval is missing, or the four share no item.
+    """
+    if sorted(evals) != sorted(EVALS):
+        raise ValueError(f"a run record needs the evals {list(EVALS)}, got {sorted(evals)}")
+    ids = sorted(set.intersection(*(set(e) for e in evals.values())))
+    if not ids:
+        raise ValueError(f"the four evals of {run['name']} share no greedy item")
+    return {"bench": "budget", "record": run["name"], "arm": run["arm"], "seed": run["seed"], "round": run["round"],
+            "budget": run["budget"], "max_tokens": max_tokens, "ids": ids,
+            **{k: {"greedy": "".join("1" if e[i][0] else "0" for i in ids),
+                   "format": "".join(FORMAT_CODE[e[i][1]] for i in ids)} for k, e in evals.items()}}
+
+
+def record_items(record: dict, which: str) -> Items:
+    """The :data:`Items` of eval ``which`` (one of :data:`EVALS`) of a :func:`run_record`.
+
+    Raises:
+        ValueError: the record's strings do not match its ids (a damaged evidence line).
+    """
+    code = {v: k for k, v in FORMAT_CODE.items()}
+    g, f, ids = record[which]["greedy"], record[which]["format"], record["ids"]
+    if not (len(g) == len(f) == len(ids)) or set(g) - {"0", "1"} or set(f) - set(code):
+        raise ValueError(f"{record.get('record')!r}: eval {which!r} does not match its {len(ids)} ids "
+                         f"({len(g)} results, {len(f)} formats)")
+    return {i: (c == "1", code[x]) for i, c, x in zip(ids, g, f)}
+
+
+def carried_records(path: Path | None, max_tokens: int) -> dict[str, dict]:
+    """The run records of an earlier ``--evidence`` file at the same ``max_tokens``, by run name
+    (``{}`` when there is no file). Records at another budget are an error: one file holds one budget.
+
+    Raises:
+        SystemExit: a record at another ``max_tokens``, or two records of one run.
+    """
+    if path is None or not Path(path).exists():
+        return {}
+    out: dict[str, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if rec.get("bench") != "budget" or "record" not in rec:
+            continue
+        if rec["max_tokens"] != max_tokens:
+            raise SystemExit(f"{path} holds {rec['record']} at {rec['max_tokens']} tokens, not {max_tokens}: "
+                             "give each budget its own --evidence file")
+        if rec["record"] in out:
+            raise SystemExit(f"{path} holds two records of {rec['record']}: keep one")
+        out[rec["record"]] = rec
+    return out
 
 
 def verdicts(per_arm: dict[str, dict], max_tokens: int) -> list[dict]:
@@ -266,8 +331,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=512, help="the larger budget of the second eval")
     ap.add_argument("--runs", nargs="*", default=None, help="run names to include (default: every finished run)")
     ap.add_argument("--evidence", default=None,
-                    help="also write every JSON line printed, plus each eval's per-item results, to this "
-                         "JSON-lines file (e.g. under docs/data/)")
+                    help="also write every JSON line printed, plus each run's per-item results, to this "
+                         "JSON-lines file (e.g. under docs/data/); runs recorded there and absent here are "
+                         "read back and kept")
     return ap
 
 
@@ -285,57 +351,74 @@ def main(argv: list[str] | None = None) -> None:
     a = parser().parse_args(argv)
     runs_dir = Path(a.runs_dir)
     runs = [r for r in finished_runs(runs_dir) if a.runs is None or r["name"] in a.runs]
-    if not runs:
-        raise SystemExit(f"no finished learning run with its last checkpoint under {runs_dir}")
+    carried = carried_records(Path(a.evidence) if a.evidence else None, a.max_tokens)
+    if not runs and not carried:
+        raise SystemExit(f"no finished learning run with its last checkpoint under {runs_dir}"
+                         + (f", and no run recorded in {a.evidence}" if a.evidence else ""))
     folder = runs_dir / f"budget-{a.max_tokens}"
-    start: dict[str, list[dict]] = {}  # the starting policy's eval, per starting policy
-    per_arm: dict[str, dict] = {}
+    start: dict[str, Items] = {}  # the starting policy's eval at the larger budget, per starting policy
+    records: dict[str, dict] = {}
+    for r in runs:
+        if a.max_tokens <= r["budget"]:
+            raise SystemExit(f"--max-tokens {a.max_tokens} is not above {r['name']}'s own budget {r['budget']}")
+        rows0, rowsk = pq.read_table(r["eval0"]).to_pylist(), pq.read_table(r["evalK"]).to_pylist()
+        policy0 = rows0[0]["policy"]
+        t0 = time.perf_counter()
+        if policy0 not in start:
+            start[policy0] = greedy_items(evaluate(policy0, r["evalK"], a.max_tokens, folder / "start.parquet"))
+        final = greedy_items(evaluate(str(r["checkpoint"]), r["evalK"], a.max_tokens, folder / f"{r['name']}.parquet"))
+        records[r["name"]] = run_record(r, a.max_tokens, {"round_0": greedy_items(rows0), "round_k": greedy_items(rowsk),
+                                                          "start": start[policy0], "final": final})
+        log.info("%s evaluated at %d tokens in %.0f s", r["name"], a.max_tokens, time.perf_counter() - t0)
+    carried = {name: rec for name, rec in carried.items() if name not in records}
+    every = dict(sorted({**carried, **records}.items()))
+    lines = report(every, a.max_tokens, sorted(carried))
+    if a.evidence:  # the printed lines and each run's per-item results, as committed evidence
+        out = Path(a.evidence)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text("".join(json.dumps(line) + "\n" for line in [*lines, *every.values()]))
+        tmp.replace(out)
+
+
+def report(records: dict[str, dict], max_tokens: int, carried: list[str]) -> list[dict]:
+    """Print (and return) the JSON lines of the runs ``records`` (:func:`run_record`, by run name):
+    one line per run, one summary per arm label pooled over its seeds, the verdicts (:func:`verdicts`).
+    ``carried``: the names whose record came from the evidence file.
+
+    Raises:
+        SystemExit: two runs are the same seed of one arm label (name the runs to pool with ``--runs``).
+    """
     lines: list[dict] = []
-    items: list[dict] = []
 
     def emit(line: dict) -> None:
         print(json.dumps(line), flush=True)
         lines.append(line)
 
     hidden = ("item_change", "boxed_item_change")
-    for r in runs:
-        rows0, rowsk = pq.read_table(r["eval0"]).to_pylist(), pq.read_table(r["evalK"]).to_pylist()
-        budget = r["config"]["eval"]["max_tokens"]
-        if a.max_tokens <= budget:
-            raise SystemExit(f"--max-tokens {a.max_tokens} is not above {r['name']}'s own budget {budget}")
-        policy0 = rows0[0]["policy"]
-        t0 = time.perf_counter()
-        if policy0 not in start:
-            start[policy0] = evaluate(policy0, r["evalK"], a.max_tokens, folder / "start.parquet")
-            items.append(item_record("start", None, start[policy0], a.max_tokens))
-        big_k = evaluate(str(r["checkpoint"]), r["evalK"], a.max_tokens, folder / f"{r['name']}.parquet")
-        items.append(item_record(r["arm"], r["seed"], big_k, a.max_tokens, run=r["name"]))
-        small, big = budget_change(rows0, rowsk), budget_change(start[policy0], big_k)
-        emit({"bench": "budget", "run": r["name"], "arm": r["arm"], "seed": r["seed"], "round": r["round"],
-              f"at_{budget}": {k: v for k, v in small.items() if k not in hidden},
-              f"at_{a.max_tokens}": {k: v for k, v in big.items() if k not in hidden},
-              "seconds": round(time.perf_counter() - t0, 1)})
-        arm = per_arm.setdefault(r["arm"], {"budget": budget, "seeds": {}, "runs": {}})
-        if r["seed"] in arm["seeds"]:
-            raise SystemExit(f"{arm['runs'][r['seed']]} and {r['name']} are both seed {r['seed']} of {r['arm']!r}: "
-                             "name the runs to pool with --runs")
-        arm["seeds"][r["seed"]] = {"small": small, "big": big}
-        arm["runs"][r["seed"]] = r["name"]
-    for arm, d in per_arm.items():
+    per_arm: dict[str, dict] = {}
+    for name, rec in sorted(records.items()):
+        small = budget_change(record_items(rec, "round_0"), record_items(rec, "round_k"))
+        big = budget_change(record_items(rec, "start"), record_items(rec, "final"))
+        emit({"bench": "budget", "run": name, "arm": rec["arm"], "seed": rec["seed"], "round": rec["round"],
+              "carried": name in carried,
+              f"at_{rec['budget']}": {k: v for k, v in small.items() if k not in hidden},
+              f"at_{max_tokens}": {k: v for k, v in big.items() if k not in hidden}})
+        arm = per_arm.setdefault(rec["arm"], {"budget": rec["budget"], "seeds": {}, "runs": {}})
+        if rec["seed"] in arm["seeds"]:
+            raise SystemExit(f"{arm['runs'][rec['seed']]} and {name} are both seed {rec['seed']} of {rec['arm']!r}: "
+                             "name the runs to pool with --runs, or remove one record from --evidence")
+        arm["seeds"][rec["seed"]] = {"small": small, "big": big}
+        arm["runs"][rec["seed"]] = name
+    for label, d in per_arm.items():
         seeds = d["seeds"].values()
-        emit({"bench": "budget", "summary": arm, "seeds": len(d["seeds"]),
+        emit({"bench": "budget", "summary": label, "seeds": len(d["seeds"]),
               f"pooled_at_{d['budget']}": pooled([x["small"]["item_change"] for x in seeds]),
-              f"pooled_at_{a.max_tokens}": pooled([x["big"]["item_change"] for x in seeds]),
-              f"pooled_boxed_at_{a.max_tokens}": pooled([x["big"]["boxed_item_change"] for x in seeds])})
-    for line in verdicts(per_arm, a.max_tokens):
+              f"pooled_at_{max_tokens}": pooled([x["big"]["item_change"] for x in seeds]),
+              f"pooled_boxed_at_{max_tokens}": pooled([x["big"]["boxed_item_change"] for x in seeds])})
+    for line in verdicts(per_arm, max_tokens):
         emit(line)
-    if a.evidence:  # the printed lines and each eval's per-item results, as committed evidence
-        out = Path(a.evidence)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text("".join(json.dumps(line) + "\n" for line in lines + items))
-        tmp.replace(out)
-
+    return lines
 
 if __name__ == "__main__":
     main()

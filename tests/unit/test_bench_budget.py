@@ -7,6 +7,9 @@ runs are pooled, and the pooled change over seeds.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import load_benchmark
@@ -28,7 +31,7 @@ def test_budget_change_by_hand(bench):
     # round K: R R W R R C W W (4 right of 8; 1 cut; 4 right of the 7 finished)
     before, after = _rows("RRWCCCWR"), _rows("RRWRRCWW")
     before.append({**before[0], "decoding": "sample"})  # sampled rows are not greedy items
-    c = bench.budget_change(before, after)
+    c = bench.budget_change(bench.greedy_items(before), bench.greedy_items(after))
     assert c["n"] == 8 and c["acc_a"] == pytest.approx(3 / 8) and c["acc_b"] == pytest.approx(4 / 8)
     assert c["diff"] == pytest.approx(1 / 8)
     assert (c["n01"], c["n10"]) == (2, 1)  # p3, p4 wrong -> right; p7 right -> wrong
@@ -41,9 +44,10 @@ def test_budget_change_by_hand(bench):
 
 def test_budget_change_names_tables_without_common_items(bench):
     other = [{**r, "prompt_id": "q" + r["prompt_id"]} for r in _rows("RW")]
-    with pytest.raises(ValueError, match="no greedy item in common.*2 and 2 greedy rows"):
-        bench.budget_change(_rows("RW"), other)
-    assert bench.budget_change(_rows("CC"), _rows("CC"))["finished_acc_a"] is None
+    items = bench.greedy_items
+    with pytest.raises(ValueError, match="no greedy item in common.*2 and 2 greedy items"):
+        bench.budget_change(items(_rows("RW")), items(other))
+    assert bench.budget_change(items(_rows("CC")), items(_rows("CC")))["finished_acc_a"] is None
 
 
 def test_arm_labels_separate_the_configurations(bench):
@@ -85,18 +89,92 @@ def test_budget_change_within_boxed_answers_by_hand(bench):
     # round 0: P P b B C (2 boxed: 1 right); round K: B B b b B (5 boxed: 3 right, p0, p1, p4)
     # the gain on p0, p1 (program -> boxed) and p4 (cut -> boxed) is format: within answers boxed at
     # both ends (p2, p3) the change is 0 and -1
-    c = bench.budget_change(_boxed_rows("PPbBC"), _boxed_rows("BBbbB"))
+    c = bench.budget_change(bench.greedy_items(_boxed_rows("PPbBC")), bench.greedy_items(_boxed_rows("BBbbB")))
     assert c["acc_a"] == pytest.approx(3 / 5) and c["acc_b"] == pytest.approx(3 / 5)
     assert c["boxed_a"] == pytest.approx(2 / 5) and c["boxed_b"] == pytest.approx(1.0)
     assert c["boxed_acc_a"] == pytest.approx(1 / 2) and c["boxed_acc_b"] == pytest.approx(3 / 5)
     assert c["boxed_item_change"] == {"mawps/p2": 0.0, "mawps/p3": -1.0}
 
 
-def test_item_record_is_compact_and_ordered(bench):
-    rec = bench.item_record("capo", 1, _boxed_rows("BPbC"), 512, run="learn-capo-s1-abc")
-    assert rec["ids"] == ["mawps/p0", "mawps/p1", "mawps/p2", "mawps/p3"]
-    assert rec["greedy"] == "1100" and rec["greedy_format"] == "bpbc"
-    assert (rec["items"], rec["seed"], rec["max_tokens"]) == ("capo", 1, 512)
+def _run(name: str, arm: str, seed: int) -> dict:
+    return {"name": name, "arm": arm, "seed": seed, "round": 10, "budget": 320}
+
+
+def test_run_record_is_compact_and_reads_back(bench):
+    items = bench.greedy_items
+    evals = {"round_0": items(_boxed_rows("BPbC")), "round_k": items(_boxed_rows("BBbB")),
+             "start": items(_boxed_rows("BPbb")), "final": items(_boxed_rows("BBBb")[:3])}  # p3 not evaluated
+    rec = bench.run_record(_run("learn-capo-s1-abc", "capo lr=2e-06 ds", 1), 512, evals)
+    assert rec["ids"] == ["mawps/p0", "mawps/p1", "mawps/p2"]  # the items all four share
+    assert rec["round_0"] == {"greedy": "110", "format": "bpb"} and rec["final"] == {"greedy": "111", "format": "bbb"}
+    assert (rec["record"], rec["arm"], rec["seed"], rec["round"], rec["budget"], rec["max_tokens"]) == (
+        "learn-capo-s1-abc", "capo lr=2e-06 ds", 1, 10, 320, 512)
+    back = json.loads(json.dumps(rec))
+    assert bench.record_items(back, "round_0") == {k: v for k, v in evals["round_0"].items() if k != "mawps/p3"}
+    assert bench.budget_change(bench.record_items(back, "start"), bench.record_items(back, "final"))["diff"] == (
+        pytest.approx(1 / 3))  # p2: wrong -> right
+    with pytest.raises(ValueError, match="needs the evals"):
+        bench.run_record(_run("x", "capo", 0), 512, {"start": evals["start"]})
+    with pytest.raises(ValueError, match="'learn-capo-s1-abc': eval 'final' does not match its 3 ids"):
+        bench.record_items({**back, "final": {"greedy": "11", "format": "bb"}}, "final")
+
+
+def test_carried_records_refuse_another_budget_and_duplicates(bench, tmp_path):
+    rec = {"bench": "budget", "record": "learn-grpo-s0-abc", "max_tokens": 512}
+    f = tmp_path / "budget.jsonl"
+    assert bench.carried_records(f, 512) == {}  # no file yet
+    f.write_text(json.dumps({"bench": "budget", "summary": "grpo"}) + "\n" + json.dumps(rec) + "\n")
+    assert bench.carried_records(f, 512) == {"learn-grpo-s0-abc": rec}
+    with pytest.raises(SystemExit, match="learn-grpo-s0-abc at 512 tokens, not 768"):
+        bench.carried_records(f, 768)
+    f.write_text(json.dumps(rec) + "\n" + json.dumps(rec) + "\n")
+    with pytest.raises(SystemExit, match="two records of learn-grpo-s0-abc"):
+        bench.carried_records(f, 512)
+
+
+def test_main_carries_runs_recorded_elsewhere(bench, tmp_path, monkeypatch, capsys):
+    """The whole benchmark with the evals stood in for (they are the expensive boundary): a run
+    recorded in the evidence file and absent here is pooled with the local one and kept in the file;
+    the local run's record is written beside it; its verdict pairs seeds 0 and 1."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def table(spec: str, name: str) -> Path:
+        rows = [{**r, "policy": "/models/start"} for r in _boxed_rows(spec)]
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        return path
+
+    local = {**_run("learn-capo-s1-abc", "capo lr=2e-06 ds", 1), "eval0": table("bbbbb", "e0"),
+             "evalK": table("BBbbb", "ek"), "checkpoint": tmp_path / "ck"}
+    monkeypatch.setattr(bench, "finished_runs", lambda runs_dir: [local])
+    evaluated = []
+
+    def evaluate(policy, config_of, max_tokens, out):
+        evaluated.append(policy)
+        return _boxed_rows("bbbbb" if policy == "/models/start" else "BBBbb")
+
+    monkeypatch.setattr(bench, "evaluate", evaluate)
+    items = bench.greedy_items
+    elsewhere = bench.run_record(_run("learn-capo-s0-def", "capo lr=2e-06 ds", 0), 512,
+                                 {"round_0": items(_boxed_rows("bbbbb")), "round_k": items(_boxed_rows("Bbbbb")),
+                                  "start": items(_boxed_rows("bbbbb")), "final": items(_boxed_rows("BBbbb"))})
+    evidence = tmp_path / "budget-512.jsonl"
+    evidence.write_text(json.dumps(elsewhere) + "\n")
+    bench.main(["--runs-dir", str(tmp_path), "--max-tokens", "512", "--evidence", str(evidence)])
+    assert evaluated == ["/models/start", str(tmp_path / "ck")]
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    per_run = {x["run"]: x for x in lines if "run" in x}
+    assert per_run["learn-capo-s0-def"]["carried"] and not per_run["learn-capo-s1-abc"]["carried"]
+    assert per_run["learn-capo-s1-abc"]["at_512"]["diff"] == pytest.approx(3 / 5)
+    assert per_run["learn-capo-s1-abc"]["at_320"]["diff"] == pytest.approx(2 / 5)
+    summary = next(x for x in lines if x.get("summary") == "capo lr=2e-06 ds")
+    assert summary["seeds"] == 2 and summary["pooled_at_512"]["diff"] == pytest.approx((2 / 5 + 3 / 5) / 2)
+    kept = bench.carried_records(evidence, 512)
+    assert sorted(kept) == ["learn-capo-s0-def", "learn-capo-s1-abc"] and kept["learn-capo-s0-def"] == elsewhere
+    monkeypatch.setattr(bench, "finished_runs", lambda runs_dir: [])  # a machine with no run: the file alone
+    bench.main(["--runs-dir", str(tmp_path), "--max-tokens", "512", "--evidence", str(evidence)])
+    assert bench.carried_records(evidence, 512) == kept
 
 
 def test_verdicts_pair_capo_with_its_rivals_by_seed_and_item(bench):
