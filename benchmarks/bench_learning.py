@@ -96,6 +96,11 @@ committed file; a run's round checkpoints stay where it trained, and a run stopp
 over. Every verdict is computed from the per-item records (:func:`changes_from_records`), local or
 carried alike.
 
+``--budget-evidence FILE`` re-evaluates each finished run's round-K checkpoint at
+``--budget-tokens`` (512) with ``bench_budget.py`` as soon as the run finishes, on the machine that
+holds the checkpoint, and records it in FILE (read back and kept, like ``--evidence``); a run already
+recorded there is not evaluated again.
+
 Defaults: the configuration under which learning was shown (docs/benchmarks.md, "Learning
 benchmark"): lr 2e-6, 320 tokens, 8 problems x 4 responses per round (16 per AdamW step), DAPO's
 dynamic sampling, the policy in fp32 (the shipped defaults), 4 samples per held-out problem besides
@@ -1018,6 +1023,28 @@ def noise_floor(a: argparse.Namespace, round0: Path, compute: bool = True) -> di
     return res
 
 
+def recheck_budget(a: argparse.Namespace, run: str) -> bool:
+    """Run ``bench_budget.py`` on the finished run ``run`` (its round-K checkpoint under
+    ``--runs-dir``) at ``--budget-tokens``, recording it in ``--budget-evidence``, unless the file
+    records it already. A failed recheck is logged, not raised: the matrix goes on. Returns whether
+    the run is recorded in the file afterwards."""
+    import subprocess
+
+    def recorded() -> bool:
+        path = Path(a.budget_evidence)
+        return path.exists() and any(json.loads(x).get("record") == run for x in path.read_text().splitlines() if x.strip())
+
+    if recorded():
+        return True
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_budget.py"), "--runs-dir", str(a.runs_dir), "--runs", run,
+           "--max-tokens", str(a.budget_tokens), "--evidence", str(a.budget_evidence)]
+    try:
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=sys.stderr)  # stdout: this script's JSON lines only
+    except subprocess.CalledProcessError as e:
+        log.warning("budget recheck of %s failed (exit %s); rerun: %s", run, e.returncode, " ".join(cmd))
+    return recorded()
+
+
 def plot(a: argparse.Namespace, rows: list[dict], path: Path) -> None:
     from matplotlib.figure import Figure
 
@@ -1138,6 +1165,11 @@ def parser() -> argparse.ArgumentParser:
                          "after every run that finishes and at the end. An existing file is read first: its runs "
                          "finished under these settings count and are not run again; an invocation that would drop "
                          "one of its finished runs stops and names it")
+    ap.add_argument("--budget-evidence", default=None,
+                    help="re-evaluate each finished run's last checkpoint at --budget-tokens with bench_budget.py "
+                         "right after it finishes (or, finished earlier here, when first met), recording it in this "
+                         "JSON-lines file (bench_budget.py --evidence); runs already recorded there are skipped")
+    ap.add_argument("--budget-tokens", type=int, default=512, help="the larger budget of --budget-evidence")
     ap.add_argument("--keep-final-state", action="store_true",
                     help="keep round K's training state of a finished run (7.6 GB for the 0.5B policy; needed only "
                          "to train it further with a larger --rounds)")
@@ -1240,6 +1272,8 @@ def main() -> None:
             ran += new
             if new and a.evidence and eval_tables(a, arm, seed, train_file):  # a run finished: keep it
                 report(final=False)
+            if a.budget_evidence and eval_tables(a, arm, seed, train_file):  # its checkpoint is here: recheck it now
+                recheck_budget(a, run_id(a, arm, seed, train_file))
         r0 = round_paths(arm_config(a, arm, seed, train_file), 0)["eval"]
         round0 = [r0, *round0] if r0.exists() else round0
     report(final=True)

@@ -429,10 +429,15 @@ def test_the_matrix_resumes_from_its_committed_evidence_and_keeps_every_finished
     monkeypatch.setattr(bench, "paired_change", lambda *args: {"diff": 0.5})
     real_write = bench.write_evidence
     monkeypatch.setattr(bench, "write_evidence", lambda path, lines: (writes.append(len(lines)), real_write(path, lines)))
-    monkeypatch.setattr(sys, "argv", ["bench_learning.py", *argv, "--evidence", str(ev)])
+    rechecked = []
+    monkeypatch.setattr(bench, "recheck_budget", lambda a, run: rechecked.append(run))
+    monkeypatch.setattr(sys, "argv", ["bench_learning.py", *argv, "--evidence", str(ev),
+                                      "--budget-evidence", str(tmp_path / "budget.jsonl")])
     bench.main()
 
     assert ran == [("grpo", 0)] and len(writes) == 2  # after GRPO finished, and at the end
+    assert rechecked == [bench.run_id(a, "grpo", 0, train)]  # the run whose checkpoint is here, not the carried one
+    monkeypatch.setattr(sys, "argv", ["bench_learning.py", *argv, "--evidence", str(ev)])
     out = [json.loads(ln) for ln in ev.read_text().splitlines()]
     assert [r for r in out if r.get("items") == "capo"] == before  # carried as committed
     grpo = [r for r in out if r.get("items") == "grpo"]
@@ -456,3 +461,32 @@ def test_the_matrix_resumes_from_its_committed_evidence_and_keeps_every_finished
     with pytest.raises(SystemExit, match=r"capo-s0 \(not among --arms grpo"):
         bench.main()
     assert ran == []
+
+
+def test_a_finished_run_is_rechecked_at_the_larger_budget_once(bench, tmp_path, monkeypatch, caplog):
+    """--budget-evidence: bench_budget.py runs on the finished run (its evals are the expensive
+    boundary, stood in for by the subprocess), not again once the file records it; a failed recheck
+    is logged with its command and the matrix goes on."""
+    import json
+    import subprocess
+
+    budget = tmp_path / "budget.jsonl"
+    a = bench.parser().parse_args(["--runs-dir", str(tmp_path / "runs"), "--budget-evidence", str(budget),
+                                   "--budget-tokens", "768"])
+    calls = []
+
+    def run(cmd, check, cwd, stdout):
+        calls.append(cmd)
+        name = cmd[cmd.index("--runs") + 1]
+        if name.startswith("learn-bad"):
+            raise subprocess.CalledProcessError(2, cmd)
+        with budget.open("a") as f:
+            f.write(json.dumps({"bench": "budget", "record": name, "max_tokens": 768}) + "\n")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    assert bench.recheck_budget(a, "learn-grpo-s0-abc") is True
+    assert calls[0][1].endswith("benchmarks/bench_budget.py") and calls[0][2:] == [
+        "--runs-dir", str(tmp_path / "runs"), "--runs", "learn-grpo-s0-abc", "--max-tokens", "768", "--evidence", str(budget)]
+    assert bench.recheck_budget(a, "learn-grpo-s0-abc") is True and len(calls) == 1  # recorded: not evaluated again
+    assert bench.recheck_budget(a, "learn-bad-s0-abc") is False and len(calls) == 2
+    assert "budget recheck of learn-bad-s0-abc failed (exit 2)" in caplog.text
