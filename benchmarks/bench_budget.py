@@ -355,6 +355,9 @@ def main(argv: list[str] | None = None) -> None:
     if not runs and not carried:
         raise SystemExit(f"no finished learning run with its last checkpoint under {runs_dir}"
                          + (f", and no run recorded in {a.evidence}" if a.evidence else ""))
+    from pipeline.precision import bench_context
+
+    ctx = bench_context() if runs else {}  # where this invocation's evals ran; a carried record keeps its own
     folder = runs_dir / f"budget-{a.max_tokens}"
     start: dict[str, Items] = {}  # the starting policy's eval at the larger budget, per starting policy
     records: dict[str, dict] = {}
@@ -367,8 +370,8 @@ def main(argv: list[str] | None = None) -> None:
         if policy0 not in start:
             start[policy0] = greedy_items(evaluate(policy0, r["evalK"], a.max_tokens, folder / "start.parquet"))
         final = greedy_items(evaluate(str(r["checkpoint"]), r["evalK"], a.max_tokens, folder / f"{r['name']}.parquet"))
-        records[r["name"]] = run_record(r, a.max_tokens, {"round_0": greedy_items(rows0), "round_k": greedy_items(rowsk),
-                                                          "start": start[policy0], "final": final})
+        records[r["name"]] = {**run_record(r, a.max_tokens, {"round_0": greedy_items(rows0), "round_k": greedy_items(rowsk),
+                                                             "start": start[policy0], "final": final}), **ctx}
         log.info("%s evaluated at %d tokens in %.0f s", r["name"], a.max_tokens, time.perf_counter() - t0)
     carried = {name: rec for name, rec in carried.items() if name not in records}
     every = dict(sorted({**carried, **records}.items()))
@@ -401,7 +404,7 @@ def report(records: dict[str, dict], max_tokens: int, carried: list[str]) -> lis
         small = budget_change(record_items(rec, "round_0"), record_items(rec, "round_k"))
         big = budget_change(record_items(rec, "start"), record_items(rec, "final"))
         emit({"bench": "budget", "run": name, "arm": rec["arm"], "seed": rec["seed"], "round": rec["round"],
-              "carried": name in carried,
+              "carried": name in carried, "cpu_model": rec.get("cpu_model"),
               f"at_{rec['budget']}": {k: v for k, v in small.items() if k not in hidden},
               f"at_{max_tokens}": {k: v for k, v in big.items() if k not in hidden}})
         arm = per_arm.setdefault(rec["arm"], {"budget": rec["budget"], "seeds": {}, "runs": {}})
