@@ -91,7 +91,8 @@ def test_noise_floor_table():
 def test_learning_matrix_seed0_figures():
     lines = _lines("learning-readout-3seeds.jsonl")
     page = _text("docs/benchmarks.md")
-    for arm, title in (("capo", "CAPO (`capo-readout`) seed 0"), ("grpo", "GRPO seed 0")):
+    for arm, title in (("capo", "CAPO (`capo-readout`) seed 0"), ("grpo", "GRPO seed 0"),
+                       ("random-credit", "random credit seed 0")):
         s = next(r for r in lines if r.get("summary") == arm)["paired_change_from_round0"]["0"]
         text = page.split(f"| held-out metric, {title} |", 1)[1].split("\n\n", 1)[0]
         g, smp = s["format"], s["sampled"]
@@ -108,16 +109,37 @@ def test_learning_matrix_seed0_figures():
     s = next(r for r in lines if r.get("summary") == "capo")["paired_change_from_round0"]["0"]
     t = s["transitions"]
     assert f"({t['right->wrong (ok->ok)']} right -> wrong, {t['wrong->right (ok->ok)']} wrong -> right" in page
-    heads = {k: v for r in lines for k, v in r.items() if k.endswith("capo_minus_grpo_pooled")}
+    heads = {k: v for r in lines for k, v in r.items() if "capo_minus_" in k and k.endswith("_pooled")}
     g, smp = heads["capo_minus_grpo_pooled"], heads["sampled_capo_minus_grpo_pooled"]
     flat = " ".join(page.split())
     assert (f"CAPO minus GRPO on the same items is {100 * g['diff']:.1f} points greedy [{100 * g['lo']:.1f}, "
             f"{100 * g['hi']:.1f}] and {100 * smp['diff']:.1f} sampled [{100 * smp['lo']:.1f}, {100 * smp['hi']:+.1f}]") in flat
+    g, smp = heads["capo_minus_random_credit_pooled"], heads["sampled_capo_minus_random_credit_pooled"]
+    assert (f"CAPO minus random credit is {100 * g['diff']:.1f} points greedy [{100 * g['lo']:.1f}, "
+            f"{100 * g['hi']:.1f}] and {100 * smp['diff']:.1f} sampled [{100 * smp['lo']:.1f}, {100 * smp['hi']:.1f}]") in flat
     readme = " ".join(_text("README.md").split())
     grpo = next(r for r in lines if r.get("summary") == "grpo")["paired_change_from_round0"]["0"]
+    rc = next(r for r in lines if r.get("summary") == "random-credit")["paired_change_from_round0"]["0"]
     assert (f"CAPO's greedy held-out accuracy fell {round(-100 * s['diff'])} points and GRPO's "
             f"{round(-100 * grpo['diff'])}, while their sampled accuracy rose {round(100 * s['sampled']['diff'])} "
             f"and {round(100 * grpo['sampled']['diff'])}") in readme
+    assert (f"random steps did better than CAPO on that seed (greedy {100 * rc['diff']:+.0f} points, "
+            f"sampled {100 * rc['sampled']['diff']:+.0f})") in readme
+
+
+def test_budget_recheck_rows():
+    """The 512-token rows of the seed-0 tables are the budget file's per-run lines."""
+    page = _text("docs/benchmarks.md")
+    runs = [r for r in _lines("budget-512.jsonl") if "run" in r]
+    titles = {"grpo": "GRPO seed 0", "random-credit": "random credit seed 0"}
+    assert {r["arm"].split()[0] for r in runs} == set(titles)
+    for r in runs:
+        assert r["seed"] == 0 and r["round"] == 10
+        b = r["at_512"]
+        text = page.split(f"| held-out metric, {titles[r['arm'].split()[0]]} |", 1)[1].split("\n\n", 1)[0]
+        assert (f"| greedy accuracy at 512 tokens | {100 * b['acc_a']:.1f} % | {100 * b['acc_b']:.1f} % | "
+                f"{100 * b['diff']:+.1f} points [{100 * b['lo']:.1f}, {100 * b['hi']:.1f}] |") in text, r["run"]
+        assert abs(b["diff"] - r["at_320"]["diff"]) <= 0.005  # "within half a point" of the 320-token change
 
 
 def test_rivals_cost_table():
