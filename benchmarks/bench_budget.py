@@ -8,8 +8,8 @@ tells them apart. For every finished learning run in ``--runs-dir`` it evaluates
 policy (once) and the run's round-K checkpoint again, greedily, on the same held-out problems at a
 larger budget ``--max-tokens`` (default 512), and reports per run and pooled over each arm's seeds:
 
-- the change from round 0 at the training budget (the run's own eval tables, as written) and at the
-  larger one (paired on the same items: bootstrap interval and McNemar's p,
+- the change from round 0 at the training budget (the run's own eval tables) and at the larger
+  one, on the items all four evals share (paired: bootstrap interval and McNemar's p,
   :func:`pipeline.core.significance.compare`; pooled over seeds with the crossed seeds x items
   interval, :func:`pipeline.core.significance.pooled_over_seeds`);
 - the share of answers cut at each budget, and the accuracy among the answers that finished.
@@ -127,7 +127,7 @@ def budget_change(before: Items, after: Items) -> dict:
 
     Returns ``n``, the paired change (:func:`pipeline.core.significance.compare`: ``acc_a``,
     ``acc_b``, ``diff``, bootstrap ``lo``/``hi``, ``p_mcnemar``, ``significant``), ``cut_a`` /
-    ``cut_b`` (shares of answers cut at the budget, ``finish_reason == "length"``) and
+    ``cut_b`` (shares of answers cut at the budget: format ``cut``, ``finish_reason == "length"``) and
     ``finished_acc_a`` / ``finished_acc_b`` (accuracy among the answers that finished; None when none
     did), ``boxed_a`` / ``boxed_b`` (shares of answers finished with a box:
     :func:`pipeline.core.answer_format.answer_format`) and ``boxed_acc_a`` / ``boxed_acc_b`` (accuracy
@@ -195,6 +195,10 @@ def run_record(run: dict, max_tokens: int, evals: dict[str, Items]) -> dict:
     ids = sorted(set.intersection(*(set(e) for e in evals.values())))
     if not ids:
         raise ValueError(f"the four evals of {run['name']} share no greedy item")
+    sizes = {k: len(e) for k, e in evals.items()}
+    if max(sizes.values()) > len(ids):
+        log.warning("%s: the four evals share %d items (of %s); every figure counts only those",
+                    run["name"], len(ids), sizes)
     return {"bench": "budget", "record": run["name"], "arm": run["arm"], "seed": run["seed"], "round": run["round"],
             "budget": run["budget"], "max_tokens": max_tokens, "ids": ids,
             **{k: {"greedy": "".join("1" if e[i][0] else "0" for i in ids),
@@ -211,31 +215,80 @@ def record_items(record: dict, which: str) -> Items:
     g, f, ids = record[which]["greedy"], record[which]["format"], record["ids"]
     if not (len(g) == len(f) == len(ids)) or set(g) - {"0", "1"} or set(f) - set(code):
         raise ValueError(f"{record.get('record')!r}: eval {which!r} does not match its {len(ids)} ids "
-                         f"({len(g)} results, {len(f)} formats)")
+                         f"({len(g)} results, {len(f)} formats; results other than 0/1: {sorted(set(g) - {'0', '1'})}, "
+                         f"formats other than {sorted(code)}: {sorted(set(f) - set(code))})")
     return {i: (c == "1", code[x]) for i, c, x in zip(ids, g, f)}
+
+
+REPORT_KEYS = ("run", "summary", "verdict")
+"""A key of the lines this script prints (a run, an arm's summary, a verdict): recomputed from the
+records on every invocation, so an earlier file's copies are not kept."""
 
 
 def carried_records(path: Path | None, max_tokens: int) -> dict[str, dict]:
     """The run records of an earlier ``--evidence`` file at the same ``max_tokens``, by run name
-    (``{}`` when there is no file). Records at another budget are an error: one file holds one budget.
+    (``{}`` when there is no file). The file is rewritten from these records, so a line that is
+    neither a record nor a printed line of this script (another benchmark's file given by mistake,
+    a record of an older format) stops the run instead of being dropped.
 
     Raises:
-        SystemExit: a record at another ``max_tokens``, or two records of one run.
+        SystemExit: a line that does not parse or is not this script's, a record without its fields,
+            a record at another ``max_tokens`` (one file holds one budget), or two records of one run;
+            each names the file and line.
     """
     if path is None or not Path(path).exists():
         return {}
     out: dict[str, dict] = {}
-    for line in Path(path).read_text().splitlines():
-        rec = json.loads(line) if line.strip() else {}
-        if rec.get("bench") != "budget" or "record" not in rec:
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
             continue
+        where = f"{path}:{n}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{where} is not a JSON line ({e}): repair or remove it") from None
+        if rec.get("bench") == "budget" and any(k in rec for k in REPORT_KEYS) and "record" not in rec:
+            continue
+        if rec.get("bench") != "budget" or "record" not in rec:
+            raise SystemExit(f"{where} is not a run record of bench_budget.py (keys {sorted(rec)[:6]}): "
+                             "give this script its own --evidence file; it would be overwritten")
+        missing = [k for k in ("arm", "seed", "round", "budget", "max_tokens", "ids", *EVALS) if k not in rec]
+        if missing:
+            raise SystemExit(f"{where}: the record of {rec['record']} lacks {missing}")
         if rec["max_tokens"] != max_tokens:
-            raise SystemExit(f"{path} holds {rec['record']} at {rec['max_tokens']} tokens, not {max_tokens}: "
+            raise SystemExit(f"{where} holds {rec['record']} at {rec['max_tokens']} tokens, not {max_tokens}: "
                              "give each budget its own --evidence file")
         if rec["record"] in out:
-            raise SystemExit(f"{path} holds two records of {rec['record']}: keep one")
+            raise SystemExit(f"{where} is a second record of {rec['record']}: keep one")
         out[rec["record"]] = rec
     return out
+
+
+def merge_records(carried: dict[str, dict], local: dict[str, dict]) -> dict[str, dict]:
+    """The records to report and keep, by run name: a run evaluated here replaces its carried record,
+    unless the carried one is of a later round (a copy of the run trained further elsewhere: kept,
+    with a warning). Sorted by name.
+
+    Raises:
+        SystemExit: two records are the same seed of one arm label (the pooled figures would count
+            the seed twice); names both and what to remove.
+    """
+    out = dict(carried)
+    for name, rec in local.items():
+        old = carried.get(name)
+        if old is not None and old["round"] > rec["round"]:
+            log.warning("%s: the evidence records round %d, here only round %d is evaluated; keeping the "
+                        "recorded one", name, old["round"], rec["round"])
+            continue
+        out[name] = rec
+    seen: dict[tuple[str, int], str] = {}
+    for name in sorted(out):
+        key = (out[name]["arm"], out[name]["seed"])
+        if key in seen:
+            raise SystemExit(f"{seen[key]} and {name} are both seed {key[1]} of {key[0]!r}: remove one of their "
+                             "records from --evidence (a run evaluated here is written there first)")
+        seen[key] = name
+    return dict(sorted(out.items()))
 
 
 def verdicts(per_arm: dict[str, dict], max_tokens: int) -> list[dict]:
@@ -329,7 +382,9 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs-dir", default="runs/bench_learning", help="where bench_learning.py wrote its runs")
     ap.add_argument("--max-tokens", type=int, default=512, help="the larger budget of the second eval")
-    ap.add_argument("--runs", nargs="*", default=None, help="run names to include (default: every finished run)")
+    ap.add_argument("--runs", nargs="*", default=None,
+                    help="the finished runs here to evaluate (default: every one); runs recorded in --evidence "
+                         "are kept and pooled either way")
     ap.add_argument("--evidence", default=None,
                     help="also write every JSON line printed, plus each run's per-item results, to this "
                          "JSON-lines file (e.g. under docs/data/); runs recorded there and absent here are "
@@ -373,15 +428,21 @@ def main(argv: list[str] | None = None) -> None:
         records[r["name"]] = {**run_record(r, a.max_tokens, {"round_0": greedy_items(rows0), "round_k": greedy_items(rowsk),
                                                              "start": start[policy0], "final": final}), **ctx}
         log.info("%s evaluated at %d tokens in %.0f s", r["name"], a.max_tokens, time.perf_counter() - t0)
-    carried = {name: rec for name, rec in carried.items() if name not in records}
-    every = dict(sorted({**carried, **records}.items()))
-    lines = report(every, a.max_tokens, sorted(carried))
-    if a.evidence:  # the printed lines and each run's per-item results, as committed evidence
-        out = Path(a.evidence)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text("".join(json.dumps(line) + "\n" for line in [*lines, *every.values()]))
-        tmp.replace(out)
+    def write(lines: list[dict], recs: dict[str, dict]) -> None:
+        if a.evidence:  # the printed lines and each run's per-item results, as committed evidence
+            out = Path(a.evidence)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(out.name + ".tmp")
+            tmp.write_text("".join(json.dumps(line) + "\n" for line in [*lines, *recs.values()]))
+            tmp.replace(out)
+
+    try:
+        every = merge_records(carried, records)
+    except SystemExit:  # keep what was evaluated here before stopping
+        write([], dict(sorted({**carried, **{k: v for k, v in records.items() if k not in carried}}.items())))
+        raise
+    shown = [n for n in every if n not in records or every[n] is not records[n]]
+    write(report(every, a.max_tokens, shown), every)
 
 
 def report(records: dict[str, dict], max_tokens: int, carried: list[str]) -> list[dict]:
@@ -390,7 +451,7 @@ def report(records: dict[str, dict], max_tokens: int, carried: list[str]) -> lis
     ``carried``: the names whose record came from the evidence file.
 
     Raises:
-        SystemExit: two runs are the same seed of one arm label (name the runs to pool with ``--runs``).
+        SystemExit: two runs are the same seed of one arm label (:func:`merge_records` checks first).
     """
     lines: list[dict] = []
 
@@ -410,7 +471,7 @@ def report(records: dict[str, dict], max_tokens: int, carried: list[str]) -> lis
         arm = per_arm.setdefault(rec["arm"], {"budget": rec["budget"], "seeds": {}, "runs": {}})
         if rec["seed"] in arm["seeds"]:
             raise SystemExit(f"{arm['runs'][rec['seed']]} and {name} are both seed {rec['seed']} of {rec['arm']!r}: "
-                             "name the runs to pool with --runs, or remove one record from --evidence")
+                             "remove one of their records from --evidence")
         arm["seeds"][rec["seed"]] = {"small": small, "big": big}
         arm["runs"][rec["seed"]] = name
     for label, d in per_arm.items():

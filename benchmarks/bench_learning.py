@@ -1032,7 +1032,15 @@ def recheck_budget(a: argparse.Namespace, run: str) -> bool:
 
     def recorded() -> bool:
         path = Path(a.budget_evidence)
-        return path.exists() and any(json.loads(x).get("record") == run for x in path.read_text().splitlines() if x.strip())
+        if not path.exists():
+            return False
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                if line.strip() and json.loads(line).get("record") == run:
+                    return True
+            except json.JSONDecodeError:
+                log.warning("%s:%d is not a JSON line; bench_budget.py will name it", path, n)
+        return False
 
     if recorded():
         return True
@@ -1273,7 +1281,9 @@ def main() -> None:
             if new and a.evidence and eval_tables(a, arm, seed, train_file):  # a run finished: keep it
                 report(final=False)
             if a.budget_evidence and eval_tables(a, arm, seed, train_file):  # its checkpoint is here: recheck it now
-                recheck_budget(a, run_id(a, arm, seed, train_file))
+                name = run_id(a, arm, seed, train_file)
+                if not recheck_budget(a, name):
+                    log.warning("%s is not recorded in %s after its budget recheck", name, a.budget_evidence)
         r0 = round_paths(arm_config(a, arm, seed, train_file), 0)["eval"]
         round0 = [r0, *round0] if r0.exists() else round0
     report(final=True)

@@ -42,7 +42,7 @@ def test_budget_change_by_hand(bench):
                                 "mawps/p4": 1.0, "mawps/p5": 0.0, "mawps/p6": 0.0, "mawps/p7": -1.0}
 
 
-def test_budget_change_names_tables_without_common_items(bench):
+def test_budget_change_names_evals_without_common_items(bench):
     other = [{**r, "prompt_id": "q" + r["prompt_id"]} for r in _rows("RW")]
     items = bench.greedy_items
     with pytest.raises(ValueError, match="no greedy item in common.*2 and 2 greedy items"):
@@ -117,19 +117,47 @@ def test_run_record_is_compact_and_reads_back(bench):
         bench.run_record(_run("x", "capo", 0), 512, {"start": evals["start"]})
     with pytest.raises(ValueError, match="'learn-capo-s1-abc': eval 'final' does not match its 3 ids"):
         bench.record_items({**back, "final": {"greedy": "11", "format": "bb"}}, "final")
+    with pytest.raises(ValueError, match=r"results other than 0/1: \['x'\].*: \['z'\]"):
+        bench.record_items({**back, "final": {"greedy": "1x1", "format": "bzb"}}, "final")
 
 
-def test_carried_records_refuse_another_budget_and_duplicates(bench, tmp_path):
-    rec = {"bench": "budget", "record": "learn-grpo-s0-abc", "max_tokens": 512}
+def _record(name: str, arm: str = "grpo lr=2e-06 ds", seed: int = 0, round_: int = 10) -> dict:
+    return {"bench": "budget", "record": name, "arm": arm, "seed": seed, "round": round_, "budget": 320,
+            "max_tokens": 512, "ids": ["mawps/p0"], **{k: {"greedy": "1", "format": "b"}
+                                                        for k in ("round_0", "round_k", "start", "final")}}
+
+
+def test_carried_records_refuse_what_they_would_overwrite(bench, tmp_path):
+    rec = _record("learn-grpo-s0-abc")
     f = tmp_path / "budget.jsonl"
     assert bench.carried_records(f, 512) == {}  # no file yet
     f.write_text(json.dumps({"bench": "budget", "summary": "grpo"}) + "\n" + json.dumps(rec) + "\n")
-    assert bench.carried_records(f, 512) == {"learn-grpo-s0-abc": rec}
-    with pytest.raises(SystemExit, match="learn-grpo-s0-abc at 512 tokens, not 768"):
+    assert bench.carried_records(f, 512) == {"learn-grpo-s0-abc": rec}  # the printed summary is recomputed
+    with pytest.raises(SystemExit, match=r"budget.jsonl:2 holds learn-grpo-s0-abc at 512 tokens, not 768"):
         bench.carried_records(f, 768)
     f.write_text(json.dumps(rec) + "\n" + json.dumps(rec) + "\n")
-    with pytest.raises(SystemExit, match="two records of learn-grpo-s0-abc"):
+    with pytest.raises(SystemExit, match=r"budget.jsonl:2 is a second record of learn-grpo-s0-abc"):
         bench.carried_records(f, 512)
+    # another benchmark's file, an older record format, a torn line: named, never overwritten
+    for line, match in [(json.dumps({"bench": "learning", "items": "capo"}), r"budget.jsonl:1 is not a run record"),
+                        (json.dumps({"bench": "budget", "items": "start", "max_tokens": 512}), "is not a run record"),
+                        ('{"bench": "budg', r"budget.jsonl:1 is not a JSON line"),
+                        (json.dumps({k: v for k, v in rec.items() if k != "final"}), r"lacks \['final'\]")]:
+        f.write_text(line + "\n")
+        with pytest.raises(SystemExit, match=match):
+            bench.carried_records(f, 512)
+
+
+def test_merged_records_keep_the_later_round_and_refuse_a_seed_twice(bench, caplog):
+    done = _record("learn-grpo-s0-abc", round_=10)
+    partial = _record("learn-grpo-s0-abc", round_=5)
+    assert bench.merge_records({"learn-grpo-s0-abc": done}, {"learn-grpo-s0-abc": partial}) == {"learn-grpo-s0-abc": done}
+    assert "records round 10, here only round 5" in caplog.text
+    newer = _record("learn-grpo-s0-abc", round_=10)
+    newer["final"] = {"greedy": "0", "format": "b"}
+    assert bench.merge_records({"learn-grpo-s0-abc": done}, {"learn-grpo-s0-abc": newer})["learn-grpo-s0-abc"] is newer
+    with pytest.raises(SystemExit, match="learn-grpo-s0-abc and learn-grpo-s0-def are both seed 0 of 'grpo lr=2e-06 ds'"):
+        bench.merge_records({"learn-grpo-s0-abc": done}, {"learn-grpo-s0-def": _record("learn-grpo-s0-def")})
 
 
 def test_main_carries_runs_recorded_elsewhere(bench, tmp_path, monkeypatch, capsys):
@@ -175,6 +203,11 @@ def test_main_carries_runs_recorded_elsewhere(bench, tmp_path, monkeypatch, caps
     monkeypatch.setattr(bench, "finished_runs", lambda runs_dir: [])  # a machine with no run: the file alone
     bench.main(["--runs-dir", str(tmp_path), "--max-tokens", "512", "--evidence", str(evidence)])
     assert bench.carried_records(evidence, 512) == kept
+    # seed 1 of the same arm again under another name: it stops, and what it evaluated is in the file
+    monkeypatch.setattr(bench, "finished_runs", lambda runs_dir: [{**local, "name": "learn-capo-s1-xyz"}])
+    with pytest.raises(SystemExit, match="learn-capo-s1-abc and learn-capo-s1-xyz are both seed 1"):
+        bench.main(["--runs-dir", str(tmp_path), "--max-tokens", "512", "--evidence", str(evidence)])
+    assert sorted(bench.carried_records(evidence, 512)) == ["learn-capo-s0-def", "learn-capo-s1-abc", "learn-capo-s1-xyz"]
 
 
 def test_verdicts_pair_capo_with_its_rivals_by_seed_and_item(bench):

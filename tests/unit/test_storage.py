@@ -250,6 +250,9 @@ def test_catalog_reads_columns_added_since_a_table_was_written(tmp_path):
     new = runs / "new" / "round_001" / "critiques.parquet"
     new.parent.mkdir(parents=True)
     pq.write_table(_critiques("new", ["arithmetic", "logprob"]), new)
+    with duckdb.connect(str(runs / storage.CATALOG_NAME), read_only=True) as con:  # not refreshed: the glob finds it
+        assert con.execute("SELECT rollout_id, source FROM critiques ORDER BY ALL").fetchall() == [
+            ("new-0", "arithmetic"), ("new-1", "logprob"), ("old-0", "llm"), ("old-1", "llm")]
     with duckdb.connect(str(storage.refresh_catalog(runs)), read_only=True) as con:
         assert con.execute("SELECT rollout_id, source, step_scores FROM critiques ORDER BY ALL").fetchall() == [
             ("new-0", "arithmetic", None), ("new-1", "logprob", [0.25, 0.75]), ("old-0", "llm", None), ("old-1", "llm", None)]
