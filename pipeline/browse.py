@@ -44,7 +44,7 @@ TEMPLATE = "browse.html.j2"
 def browser_queries(run_id: str, round_idx: int, variant: str, rule: str) -> dict[str, str]:
     """The DuckDB queries behind every view of the browser, over the catalog's view names
     (``rollouts``, ``outcomes``, ``steps``, ``critiques``, ``step_verdicts``, ``token_rewards``,
-    ``prompts``): paste any of them into ``capo sql``."""
+    ``token_credit``, ``prompts``): paste any of them into ``capo sql``."""
     run, k, v, r = sql_literal(run_id), int(round_idx), sql_literal(variant), sql_literal(rule)
     this_round = f"SELECT prompt_id FROM rollouts WHERE run_id = {run} AND round = {k}"
     return {
@@ -72,6 +72,9 @@ def browser_queries(run_id: str, round_idx: int, variant: str, rule: str) -> dic
         "token_rewards": (
             "SELECT rollout_id, rewards, advantages\n"
             f"FROM token_rewards\nWHERE run_id = {run} AND round = {k} AND variant = {v}"),
+        "token_credit": (  # where each variant's update put the credit (written by the train stage)
+            "SELECT rollout_id, variant, credit\n"
+            f"FROM token_credit\nWHERE run_id = {run} AND round = {k}\nORDER BY variant, rollout_id"),
         "other_variants": (  # where each other method trained on the same responses puts its credit
             "SELECT rollout_id, variant, advantages\n"
             f"FROM token_rewards\nWHERE run_id = {run} AND round = {k} AND variant <> {v}\nORDER BY variant, rollout_id"),
@@ -244,28 +247,52 @@ def _variants_on_these_rollouts(round_dir: Path, variants: list[str]) -> set[str
     return out
 
 
-def _ratio_trace(round_dir: Path, variant: str) -> dict | None:
-    """The variant's ``train.ratio_trace`` (GRPO-λ) from the config its token rewards were made
-    under (their manifest); None without one."""
+def _train_setting(round_dir: Path, variant: str, name: str) -> dict | None:
+    """The variant's ``train.<name>`` (``ratio_trace``: GRPO-λ, ``future_kl``: FIPO) from the config
+    its token rewards were made under (their manifest); None without one."""
     man = storage.read_manifest(round_dir / "variants" / variant / "token_rewards.parquet") or {}
-    return ((man.get("resolved_config") or {}).get("train") or {}).get("ratio_trace")
+    return ((man.get("resolved_config") or {}).get("train") or {}).get(name)
 
 
-def _add_trace_credit(rows: list[dict], trace: dict | None) -> None:
-    """Give each token-rewards row of a variant its ``credit``: under a traced ratio ``trace``
-    (GRPO-λ's ``train.ratio_trace``) where the loss puts the credit at the update's start
-    (:func:`pipeline.core.rewards.trace_credit`), else None (its advantages are its credit)."""
+def _recorded_credit(round_dir: Path, rows: list[dict]) -> dict[str, dict[str, list[float]]]:
+    """Per variant, per rollout id: the credit its update recorded (``token_credit`` ``rows``), for the
+    variants whose update trained on the round's current rollouts (the table's key holds their
+    fingerprint): a table of an earlier sample of the round is left out."""
+    man = storage.read_manifest(round_dir / "rollouts.parquet")
+    current = set()
+    for v in {r["variant"] for r in rows}:
+        tc = storage.read_manifest(round_dir / "variants" / v / "token_credit.parquet")
+        if man is not None and tc is not None and (tc.get("key") or {}).get("rollouts") == man["fingerprint"]:
+            current.add(v)
+    out: dict[str, dict[str, list[float]]] = {}
+    for r in rows:
+        if r["variant"] in current and r["credit"] is not None:
+            out.setdefault(r["variant"], {})[r["rollout_id"]] = r["credit"]
+    return out
+
+
+def _add_credit(rows: list[dict], trace: dict | None, fipo: dict | None, recorded: dict[str, list[float]]) -> None:
+    """Give each token-rewards row of a variant its ``credit``, where its advantages are not its credit:
+    under a traced ratio ``trace`` (GRPO-λ's ``train.ratio_trace``) where the loss puts the credit at
+    the update's start (:func:`pipeline.core.rewards.trace_credit`); under FIPO's ``train.future_kl``
+    (``fipo``) the credit its update recorded (``recorded``: per rollout id, the ``token_credit``
+    table; FIPO's weights exist only during the update); else None. ``credit_kind`` says which:
+    ``trace``, ``recorded`` or None."""
     for r in rows:
         adv = np.asarray(r.get("advantages") or [], np.float64)
-        r["credit"] = (trace_credit(adv, np.array([0, len(adv)]), trace["kappa"], trace["style"]).tolist()
-                       if trace else None)
+        r["credit"], r["credit_kind"] = None, None
+        if trace:
+            r["credit"], r["credit_kind"] = trace_credit(adv, np.array([0, len(adv)]), trace["kappa"], trace["style"]).tolist(), "trace"
+        elif fipo and len(recorded.get(r["rollout_id"]) or []) == len(adv):
+            r["credit"], r["credit_kind"] = list(recorded[r["rollout_id"]]), "recorded"
 
 
 def _response_entry(r: dict, st: list[dict], cs: list[dict], checks: list[dict], tr: dict, token_texts: list[str],
                     parsed_ok: set[str], others: list[dict] = ()) -> dict:
     """One response as the browser shows it: its steps, critiques, checks, tokens and filter flags, its
-    credit under a traced ratio (GRPO-λ) where the variant has one, and where ``others``, the round's
-    other variants trained on the same response, put theirs (their credit, else their advantages)."""
+    credit where its advantages are not its credit (GRPO-λ's traced ratio, FIPO's recorded update:
+    ``credit_kind``), and where ``others``, the round's other variants trained on the same response,
+    put theirs (their credit, else their advantages; ``[variant, values, credit_kind or None]``)."""
     response = {
         "rollout_id": r["rollout_id"], "sample_idx": r["sample_idx"], "correct": bool(r["outcome_correct"]),
         "extracted": r["extracted_answer"], "verify_status": r["verify_status"],
@@ -282,7 +309,8 @@ def _response_entry(r: dict, st: list[dict], cs: list[dict], checks: list[dict],
                     "judged": c["steps_judged"], "raw": c["raw_text"] or ""} for c in checks],
         "tokens": token_texts,
         "rewards": tr.get("rewards") or [], "advantages": tr.get("advantages") or [], "credit": tr.get("credit") or [],
-        "other_advantages": [[o["variant"], o["credit"] or o["advantages"], o["credit"] is not None] for o in others
+        "credit_kind": tr.get("credit_kind"),
+        "other_advantages": [[o["variant"], o["credit"] or o["advantages"], o.get("credit_kind")] for o in others
                              if len(o["advantages"] or []) == len(tr.get("advantages") or [])],
     }
     flags = [s["n_flagged"] or 0 for s in st]
@@ -367,10 +395,13 @@ def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
     data, policy_rows, missing = _query_round(run_dir, prompts, queries, run_id, round_idx)
     same = _variants_on_these_rollouts(round_dir, variants)
     data["other_variants"] = [t for t in data["other_variants"] if t["variant"] in same]
-    traces = {v: _ratio_trace(round_dir, v) for v in {variant, *(t["variant"] for t in data["other_variants"])}}
-    _add_trace_credit(data["token_rewards"], traces[variant])
+    shown = {variant, *(t["variant"] for t in data["other_variants"])}
+    traces = {v: _train_setting(round_dir, v, "ratio_trace") for v in shown}
+    fipo = {v: _train_setting(round_dir, v, "future_kl") for v in shown}
+    recorded = _recorded_credit(round_dir, data.pop("token_credit"))
+    _add_credit(data["token_rewards"], traces[variant], fipo[variant], recorded.get(variant, {}))
     for t in data["other_variants"]:
-        _add_trace_credit([t], traces[t["variant"]])
+        _add_credit([t], traces[t["variant"]], fipo[t["variant"]], recorded.get(t["variant"], {}))
 
     steps: dict[str, list[dict]] = {}
     for s in data["steps"]:

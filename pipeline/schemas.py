@@ -16,6 +16,7 @@ Layout of one run (``<runs_dir>/<run_id>/``)::
     round_001/variants/<variant>/step_verdicts.parquet   one row per step x voting rule
     round_001/variants/<variant>/token_rewards.parquet   one row per response
     round_001/variants/<variant>/train_metrics.parquet   one row per optimizer step x metric
+    round_001/variants/<variant>/token_credit.parquet    one row per trained response: where the update put the credit
     round_001/variants/<variant>/checkpoint/             next policy (save_pretrained)
     round_001/variants/<variant>/eval.parquet            one row per benchmark problem x sample (that policy)
     round_000/eval.parquet            the starting policy's eval (round 0, shared by every variant)
@@ -159,6 +160,16 @@ TOKEN_REWARDS_SCHEMA = pa.schema(
     ]
 )
 
+TOKEN_CREDIT_SCHEMA = pa.schema(
+    _RUN
+    + [
+        pa.field("variant", pa.string(), nullable=False),
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("credit", pa.list_(pa.float32())),  # (T,) -d(per-token PG loss)/d(log pi_t), mean over passes
+        pa.field("passes", pa.int32()),  # passes of the update over the response (ppo_epochs)
+    ]
+)
+
 TRAIN_METRICS_SCHEMA = pa.schema(
     _RUN
     + [
@@ -258,6 +269,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "token_divergence": TOKEN_DIVERGENCE_SCHEMA,
     "step_verdicts": STEP_VERDICTS_SCHEMA,
     "token_rewards": TOKEN_REWARDS_SCHEMA,
+    "token_credit": TOKEN_CREDIT_SCHEMA,
     "train_metrics": TRAIN_METRICS_SCHEMA,
     "eval": EVAL_SCHEMA,
     "critic_eval_benchmark": CRITIC_EVAL_BENCHMARK_SCHEMA,

@@ -487,6 +487,7 @@ CATALOG_GLOBS = {
     "step_verdicts": "*/round_*/variants/*/step_verdicts.parquet",
     "token_rewards": "*/round_*/variants/*/token_rewards.parquet",
     "train_metrics": "*/round_*/variants/*/train_metrics.parquet",
+    "token_credit": "*/round_*/variants/*/token_credit.parquet",
     "eval": "*/round_*/**/eval.parquet",  # round_000/eval.parquet and round_k/variants/*/eval.parquet
 }
 

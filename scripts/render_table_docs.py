@@ -50,8 +50,8 @@ runs/<run_id>/
     rollouts.parquet  outcomes.parquet  steps.parquet
     critiques.parquet                          (genorm_critiques.parquet for the GenORM baseline)
     variants/<variant>/
-      step_verdicts.parquet  token_rewards.parquet  train_metrics.parquet  eval.parquet
-      checkpoint/  train_state/  round_summary.json
+      step_verdicts.parquet  token_rewards.parquet  train_metrics.parquet  token_credit.parquet
+      eval.parquet  checkpoint/  train_state/  round_summary.json
 runs/critic_eval/<name>/
   benchmark.parquet  critiques/<setup>.parquet  scores.parquet  predictions.parquet
 runs/catalog.duckdb
@@ -214,6 +214,16 @@ TABLES: dict[str, dict[str, str]] = {
                 "`export_update_share_from_start`: how much of the fp32 update the exported checkpoint carries.",
         "rows": "one per optimizer step x metric",
         "where": "`runs/<run_id>/round_XXX/variants/<variant>/train_metrics.parquet` (stage `train`)",
+    },
+    "token_credit": {
+        "what": "Where the PPO update put the credit: each response token's coefficient on its own log-prob "
+                "gradient in the clipped surrogate, `-d(per-token loss)/d(log pi_t)` (`train.loss.token_credit`), "
+                "averaged over the update's passes over the response. At ratio 1 it is the advantage (GRPO-λ: the "
+                "advantage traced back); a clipped token gets 0; FIPO's future-KL weights multiply it. The policy "
+                "gradient is minus the sum of credit times the log-prob gradients, divided by the loss's normalizer. "
+                "Written with the checkpoint; a round trained before the table existed has none.",
+        "rows": "one per trained response (the tokens are list elements)",
+        "where": "`runs/<run_id>/round_XXX/variants/<variant>/token_credit.parquet` (stage `train`)",
     },
     "eval": {
         "what": "Held-out answers of a policy: greedy (`decoding = 'greedy'`, one sample) and, with "

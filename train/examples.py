@@ -22,6 +22,7 @@ class Example:
     response_ids: list[int]  # (T,)
     advantages: np.ndarray  # (T,) float32
     engine_logprobs: np.ndarray | None = None  # (T,) float32: the sampler's log-prob of each token, if recorded
+    rollout_id: str | None = None  # the rollouts table's id, where the response came from one
 
 
 def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:

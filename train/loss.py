@@ -203,6 +203,55 @@ def future_kl_weights(log_ratio: Tensor, mask: Tensor, advantages: Tensor, half_
         return torch.where(mask_b, f, torch.ones((), dtype=lr.dtype, device=lr.device))
 
 
+def token_credit(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 0.2,
+                 clip_high: float = 0.2, ratio_trace: tuple[float, str] | None = None,
+                 future_kl: dict | None = None) -> Tensor:
+    """Where an update puts the credit: each response token's coefficient on its own log-prob
+    gradient in the clipped surrogate of :func:`ppo_clip_loss`, before aggregation,
+
+        credit_t = -d(sum_k pg_k) / d(log pi_t)
+
+    with ``pg_k`` the per-token loss ``-min(ratio_k * A_k, clip(ratio_k) * A_k)`` (Schulman et al.
+    2017 eq. 7). Plain PPO: ``credit_t = A_t * ratio_t`` where the token is not clipped, 0 where
+    it is; FIPO (``future_kl``): ``A_t * f_t * ratio_t`` with the influence weights of
+    :func:`future_kl_weights`; GRPO-λ (``ratio_trace``): ``sum_{k >= t} w(k, t) * A_k *
+    ratio_k`` over the unclipped tokens k (the trace carries later tokens' advantages back,
+    :func:`pipeline.core.rewards.trace_credit` at ratio 1). At the first step of a round every
+    ratio is 1 and nothing is clipped, so the credit is the method's advantage (for GRPO-λ its
+    trace credit); later steps move it with the ratio, FIPO's weights and the clip. The policy
+    gradient is ``-sum_t credit_t * grad log pi_t`` divided by the aggregation's normalizer (the
+    number of tokens under ``token-mean``); the KL term is not part of it.
+
+    Args:
+        logprobs: (B, T) log-probs (nats) under the trained policy (read, never differentiated).
+        old_logprobs: (B, T) log-probs under the rollout policy.
+        advantages: (B, T) per-token advantages.
+        mask: (B, T) bool/float, response tokens.
+        clip_low: epsilon below 1, in [0, 1) (as in :func:`ppo_clip_loss`).
+        clip_high: epsilon above 1, >= 0.
+        ratio_trace: ``(kappa, style)`` of GRPO-λ's traced ratio, or None (:func:`ppo_clip_loss`).
+        future_kl: keyword arguments of :func:`future_kl_weights` (FIPO), or None.
+
+    Returns:
+        (B, T) float credits, detached, 0 at padded positions.
+
+    Raises:
+        ValueError: shapes differ, clip values out of range (:func:`ppo_clip_loss`'s checks).
+    """
+    _check_loss_args(logprobs, old_logprobs, advantages, mask, None, clip_low, clip_high, 0.0, "token-mean")
+    mask_b = mask.bool()
+    with torch.enable_grad():  # a graph of its own over the (B, T) log-ratios: the model's graph is never touched
+        zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+        log_ratio = torch.where(mask_b, logprobs.detach() - old_logprobs.detach(), zero).requires_grad_(True)
+        adv = torch.where(mask_b, advantages.detach().to(logprobs.dtype), zero)
+        if future_kl is not None:
+            adv = adv * future_kl_weights(log_ratio.detach(), mask_b, adv, **future_kl)
+        _, pg_unclipped, pg_clipped = _pg_surrogate(log_ratio, adv, mask_b, clip_low, clip_high, ratio_trace)
+        pg = torch.where(mask_b, torch.maximum(pg_unclipped, pg_clipped), zero)
+        (grad,) = torch.autograd.grad(pg.sum(), log_ratio)
+    return torch.where(mask_b, -grad, zero).detach()
+
+
 def _check_loss_args(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                      ref_logprobs: Tensor | None, clip_low: float, clip_high: float, kl_coef: float,
                      loss_agg_mode: str) -> None:

@@ -46,7 +46,7 @@ from train.distributed import (
 )
 from train.examples import Example, collate
 from train.logprobs import token_logprobs
-from train.loss import ppo_clip_loss
+from train.loss import ppo_clip_loss, token_credit
 from train.state import export_checkpoint, export_drift, measures_drift, optimizer_steps
 
 log = logging.getLogger("capo.train")
@@ -58,8 +58,37 @@ _METRICS = ("loss", "pg_loss", "clip_frac", "approx_kl", "kl_ref", "ratio_mean")
 _TOKEN_MEANS = {"clip_frac", "approx_kl", "ratio_mean"}  # token means in any loss_agg_mode
 
 
+class CreditSums:
+    """Each response token's credit (:func:`train.loss.token_credit`) added up over the passes an
+    update makes over its response, for the ``token_credit`` table.
+
+    Attributes:
+        sums: (N, T_max) float32, response n's summed credit at its tokens (0 past its end).
+        passes: (N,) int64, how many micro-batch passes added to response n (``ppo_epochs`` once
+            the update has run).
+    """
+
+    def __init__(self, lengths: list[int]):
+        """``lengths``: (N,) response lengths in tokens, in the order of the update's examples."""
+        self.lengths = list(lengths)
+        self.sums = torch.zeros(len(self.lengths), max(self.lengths, default=0), dtype=torch.float32)
+        self.passes = torch.zeros(len(self.lengths), dtype=torch.int64)
+
+    def add(self, first: int, mask: torch.Tensor, credit: torch.Tensor) -> None:
+        """Add a micro-batch's (B, T) ``credit`` (``mask``: its response tokens) for examples ``first .. first + B - 1``."""
+        B, T = credit.shape
+        self.sums[first : first + B, :T] += torch.where(mask.bool(), credit.detach().float().cpu(), 0.0)
+        self.passes[first : first + B] += 1
+
+    def means(self) -> list[list[float]]:
+        """Per response, its tokens' credit averaged over its passes (all 0 for a response never passed)."""
+        mean = self.sums / self.passes.clamp(min=1).to(torch.float32)[:, None]
+        return [mean[n, :L].tolist() for n, L in enumerate(self.lengths)]
+
+
 def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_id: int, seed: int,
-               accelerator, ref_model=None, temperature: float = 1.0, fuse_head: bool | None = None) -> list[dict]:
+               accelerator, ref_model=None, temperature: float = 1.0, fuse_head: bool | None = None,
+               credit: CreditSums | None = None) -> list[dict]:
     """One round of PPO-clip: old log-probs first (:func:`old_logprobs`), then ``ppo_epochs`` x
     ``num_mini_batches`` optimizer steps, each over the gradients of :func:`accumulate_gradients`.
 
@@ -92,6 +121,7 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
             (:func:`token_logprobs`).
         fuse_head: :func:`token_logprobs`'s ``fuse_head``; None (default): on unless parameters
             are sharded (FSDP, ZeRO-3).
+        credit: where to add up each token's credit (:class:`CreditSums` of ``examples``), or None.
 
     Old log-probs are computed in the update's own mode (``model.eval()``: no dropout; the same
     autocast) before the first step. The rollout/trainer mismatch diagnostic compares them with the
@@ -124,14 +154,20 @@ def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_i
     model.train()
     params = list(model.parameters())  # all of them: FSDP's clip_grad_norm_ path needs exactly these
     update = any(g["lr"] > 0 for g in optimizer.param_groups)  # lr 0 (the control arm): no backward, no step
-    return _run_steps(model, optimizer, params, micro, steps, tc, accelerator, world, t_global, temperature, fuse,
-                      pad_id, ref_model is not None, update, mismatch)
+    metrics = _run_steps(model, optimizer, params, micro, steps, tc, accelerator, world, t_global, temperature, fuse,
+                         pad_id, ref_model is not None, update, mismatch, credit)
+    if credit is not None and world > 1:  # each process added its share of the micro-batches
+        credit.sums = accelerator.reduce(credit.sums.to(accelerator.device), reduction="sum").cpu()
+        credit.passes = accelerator.reduce(credit.passes.to(accelerator.device), reduction="sum").cpu()
+    return metrics
 
 
 def _plan_micro_batches(examples: list[Example], tc: TrainConfig, pad_id: int, seed: int,
                         world: int) -> tuple[list[dict], int, list, list[list[int]]]:
     """The padded micro-batches, longest response (tokens), step plan and each process's micro-batch indices."""
     micro = [collate(examples[i : i + tc.micro_batch_size], pad_id) for i in range(0, len(examples), tc.micro_batch_size)]
+    for j, mb in enumerate(micro):
+        mb["first"] = j * tc.micro_batch_size  # index of its first example
     t_global = max(len(e.response_ids) for e in examples)  # the round's longest response (seq-mean-token-sum-norm)
     steps = plan_steps(len(micro), tc, seed)
     shares = [sorted({j for _, chunk in steps for j in rank_share(chunk, r, world)}) for r in range(world)]
@@ -140,13 +176,13 @@ def _plan_micro_batches(examples: list[Example], tc: TrainConfig, pad_id: int, s
 
 def _run_steps(model, optimizer, params: list, micro: list[dict], steps: list, tc: TrainConfig, accelerator,
                world: int, t_global: int, temperature: float, fuse: bool, pad_id: int, has_ref: bool, update: bool,
-               mismatch: dict) -> list[dict]:
+               mismatch: dict, credit: CreditSums | None = None) -> list[dict]:
     """Every optimizer step of the plan ``steps`` over ``micro``: one metrics dict per step (:func:`ppo_update`)."""
     metrics = []
     for step, (epoch, chunk) in enumerate(steps):
         t0 = time.perf_counter()
         local, ntok = accumulate_gradients(model, micro, chunk, tc, accelerator, t_global, temperature, fuse, pad_id,
-                                           has_ref, update)
+                                           has_ref, update, credit)
         grad_norm = None
         if update:
             grad_norm = accelerator.clip_grad_norm_(params, tc.max_grad_norm)
@@ -210,7 +246,7 @@ def old_logprobs(model, micro: list[dict], shares: list[list[int]], accelerator,
 
 def accumulate_gradients(model, micro: list[dict], chunk: list[int], tc: TrainConfig, accelerator, t_global: int,
                          temperature: float, fuse_head: bool, pad_id: int, with_ref: bool,
-                         update: bool) -> tuple[torch.Tensor, int]:
+                         update: bool, credit: CreditSums | None = None) -> tuple[torch.Tensor, int]:
     """Forward and backward of this process's micro-batches of one mini-batch (``chunk``, indices
     into ``micro``), gradients synchronized once, at the last call.
 
@@ -218,6 +254,7 @@ def accumulate_gradients(model, micro: list[dict], chunk: list[int], tc: TrainCo
     mini-batch's normalizer (:func:`loss_normalizer`) and by the number of processes W (the
     gradient all-reduce averages). Every process makes the same number of calls (dummy
     micro-batches with weight 0 where it has fewer). ``update`` False runs the forwards only.
+    With ``credit``, each real micro-batch's :func:`train.loss.token_credit` is added to it.
 
     Returns:
         ``(local, ntok)``: this process's weighted sums of :data:`_METRICS` (float64, (len(_METRICS),);
@@ -253,6 +290,11 @@ def accumulate_gradients(model, micro: list[dict], chunk: list[int], tc: TrainCo
                     w *= mb["mask"].size(1) / t_global  # agg used the micro-batch's own T
             if update:
                 accelerator.backward(out.loss * (w * world))  # x world: the gradient all-reduce averages
+        if real and credit is not None:
+            credit.add(mb["first"], mb["mask"], token_credit(
+                lp, mb["old_logprobs"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev), tc.clip_low,
+                tc.clip_high, (tc.ratio_trace.kappa, tc.ratio_trace.style) if tc.ratio_trace else None,
+                tc.future_kl.model_dump() if tc.future_kl else None))
         if real:
             wt = float(mb["mask"].sum()) / max(ntok, 1)
             local += torch.tensor([float(getattr(out, k).detach()) * (wt if k in _TOKEN_MEANS else w) for k in _METRICS],
@@ -359,13 +401,15 @@ class UpdateJob:
 class UpdateResult:
     """What :func:`update_policy` gives back: per-step ``metrics`` (the last with the drift figures
     where measured), the process ``layout`` the state was saved under, AdamW's total
-    ``optimizer_steps``, whether this is the main process, and the Accelerator (for :func:`finish_update`)."""
+    ``optimizer_steps``, whether this is the main process, the Accelerator (for :func:`finish_update`)
+    and the update's :class:`CreditSums` over the job's examples (the same on every process)."""
 
     metrics: list[dict]
     layout: dict
     optimizer_steps: int | None
     is_main: bool
     accelerator: object
+    credit: CreditSums | None = None
 
 
 def update_policy(job: UpdateJob) -> UpdateResult:
@@ -410,13 +454,14 @@ def update_policy(job: UpdateJob) -> UpdateResult:
     set_seed(job.seed + job.round_idx)
     tok, model, ref_model, optimizer, layout = _prepare(job, accelerator)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    credit = CreditSums([len(e.response_ids) for e in job.examples])
     metrics = ppo_update(model, optimizer, job.examples, tc, pad_id, job.seed + job.round_idx, accelerator, ref_model,
-                         temperature=job.temperature)
+                         temperature=job.temperature, credit=credit)
     if tc.report_to:  # global step: rounds are consecutive blocks of optimizer steps (main process only)
         for i, m in enumerate(metrics):
             accelerator.log({f"train/{k}": v for k, v in m.items()}, step=(job.round_idx - 1) * len(metrics) + i)
     _save(job, accelerator, model, tok, sharded, metrics)
-    return UpdateResult(metrics, layout, optimizer_steps(optimizer), accelerator.is_main_process, accelerator)
+    return UpdateResult(metrics, layout, optimizer_steps(optimizer), accelerator.is_main_process, accelerator, credit)
 
 
 def _prepare(job: UpdateJob, accelerator):

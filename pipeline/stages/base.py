@@ -56,6 +56,7 @@ def round_paths(cfg: CAPOConfig, round_idx: int) -> dict[str, Path]:
     crit = "genorm_critiques" if cfg.critique.mode == "outcome" else "critiques"  # the table's name, even off
     paths.update(critiques=rd / f"{crit}.parquet", step_verdicts=vd / "step_verdicts.parquet",
                  token_rewards=vd / "token_rewards.parquet", train_metrics=vd / "train_metrics.parquet",
+                 token_credit=vd / "token_credit.parquet",
                  checkpoint=vd / "checkpoint", train_state=vd / "train_state", round_dir=rd, variant_dir=vd,
                  run_summary=vd / "round_summary.json",
                  eval=(rd if round_idx == 0 else vd) / "eval.parquet")  # round 0: the starting policy, shared

@@ -1,5 +1,5 @@
 """Stage ``train``: one PPO-style update of the policy on the round's token rewards -> ``checkpoint``,
-``train_state`` and ``train_metrics``.
+``train_state``, ``train_metrics`` and ``token_credit`` (where the update put the credit).
 
 The stage reads the round's tables (:func:`load_examples`), resolves the models and the training
 state it continues from, runs the update (:func:`train.trainer.update_policy`, the library below
@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from pipeline import storage
 from pipeline.config import CAPOConfig
-from pipeline.schemas import TRAIN_METRICS_SCHEMA
+from pipeline.schemas import TOKEN_CREDIT_SCHEMA, TRAIN_METRICS_SCHEMA
 from pipeline.stages.base import (
     Stage,
     StageResult,
@@ -104,7 +104,8 @@ def load_examples(cfg: CAPOConfig, round_idx: int) -> list:
         if r["response_token_ids"]:
             elp = r["rollout_logprobs"] if cfg.rollout.sampling.top_p >= 1.0 else None
             elp = np.asarray(elp, np.float32) if elp is not None and len(elp) == len(a) else None
-            out.append(Example(r["prompt_token_ids"], r["response_token_ids"], np.asarray(a, np.float32), elp))
+            out.append(Example(r["prompt_token_ids"], r["response_token_ids"], np.asarray(a, np.float32), elp,
+                               r["rollout_id"]))
     return out
 
 
@@ -199,8 +200,10 @@ def commit_round(cfg: CAPOConfig, round_idx: int, key: dict, job, out, seconds: 
     """Commit what :func:`train.trainer.update_policy` wrote (main process), in an order a crash
     cannot confuse: the old checkpoint (with its manifest) goes to ``superseded/`` and the old state
     is uncommitted before anything new is in place; the state and the checkpoint are placed
-    (:func:`pipeline.storage.place_dir`); the metrics table and the two manifests come last; then
-    states older than ``train.keep_states`` rounds are pruned."""
+    (:func:`pipeline.storage.place_dir`); the token-credit and metrics tables and the two manifests
+    come last; then states older than ``train.keep_states`` rounds are pruned. ``token_credit`` is not
+    one of the stage's outputs for :func:`train_key`: a round trained before the table existed stays
+    current without it."""
     p = round_paths(cfg, round_idx)
     ckpt, state_dir = p["checkpoint"], p["train_state"]
     if ckpt.exists() or storage.manifest_path(ckpt).exists():
@@ -215,6 +218,12 @@ def commit_round(cfg: CAPOConfig, round_idx: int, key: dict, job, out, seconds: 
             for i, m in enumerate(out.metrics) for k, v in m.items()]
     extra = provenance(cfg, {"elapsed_s": round(seconds, 3), "policy_parent": job.policy, "round": round_idx,
                              "optimizer_steps": len(out.metrics), "examples": len(job.examples), **out.layout})
+    if out.credit is not None:
+        credit = [{"run_id": cfg.run_id, "round": round_idx, "variant": cfg.variant, "rollout_id": e.rollout_id,
+                   "credit": c, "passes": int(n)}
+                  for e, c, n in zip(job.examples, out.credit.means(), out.credit.passes.tolist())]
+        storage.write_table(pa.Table.from_pylist(credit, schema=TOKEN_CREDIT_SCHEMA), p["token_credit"], "token_credit",
+                            stage="train", key=key, extra=extra)
     storage.write_table(pa.Table.from_pylist(rows, schema=TRAIN_METRICS_SCHEMA), p["train_metrics"], "train_metrics",
                         stage="train", key=key, extra=extra)
     storage.commit_manifest(state_dir, stage="train", key=key, rows=None,

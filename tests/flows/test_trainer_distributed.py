@@ -121,6 +121,14 @@ def test_two_cpu_processes_equal_one(tmp_path, tiny_model, repo, mode, monkeypat
             assert m2[(step, name)] == pytest.approx(m1[(step, name)], rel=1e-4, abs=1e-6), (step, name)
     for m in (m1, m2):  # the export diagnostic, on the main process: a float32 checkpoint carries it all
         assert m[(1, "export_update_share")] == 1.0 and m[(1, "master_moved_frac")] > 0
+    # where the update put the credit: each process computed its share, the main process wrote all of it
+    c1, c2 = ({r["rollout_id"]: (r["credit"], r["passes"])
+               for r in storage.read_table(round_paths(c, 1)["token_credit"], "token_credit").to_pylist()}
+              for c in (cfg1, cfg2))
+    assert c1.keys() == c2.keys() and len(c1) == len(TRAIN_ROLLOUTS)
+    for rid, (credit, passes) in c1.items():
+        assert passes == c2[rid][1] == 1 and any(x != 0 for x in credit)
+        assert c2[rid][0] == pytest.approx(credit, rel=1e-4, abs=1e-6), rid
 
 
 # ----------------------------------------------------------------------- fast: schedule and saving

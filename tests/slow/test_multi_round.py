@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 VARIANT = "capo-union"
 TABLES = ("rollouts", "outcomes", "steps", "critiques", f"variants/{VARIANT}/step_verdicts",
-          f"variants/{VARIANT}/token_rewards", f"variants/{VARIANT}/eval")
+          f"variants/{VARIANT}/token_rewards", f"variants/{VARIANT}/token_credit", f"variants/{VARIANT}/eval")
 
 
 def _cmd(repo: Path, runs: Path, data_dir: Path, seed: int, rounds: int = 2) -> list[str]:

@@ -258,16 +258,17 @@ def test_each_variant_trained_on_the_same_responses_shows_where_it_puts_credit(t
     assert lam_adv["B"] == pytest.approx([-0.1] * 7)
     for resp, rid in ((a, "A"), (b, "B")):
         (d, dv, dt), (g, gv, gt), (lam_name, lv, lt) = resp["other_advantages"]
-        assert (d, dv, dt) == ("densr", table["densr", rid]["advantages"], False)
-        assert (g, gv, gt) == ("grpo", table["grpo", rid]["advantages"], False)
-        assert lam_name == "grpo-lambda" and lt is True and lv == pytest.approx(credit[rid], rel=1e-5)
+        assert (d, dv, dt) == ("densr", table["densr", rid]["advantages"], None)
+        assert (g, gv, gt) == ("grpo", table["grpo", rid]["advantages"], None)
+        assert lam_name == "grpo-lambda" and lt == "trace" and lv == pytest.approx(credit[rid], rel=1e-5)
     # GRPO: one value per response; DenseR: all of it on the last token (weights 0 x 10, 11 for A)
     assert len(set(table["grpo", "A"]["advantages"])) == 1 and table["densr", "A"]["advantages"][:10] == [0.0] * 10
     assert table["densr", "A"]["advantages"][10] == pytest.approx(11 * table["grpo", "A"]["advantages"][0], rel=1e-5)
     assert collect(toy_run.run_dir(), 1, "grpo")["prompts"][0]["responses"][0]["other_advantages"][0][0] == "capo-intersection"
     own = collect(toy_run.run_dir(), 1, "grpo-lambda")["prompts"][0]["responses"][0]
     assert own["credit"] == pytest.approx(credit["A"], rel=1e-5) and own["advantages"] == lam_adv["A"]
-    assert a["credit"] == []  # CAPO's page: no traced ratio, no credit strip
+    assert own["credit_kind"] == "trace"
+    assert a["credit"] == [] and a["credit_kind"] is None  # CAPO's page: no traced ratio, no credit strip
     lam_page = build_browser(toy_run.run_dir(), 1, "grpo-lambda")
     page = build_browser(toy_run.run_dir(), 1, "capo-intersection")
     html = page.read_text()
@@ -292,3 +293,52 @@ def test_each_variant_trained_on_the_same_responses_shows_where_it_puts_credit(t
         credit = tab.locator('.response[data-rollout="A"] [data-testid="credit-strip"]')
         assert credit.count() == 1 and credit.locator(".strip span").count() == 11
         assert "credit 1.41" in credit.locator(".strip span").first.get_attribute("title")
+
+
+def test_fipo_shows_the_credit_its_update_recorded(toy_run, tmp_path):
+    """FIPO's weights exist only inside the update, so its page shows the train stage's
+    ``token_credit`` (a table written here by hand: each token's credit A * f with f = 1 + 0.01 * t),
+    beside CAPO's page; a table made from an earlier sample of the round's rollouts is left out and
+    FIPO shows its advantages again."""
+    import pyarrow as pa
+
+    from pipeline.schemas import SCHEMAS
+    from pipeline.stages.base import input_fp, round_paths
+
+    fipo = toy_config(tmp_path, "critique.enabled=false", "reward.estimator=grpo", "reward.process_weight=0",
+                      "variant=fipo", "train.future_kl={half_life: 32}")
+    reward_stage(fipo, 1)
+    p = round_paths(fipo, 1)
+    adv = {r["rollout_id"]: r["advantages"] for r in storage.read_table(p["token_rewards"], "token_rewards").to_pylist()}
+    recorded = {rid: [x * (1 + 0.01 * t) for t, x in enumerate(a)] for rid, a in adv.items()}
+    rows = [{"run_id": fipo.run_id, "round": 1, "variant": "fipo", "rollout_id": rid, "credit": c, "passes": 1}
+            for rid, c in recorded.items()]
+    storage.write_table(pa.Table.from_pylist(rows, schema=SCHEMAS["token_credit"]), p["token_credit"], "token_credit",
+                        stage="train", key={"rollouts": input_fp(p["rollouts"])})
+    own = collect(toy_run.run_dir(), 1, "fipo")["prompts"][0]["responses"][0]
+    assert own["credit_kind"] == "recorded" and own["credit"] == pytest.approx(recorded["A"], rel=1e-6)
+    assert own["advantages"] == adv["A"] and own["credit"][10] == pytest.approx(1.1 * adv["A"][10], rel=1e-6)
+    other = collect(toy_run.run_dir(), 1, "capo-intersection")["prompts"][0]["responses"][0]["other_advantages"]
+    assert [o[0] for o in other] == ["fipo"] and other[0][2] == "recorded"
+    assert other[0][1] == pytest.approx(recorded["A"], rel=1e-6)
+    page = build_browser(toy_run.run_dir(), 1, "fipo")
+    # the table as the catalog shows it: the page's query run in the real catalog
+    con = duckdb.connect(str(storage.refresh_catalog(Path(fipo.runs_dir), Path(fipo.data_dir))), read_only=True)
+    try:
+        got = con.execute(collect(toy_run.run_dir(), 1, "fipo")["queries"]["token_credit"]).fetchall()
+    finally:
+        con.close()
+    assert {r[0]: r[2] for r in got} == {rid: pytest.approx(c, rel=1e-6) for rid, c in recorded.items()}
+    if chromium_executable():
+        with headless_chromium() as browser:
+            tab = browser.new_page()
+            tab.goto(page.as_uri())
+            strip = tab.locator('.response[data-rollout="A"] [data-testid="credit-strip"]')
+            assert strip.count() == 1 and "credit its update recorded" in strip.inner_text()
+            assert strip.locator(".strip span").count() == 11
+
+    # a credit table of another sample of the round: left out
+    storage.write_table(pa.Table.from_pylist(rows, schema=SCHEMAS["token_credit"]), p["token_credit"], "token_credit",
+                        stage="train", key={"rollouts": "an earlier sample"})
+    own = collect(toy_run.run_dir(), 1, "fipo")["prompts"][0]["responses"][0]
+    assert own["credit"] == [] and own["credit_kind"] is None

@@ -392,7 +392,7 @@ def test_grpo_lambda_and_fipo_reach_the_update(tmp_path, tiny_model):
     from pipeline.stages.base import round_paths
     from tests.toy_round import write_train_round
 
-    out = {}
+    out, credits = {}, {}
     for name, trace in (("plain", []), ("k0", ["train.ratio_trace.kappa=0"]), ("k09", ["train.ratio_trace.kappa=0.9"]),
                         ("fipo", ["train.future_kl.half_life=32"])):
         cfg = load_config(DEFAULT, [f"runs_dir={tmp_path / 'runs'}", f"data_dir={tmp_path / 'data'}", f"run_id={name}",
@@ -404,7 +404,33 @@ def test_grpo_lambda_and_fipo_reach_the_update(tmp_path, tiny_model):
         loss0 = [m["value"] for m in storage.read_table(p["train_metrics"], "train_metrics").to_pylist()
                  if m["name"] == "loss" and m["step"] == 0]
         out[name] = (load_file(str(p["checkpoint"] / "model.safetensors")), loss0[0])
+        adv = {r["rollout_id"]: r["advantages"] for r in storage.read_table(p["token_rewards"], "token_rewards").to_pylist()}
+        rows = storage.read_table(p["token_credit"], "token_credit").to_pylist()
+        assert sorted(r["rollout_id"] for r in rows) == sorted(adv) and {r["passes"] for r in rows} == {1}
+        assert all(len(r["credit"]) == len(adv[r["rollout_id"]]) and r["variant"] == cfg.variant for r in rows)
+        credits[name] = {r["rollout_id"]: np.array(r["credit"], np.float64) for r in rows}
     plain, k0, k09 = out["plain"], out["k0"], out["k09"]
+    # where each update put the credit (token_credit): the first mini-batch runs at ratio 1, so its
+    # responses carry their advantage (GRPO-λ: the advantage traced back); later ones move with the ratio
+    from pipeline.core.rewards import trace_credit
+
+    A = {rid: np.array(a, np.float64) for rid, a in adv.items()}  # the same toy advantages in every run
+    at_start = [rid for rid in A if np.allclose(credits["plain"][rid], A[rid], rtol=1e-5, atol=1e-7)]
+    moved = {rid: float(np.max(np.abs(credits["plain"][rid] - A[rid]))) for rid in A}
+    print(f"plain credit vs advantage, max |diff| per response: {moved}")
+    assert 2 <= len(at_start) < len(A), f"one of two mini-batches runs at ratio 1: {moved}"
+    assert all(np.array_equal(credits["plain"][rid], credits["k0"][rid]) for rid in A)
+    traced = {rid: trace_credit(A[rid], np.array([0, len(A[rid])]), 0.9, "recent") for rid in A}
+    assert all(np.allclose(credits["k09"][rid], traced[rid], rtol=1e-4, atol=1e-6) for rid in at_start)
+    assert all(not np.allclose(credits["k09"][rid], A[rid], rtol=1e-2) for rid in at_start), "the trace moved no credit"
+    # FIPO after its first step: the same ratios as the plain run (the same first step), each token's
+    # credit multiplied by its influence weight f in [1, 1.2]
+    for rid in A:
+        on = credits["plain"][rid] != 0
+        f = credits["fipo"][rid][on] / credits["plain"][rid][on]
+        assert np.all((f > 1 - 1e-5) & (f < 1.2 + 1e-5)), f"{rid}: FIPO weights {f.min()}..{f.max()}"
+    assert all(np.allclose(credits["fipo"][rid], A[rid], rtol=1e-5, atol=1e-7) for rid in at_start)
+    assert any(not np.allclose(credits["fipo"][rid], credits["plain"][rid], rtol=1e-7, atol=0) for rid in A)
     assert all(torch.equal(plain[0][k], k0[0][k]) for k in plain[0]), "kappa 0 must be the plain ratio"
     assert k09[1] == pytest.approx(plain[1], abs=1e-4)
     assert any(not torch.equal(plain[0][k], k09[0][k]) for k in plain[0]), "the trace changed no weight"

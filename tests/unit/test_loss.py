@@ -325,3 +325,53 @@ def test_future_kl_weights_match_the_naive_sum_and_leave_the_first_update_alone(
         ppo_clip_loss(lp, old, torch.tensor([[1.0, -1.0, 0.5]]), torch.ones(1, 3, dtype=torch.bool), future_kl=fk).loss.backward()
         grads.append(lp.grad)
     torch.testing.assert_close(grads[0], grads[1])
+
+
+# --- where an update puts the credit ----------------------------------------------------------------
+def test_token_credit_by_hand():
+    """Plain PPO, clip 0.2, advantages [1, 1, -1, 1] at ratios [1, 1.5, 0.5, 0.5]:
+    token 0: ratio 1, unclipped -> credit A * ratio = 1;
+    token 1: A > 0 and ratio 1.5 > 1.2: the clipped branch 1.2 wins -> no gradient, credit 0;
+    token 2: A < 0 and ratio 0.5 < 0.8: -min(-0.5, -0.8) takes the clipped -0.8 -> credit 0;
+    token 3: A > 0 and ratio 0.5: min(0.5, 0.8) = 0.5 unclipped -> credit 1 * 0.5 = 0.5;
+    a padded position: 0. FIPO with half-life 1 token (gamma 0.5), clip-high only, on log-ratios
+    0.1, -0.2, 0.3: f = [exp(0.1 + 0.5 * (-0.2 + 0.5 * 0.3)), 1, 1.2] = [exp(0.075), 1, 1.2];
+    ratios exp(0.1), exp(-0.2), exp(0.3) = 1.35 > 1.2 with A = 1 clipped: credit [f0 * exp(0.1), exp(-0.2), 0]."""
+    from train.loss import token_credit
+
+    lp = torch.tensor([[0.0, math.log(1.5), math.log(0.5), math.log(0.5), 3.0]], dtype=torch.float64)
+    old = torch.zeros_like(lp)
+    adv = torch.tensor([[1.0, 1.0, -1.0, 1.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, True, False]])
+    torch.testing.assert_close(token_credit(lp, old, adv, mask), torch.tensor([[1.0, 0.0, 0.0, 0.5, 0.0]], dtype=torch.float64))
+
+    lp = torch.tensor([[0.1, -0.2, 0.3]], dtype=torch.float64)
+    got = token_credit(lp, torch.zeros_like(lp), torch.ones_like(lp), torch.ones(1, 3, dtype=torch.bool),
+                       future_kl={"half_life": 1.0})
+    torch.testing.assert_close(got, torch.tensor([[math.exp(0.075) * math.exp(0.1), math.exp(-0.2), 0.0]], dtype=torch.float64))
+    # GRPO-λ at ratio 1 (kappa 0.5, recent) with A = 1: (1 + 0.5 + 0.25, 1 + 0.5, 1), trace_credit's values
+    old = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
+    got = token_credit(old, old, torch.ones_like(old), torch.ones(1, 3, dtype=torch.bool), ratio_trace=(0.5, "recent"))
+    torch.testing.assert_close(got, torch.tensor([[1.75, 1.5, 1.0]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("kw", [{}, {"ratio_trace": (0.9, "recent")}, {"ratio_trace": (0.7, "both")},
+                                {"future_kl": {"half_life": 3.0, "clip_high_only": False}}])
+def test_token_credit_is_minus_the_loss_gradient_times_the_token_count(kw):
+    """Against autograd of the loss the trainer minimizes: under ``token-mean`` without a KL term,
+    ``d(loss)/d(log pi_t) = -credit_t / n_tokens`` at ratios spread around the clip range."""
+    from train.loss import token_credit
+
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(3, 8, generator=g, dtype=torch.float64) * 3
+    lp = (old + torch.randn(3, 8, generator=g, dtype=torch.float64) * 0.25).requires_grad_(True)
+    adv = torch.randn(3, 8, generator=g, dtype=torch.float64)
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[1, 5:] = False
+    mask[2, 1:] = False
+    ppo_clip_loss(lp, old, adv, mask, loss_agg_mode="token-mean", **kw).loss.backward()
+    credit = token_credit(lp, old, adv, mask, **kw)
+    torch.testing.assert_close(credit, -lp.grad * mask.sum())
+    assert lp.grad is not None and not credit.requires_grad
+    with pytest.raises(ValueError, match="advantages has shape"):
+        token_credit(lp, old, adv[:, :4], mask)
