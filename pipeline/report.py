@@ -66,7 +66,6 @@ _SQL = {
                        avg(value) FILTER (WHERE name = 'export_update_share_from_start') AS export_share_run
                 FROM train_metrics GROUP BY ALL ORDER BY ALL""",
 }
-_DEFAULT_COLUMNS = {"critiques": {"mode": "'process'", "steps_wrong_lines": "NULL::INTEGER[]", "source": "'llm'"}}  # columns older tables lack, and their value
 _NEEDS = {"rollout": "token_rewards", "groups": "token_rewards", "flagged": "step_verdicts", "parse": "critiques", "train": "train_metrics"}
 
 
@@ -93,11 +92,9 @@ def collect(run_dir: Path) -> tuple[dict[str, list[dict]], list[str]]:
         for name, patterns in TABLE_GLOBS.items():
             files = sorted(str(p) for pat in patterns for p in run_dir.glob(pat) if "superseded" not in p.parts)
             if files:
-                lit = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
-                src = f"read_parquet([{lit}], union_by_name = true)"
-                cols = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
-                extra = "".join(f", {v} AS {c}" for c, v in _DEFAULT_COLUMNS.get(name, {}).items() if c not in cols)
-                con.execute(f"CREATE VIEW {name} AS SELECT *{extra} FROM {src}")
+                lit = "[" + ", ".join(storage.sql_literal(f) for f in files) + "]"
+                # columns older tables lack read at the value the stages' reader gives them (ADDED_COLUMNS)
+                con.execute(f"CREATE VIEW {name} AS {storage.view_select(con, name, lit)}")
                 present.add(name)
         for key, sql in _SQL.items():
             if _NEEDS[key] in present:

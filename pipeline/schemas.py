@@ -281,7 +281,7 @@ SCHEMAS: dict[str, pa.Schema] = {
 
 
 ADDED_COLUMNS: dict[str, dict[str, object]] = {
-    "critiques": {"source": "llm", "step_scores": None},
+    "critiques": {"source": "llm", "step_scores": None, "mode": "process", "steps_wrong_lines": None},
     "critic_eval_critiques": {"source": "llm", "step_scores": None},
 }
 """Columns added to a table since earlier releases wrote it, and the value they take in an older table

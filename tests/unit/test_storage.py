@@ -235,12 +235,13 @@ def _critiques(run_id: str, sources: list[str], drop: tuple[str, ...] = ()) -> p
 
 
 def test_catalog_reads_columns_added_since_a_table_was_written(tmp_path):
-    """A critiques file from before `source` and `step_scores` existed reads as source 'llm' and null
-    scores in the SQL view, as read_table reads it; with no new file at all, the columns still exist."""
+    """A critiques file from before `source`, `step_scores`, `mode` and `steps_wrong_lines` existed reads
+    as source 'llm', mode 'process' and nulls in the SQL view and the run report, as read_table reads
+    it; with no new file at all, the columns still exist."""
     runs = tmp_path / "runs"
     old = runs / "old" / "round_001" / "critiques.parquet"
     old.parent.mkdir(parents=True)
-    pq.write_table(_critiques("old", ["llm", "llm"], drop=("source", "step_scores")), old)
+    pq.write_table(_critiques("old", ["llm", "llm"], drop=("source", "step_scores", "mode", "steps_wrong_lines")), old)
     with duckdb.connect(str(storage.refresh_catalog(runs)), read_only=True) as con:
         assert con.execute("SELECT rollout_id, source, step_scores FROM critiques ORDER BY ALL").fetchall() == [
             ("old-0", "llm", None), ("old-1", "llm", None)]
@@ -266,6 +267,12 @@ def test_catalog_reads_columns_added_since_a_table_was_written(tmp_path):
     for path in (old, new):  # the view answers as the reader the stages use
         t = storage.read_table(path, "critiques")
         assert t.column("source").to_pylist() == (["llm", "llm"] if path == old else ["arithmetic", "logprob"])
+    assert storage.read_table(old, "critiques").column("mode").to_pylist() == ["process", "process"]
+    from pipeline.report import collect
+
+    data, notes = collect(runs / "old")  # the run report reads the old table through the same views
+    assert not notes and [(r["mode"], r["critiques"]) for r in data["parse"]] == [("process", 2)]
+    assert [r["steps_wrong_lines"] for r in data["critique_rows"]] == [None, None]
 
 
 # -------------------------------------------------------------------------------- fingerprints
