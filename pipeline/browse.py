@@ -248,21 +248,28 @@ def _variants_on_these_rollouts(round_dir: Path, variants: list[str]) -> set[str
 
 
 def _train_setting(round_dir: Path, variant: str, name: str) -> dict | None:
-    """The variant's ``train.<name>`` (``ratio_trace``: GRPO-λ, ``future_kl``: FIPO) from the config
-    its token rewards were made under (their manifest); None without one."""
+    """The variant's ``train.<name>`` (``ratio_trace``: GRPO-λ) from the config its token rewards were
+    made under (their manifest); None without one."""
     man = storage.read_manifest(round_dir / "variants" / variant / "token_rewards.parquet") or {}
     return ((man.get("resolved_config") or {}).get("train") or {}).get(name)
 
 
 def _recorded_credit(round_dir: Path, rows: list[dict]) -> dict[str, dict[str, list[float]]]:
-    """Per variant, per rollout id: the credit its update recorded (``token_credit`` ``rows``), for the
-    variants whose update trained on the round's current rollouts (the table's key holds their
-    fingerprint): a table of an earlier sample of the round is left out."""
-    man = storage.read_manifest(round_dir / "rollouts.parquet")
+    """Per FIPO variant, per rollout id: the credit its update recorded (``token_credit`` ``rows``),
+    where that update is the variant's current one: the table's key holds the round's current
+    rollouts and the variant's current token rewards, names ``train.future_kl``, and is the key of
+    the committed checkpoint (a kill between the two writes, or token rewards made again since,
+    leave it out: the page then shows the advantages)."""
+    rollouts = storage.read_manifest(round_dir / "rollouts.parquet")
     current = set()
     for v in {r["variant"] for r in rows}:
-        tc = storage.read_manifest(round_dir / "variants" / v / "token_credit.parquet")
-        if man is not None and tc is not None and (tc.get("key") or {}).get("rollouts") == man["fingerprint"]:
+        vd = round_dir / "variants" / v
+        tc, tr, ck = (storage.read_manifest(vd / n) for n in ("token_credit.parquet", "token_rewards.parquet", "checkpoint"))
+        if None in (rollouts, tc, tr, ck):
+            continue
+        key = tc.get("key") or {}
+        if (key.get("rollouts") == rollouts["fingerprint"] and key.get("token_rewards") == tr["fingerprint"]
+                and (key.get("train") or {}).get("future_kl") and ck.get("key_hash") == tc.get("key_hash")):
             current.add(v)
     out: dict[str, dict[str, list[float]]] = {}
     for r in rows:
@@ -271,19 +278,18 @@ def _recorded_credit(round_dir: Path, rows: list[dict]) -> dict[str, dict[str, l
     return out
 
 
-def _add_credit(rows: list[dict], trace: dict | None, fipo: dict | None, recorded: dict[str, list[float]]) -> None:
+def _add_credit(rows: list[dict], trace: dict | None, recorded: dict[str, list[float]]) -> None:
     """Give each token-rewards row of a variant its ``credit``, where its advantages are not its credit:
     under a traced ratio ``trace`` (GRPO-λ's ``train.ratio_trace``) where the loss puts the credit at
-    the update's start (:func:`pipeline.core.rewards.trace_credit`); under FIPO's ``train.future_kl``
-    (``fipo``) the credit its update recorded (``recorded``: per rollout id, the ``token_credit``
-    table; FIPO's weights exist only during the update); else None. ``credit_kind`` says which:
-    ``trace``, ``recorded`` or None."""
+    the update's start (:func:`pipeline.core.rewards.trace_credit`); for FIPO the credit its current
+    update recorded (``recorded``, per rollout id, from :func:`_recorded_credit`: FIPO's weights exist
+    only during the update); else None. ``credit_kind`` says which: ``trace``, ``recorded`` or None."""
     for r in rows:
         adv = np.asarray(r.get("advantages") or [], np.float64)
         r["credit"], r["credit_kind"] = None, None
         if trace:
             r["credit"], r["credit_kind"] = trace_credit(adv, np.array([0, len(adv)]), trace["kappa"], trace["style"]).tolist(), "trace"
-        elif fipo and len(recorded.get(r["rollout_id"]) or []) == len(adv):
+        elif len(recorded.get(r["rollout_id"]) or []) == len(adv) > 0:
             r["credit"], r["credit_kind"] = list(recorded[r["rollout_id"]]), "recorded"
 
 
@@ -397,11 +403,10 @@ def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
     data["other_variants"] = [t for t in data["other_variants"] if t["variant"] in same]
     shown = {variant, *(t["variant"] for t in data["other_variants"])}
     traces = {v: _train_setting(round_dir, v, "ratio_trace") for v in shown}
-    fipo = {v: _train_setting(round_dir, v, "future_kl") for v in shown}
-    recorded = _recorded_credit(round_dir, data.pop("token_credit"))
-    _add_credit(data["token_rewards"], traces[variant], fipo[variant], recorded.get(variant, {}))
+    recorded = _recorded_credit(round_dir, [r for r in data.pop("token_credit") if r["variant"] in shown])
+    _add_credit(data["token_rewards"], traces[variant], recorded.get(variant, {}))
     for t in data["other_variants"]:
-        _add_credit([t], traces[t["variant"]], fipo[t["variant"]], recorded.get(t["variant"], {}))
+        _add_credit([t], traces[t["variant"]], recorded.get(t["variant"], {}))
 
     steps: dict[str, list[dict]] = {}
     for s in data["steps"]:

@@ -219,7 +219,8 @@ TABLES: dict[str, dict[str, str]] = {
         "what": "Where the PPO update put the credit: each response token's coefficient on its own log-prob "
                 "gradient in the clipped surrogate, `-d(per-token loss)/d(log pi_t)` (`train.loss.token_credit`), "
                 "averaged over the update's passes over the response. At ratio 1 it is the advantage (GRPO-λ: the "
-                "advantage traced back); a clipped token gets 0; FIPO's future-KL weights multiply it. The policy "
+                "advantage traced back); a token whose ratio is clipped gets 0 (under GRPO-λ only what later tokens carry "
+                "back); FIPO's future-KL weights multiply it. The policy "
                 "gradient is minus the sum of credit times the log-prob gradients, divided by the loss's normalizer. "
                 "Written with the checkpoint; a round trained before the table existed has none.",
         "rows": "one per trained response (the tokens are list elements)",

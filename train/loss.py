@@ -215,12 +215,14 @@ def token_credit(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mas
     2017 eq. 7). Plain PPO: ``credit_t = A_t * ratio_t`` where the token is not clipped, 0 where
     it is; FIPO (``future_kl``): ``A_t * f_t * ratio_t`` with the influence weights of
     :func:`future_kl_weights`; GRPO-λ (``ratio_trace``): ``sum_{k >= t} w(k, t) * A_k *
-    ratio_k`` over the unclipped tokens k (the trace carries later tokens' advantages back,
-    :func:`pipeline.core.rewards.trace_credit` at ratio 1). At the first step of a round every
+    exp(z_k)`` over the tokens k whose traced ratio ``exp(z_k)`` is not clipped (the trace carries
+    later tokens' advantages back, :func:`pipeline.core.rewards.trace_credit` at ratio 1; a clipped
+    token still gets credit from later unclipped ones). At the first step of a round every
     ratio is 1 and nothing is clipped, so the credit is the method's advantage (for GRPO-λ its
     trace credit); later steps move it with the ratio, FIPO's weights and the clip. The policy
     gradient is ``-sum_t credit_t * grad log pi_t`` divided by the aggregation's normalizer (the
-    number of tokens under ``token-mean``); the KL term is not part of it.
+    number of tokens under ``token-mean``); the KL term is not part of it. It builds a graph of its own,
+    so it runs under ``torch.no_grad`` but not under ``torch.inference_mode``.
 
     Args:
         logprobs: (B, T) log-probs (nats) under the trained policy (read, never differentiated).

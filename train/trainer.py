@@ -63,27 +63,41 @@ class CreditSums:
     update makes over its response, for the ``token_credit`` table.
 
     Attributes:
-        sums: (N, T_max) float32, response n's summed credit at its tokens (0 past its end).
+        sums: (sum of lengths,) float32, the responses' summed credits laid end to end (response n at
+            ``offsets[n]:offsets[n + 1]``), one value per response token: no padding to the longest.
         passes: (N,) int64, how many micro-batch passes added to response n (``ppo_epochs`` once
             the update has run).
+        offsets: (N + 1,) int64, where each response's tokens start in ``sums``.
     """
 
     def __init__(self, lengths: list[int]):
         """``lengths``: (N,) response lengths in tokens, in the order of the update's examples."""
-        self.lengths = list(lengths)
-        self.sums = torch.zeros(len(self.lengths), max(self.lengths, default=0), dtype=torch.float32)
+        self.lengths = [int(n) for n in lengths]
+        self.offsets = [0]
+        for n in self.lengths:
+            self.offsets.append(self.offsets[-1] + n)
+        self.sums = torch.zeros(self.offsets[-1], dtype=torch.float32)
         self.passes = torch.zeros(len(self.lengths), dtype=torch.int64)
 
     def add(self, first: int, mask: torch.Tensor, credit: torch.Tensor) -> None:
-        """Add a micro-batch's (B, T) ``credit`` (``mask``: its response tokens) for examples ``first .. first + B - 1``."""
-        B, T = credit.shape
-        self.sums[first : first + B, :T] += torch.where(mask.bool(), credit.detach().float().cpu(), 0.0)
-        self.passes[first : first + B] += 1
+        """Add a micro-batch's (B, T) ``credit`` (``mask``: its response tokens, a prefix of each row)
+        for examples ``first .. first + B - 1``.
+
+        Raises:
+            ValueError: a row's response tokens are not the length of that example.
+        """
+        credit = credit.detach().float().cpu()
+        for b, n in enumerate(mask.bool().sum(dim=1).tolist()):
+            i = first + b
+            if n != self.lengths[i]:
+                raise ValueError(f"example {i} has {self.lengths[i]} response tokens; its micro-batch row masks {n}")
+            self.sums[self.offsets[i] : self.offsets[i + 1]] += credit[b, :n]
+            self.passes[i] += 1
 
     def means(self) -> list[list[float]]:
         """Per response, its tokens' credit averaged over its passes (all 0 for a response never passed)."""
-        mean = self.sums / self.passes.clamp(min=1).to(torch.float32)[:, None]
-        return [mean[n, :L].tolist() for n, L in enumerate(self.lengths)]
+        return [(self.sums[self.offsets[i] : self.offsets[i + 1]] / max(int(self.passes[i]), 1)).tolist()
+                for i in range(len(self.lengths))]
 
 
 def ppo_update(model, optimizer, examples: list[Example], tc: TrainConfig, pad_id: int, seed: int,

@@ -148,7 +148,8 @@ def previous_state(cfg: CAPOConfig, round_idx: int):
 
 def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
     """Train the round's policy on its token advantages -> ``variants/<v>/checkpoint``, its training
-    state and ``train_metrics``; skipped when both outputs are current under :func:`train_key`.
+    state, ``train_metrics`` and ``token_credit`` (where the update put the credit, per token);
+    skipped when the checkpoint and the metrics are current under :func:`train_key`.
 
     Runs unchanged in one process or in each of W processes (``train.launcher``): every process
     reads the whole round and runs :func:`train.trainer.update_policy`; the main process commits
@@ -198,8 +199,8 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
 
 def commit_round(cfg: CAPOConfig, round_idx: int, key: dict, job, out, seconds: float) -> None:
     """Commit what :func:`train.trainer.update_policy` wrote (main process), in an order a crash
-    cannot confuse: the old checkpoint (with its manifest) goes to ``superseded/`` and the old state
-    is uncommitted before anything new is in place; the state and the checkpoint are placed
+    cannot confuse: the old checkpoint and token credit (with their manifests) go to ``superseded/``
+    and the old state is uncommitted before anything new is in place; the state and the checkpoint are placed
     (:func:`pipeline.storage.place_dir`); the token-credit and metrics tables and the two manifests
     come last; then states older than ``train.keep_states`` rounds are pruned. ``token_credit`` is not
     one of the stage's outputs for :func:`train_key`: a round trained before the table existed stays
@@ -208,6 +209,7 @@ def commit_round(cfg: CAPOConfig, round_idx: int, key: dict, job, out, seconds: 
     ckpt, state_dir = p["checkpoint"], p["train_state"]
     if ckpt.exists() or storage.manifest_path(ckpt).exists():
         storage.supersede(ckpt)
+    storage.supersede(p["token_credit"])  # the old update's credit goes with its checkpoint
     storage.uncommit(state_dir)
     if state_dir.exists():  # a re-trained round: its old state belonged to the superseded checkpoint
         log.warning("[train] replacing round %d's earlier training state %s", round_idx, state_dir)

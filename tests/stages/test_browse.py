@@ -297,9 +297,11 @@ def test_each_variant_trained_on_the_same_responses_shows_where_it_puts_credit(t
 
 def test_fipo_shows_the_credit_its_update_recorded(toy_run, tmp_path):
     """FIPO's weights exist only inside the update, so its page shows the train stage's
-    ``token_credit`` (a table written here by hand: each token's credit A * f with f = 1 + 0.01 * t),
-    beside CAPO's page; a table made from an earlier sample of the round's rollouts is left out and
-    FIPO shows its advantages again."""
+    ``token_credit`` (a table written here by hand: each token's credit A * f with f = 1 + 0.01 * t,
+    under a key as the train stage writes it, with the checkpoint committed under the same key),
+    beside CAPO's page. A table that is not the variant's current update is left out and FIPO shows
+    its advantages: one made from an earlier sample of the rollouts, from earlier token rewards, or
+    whose checkpoint was never committed under its key (a kill between the two writes)."""
     import pyarrow as pa
 
     from pipeline.schemas import SCHEMAS
@@ -313,9 +315,18 @@ def test_fipo_shows_the_credit_its_update_recorded(toy_run, tmp_path):
     recorded = {rid: [x * (1 + 0.01 * t) for t, x in enumerate(a)] for rid, a in adv.items()}
     rows = [{"run_id": fipo.run_id, "round": 1, "variant": "fipo", "rollout_id": rid, "credit": c, "passes": 1}
             for rid, c in recorded.items()]
-    storage.write_table(pa.Table.from_pylist(rows, schema=SCHEMAS["token_credit"]), p["token_credit"], "token_credit",
-                        stage="train", key={"rollouts": input_fp(p["rollouts"])})
-    own = collect(toy_run.run_dir(), 1, "fipo")["prompts"][0]["responses"][0]
+    key = {"rollouts": input_fp(p["rollouts"]), "token_rewards": input_fp(p["token_rewards"]),
+           "train": {"future_kl": {"half_life": 32.0}}}
+    (p["checkpoint"]).mkdir(parents=True)
+    (p["checkpoint"] / "config.json").write_text("{}")
+
+    def update(credit_key: dict, checkpoint_key: dict) -> dict:
+        storage.write_table(pa.Table.from_pylist(rows, schema=SCHEMAS["token_credit"]), p["token_credit"],
+                            "token_credit", stage="train", key=credit_key)
+        storage.commit_manifest(p["checkpoint"], stage="train", key=checkpoint_key, rows=None)
+        return collect(toy_run.run_dir(), 1, "fipo")["prompts"][0]["responses"][0]
+
+    own = update(key, key)
     assert own["credit_kind"] == "recorded" and own["credit"] == pytest.approx(recorded["A"], rel=1e-6)
     assert own["advantages"] == adv["A"] and own["credit"][10] == pytest.approx(1.1 * adv["A"][10], rel=1e-6)
     other = collect(toy_run.run_dir(), 1, "capo-intersection")["prompts"][0]["responses"][0]["other_advantages"]
@@ -337,8 +348,9 @@ def test_fipo_shows_the_credit_its_update_recorded(toy_run, tmp_path):
             assert strip.count() == 1 and "credit its update recorded" in strip.inner_text()
             assert strip.locator(".strip span").count() == 11
 
-    # a credit table of another sample of the round: left out
-    storage.write_table(pa.Table.from_pylist(rows, schema=SCHEMAS["token_credit"]), p["token_credit"], "token_credit",
-                        stage="train", key={"rollouts": "an earlier sample"})
-    own = collect(toy_run.run_dir(), 1, "fipo")["prompts"][0]["responses"][0]
-    assert own["credit"] == [] and own["credit_kind"] is None
+    stale = [({**key, "rollouts": "an earlier sample"},) * 2, ({**key, "token_rewards": "earlier rewards"},) * 2,
+             (key, {**key, "train": {}})]  # the last: the checkpoint committed is another update's
+    for credit_key, checkpoint_key in stale:
+        own = update(credit_key, checkpoint_key)
+        assert own["credit"] == [] and own["credit_kind"] is None, credit_key
+    assert update(key, key)["credit_kind"] == "recorded"

@@ -375,3 +375,19 @@ def test_token_credit_is_minus_the_loss_gradient_times_the_token_count(kw):
     assert lp.grad is not None and not credit.requires_grad
     with pytest.raises(ValueError, match="advantages has shape"):
         token_credit(lp, old, adv[:, :4], mask)
+
+
+def test_credit_sums_average_each_token_over_the_passes():
+    """Two responses of 3 and 1 tokens in one micro-batch (row 1 padded), passed twice (two PPO
+    epochs): token means (1 + 3) / 2 = 2, (2 + 2) / 2 = 2, (0 + 6) / 2 = 3 and (5 + 7) / 2 = 6; the
+    padded positions are never read. A third response never passed keeps 0 credit."""
+    from train.trainer import CreditSums
+
+    sums = CreditSums([3, 1, 2])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    sums.add(0, mask, torch.tensor([[1.0, 2.0, 0.0], [5.0, 99.0, 99.0]]))
+    sums.add(0, mask, torch.tensor([[3.0, 2.0, 6.0], [7.0, 99.0, 99.0]]))
+    assert sums.means() == [[2.0, 2.0, 3.0], [6.0], [0.0, 0.0]] and sums.passes.tolist() == [2, 2, 0]
+    assert sums.sums.shape == (6,)  # one value per response token, no padding to the longest
+    with pytest.raises(ValueError, match="example 2 has 2 response tokens; its micro-batch row masks 3"):
+        sums.add(2, torch.ones(1, 3, dtype=torch.bool), torch.zeros(1, 3))
