@@ -247,11 +247,11 @@ def _variants_on_these_rollouts(round_dir: Path, variants: list[str]) -> set[str
     return out
 
 
-def _train_setting(round_dir: Path, variant: str, name: str) -> dict | None:
-    """The variant's ``train.<name>`` (``ratio_trace``: GRPO-λ) from the config its token rewards were
-    made under (their manifest); None without one."""
+def _ratio_trace(round_dir: Path, variant: str) -> dict | None:
+    """The variant's ``train.ratio_trace`` (GRPO-λ) from the config its token rewards were made
+    under (their manifest); None without one."""
     man = storage.read_manifest(round_dir / "variants" / variant / "token_rewards.parquet") or {}
-    return ((man.get("resolved_config") or {}).get("train") or {}).get(name)
+    return ((man.get("resolved_config") or {}).get("train") or {}).get("ratio_trace")
 
 
 def _recorded_credit(round_dir: Path, rows: list[dict]) -> dict[str, dict[str, list[float]]]:
@@ -402,7 +402,7 @@ def collect(run_dir: Path, round_idx: int, variant: str | None = None) -> dict:
     same = _variants_on_these_rollouts(round_dir, variants)
     data["other_variants"] = [t for t in data["other_variants"] if t["variant"] in same]
     shown = {variant, *(t["variant"] for t in data["other_variants"])}
-    traces = {v: _train_setting(round_dir, v, "ratio_trace") for v in shown}
+    traces = {v: _ratio_trace(round_dir, v) for v in shown}
     recorded = _recorded_credit(round_dir, [r for r in data.pop("token_credit") if r["variant"] in shown])
     _add_credit(data["token_rewards"], traces[variant], recorded.get(variant, {}))
     for t in data["other_variants"]:

@@ -283,6 +283,8 @@ def accumulate_gradients(model, micro: list[dict], chunk: list[int], tc: TrainCo
     ntok = int(sum(micro[j]["mask"].sum() for j in chunk))
     local = torch.zeros(len(_METRICS), dtype=torch.float64)
     dummy = dummy_micro_batch(pad_id)
+    trace = (tc.ratio_trace.kappa, tc.ratio_trace.style) if tc.ratio_trace else None
+    future_kl = tc.future_kl.model_dump() if tc.future_kl else None
     for i in range(calls):
         real = i < len(share)
         mb = micro[share[i]] if real else dummy
@@ -292,11 +294,10 @@ def accumulate_gradients(model, micro: list[dict], chunk: list[int], tc: TrainCo
         with contextlib.nullcontext() if sync else accelerator.no_sync(model), torch.set_grad_enabled(update):
             lp = token_logprobs(model, mb, temperature, fuse_head=fuse_head)
             dev = lp.device
-            out = ppo_clip_loss(lp, mb["old_logprobs"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev),
-                                tc.clip_low, tc.clip_high, tc.loss_agg_mode,
+            old, adv, mask = (mb[k].to(dev) for k in ("old_logprobs", "advantages", "mask"))
+            out = ppo_clip_loss(lp, old, adv, mask, tc.clip_low, tc.clip_high, tc.loss_agg_mode,
                                 ref_logprobs=mb["ref_logprobs"].to(dev) if with_ref else None, kl_coef=tc.kl_coef,
-                                ratio_trace=(tc.ratio_trace.kappa, tc.ratio_trace.style) if tc.ratio_trace else None,
-                                future_kl=tc.future_kl.model_dump() if tc.future_kl else None)
+                                ratio_trace=trace, future_kl=future_kl)
             w = 0.0
             if real:
                 w = loss_normalizer(tc.loss_agg_mode, mb, t_global) / total
@@ -305,10 +306,8 @@ def accumulate_gradients(model, micro: list[dict], chunk: list[int], tc: TrainCo
             if update:
                 accelerator.backward(out.loss * (w * world))  # x world: the gradient all-reduce averages
         if real and credit is not None:
-            credit.add(mb["first"], mb["mask"], token_credit(
-                lp, mb["old_logprobs"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev), tc.clip_low,
-                tc.clip_high, (tc.ratio_trace.kappa, tc.ratio_trace.style) if tc.ratio_trace else None,
-                tc.future_kl.model_dump() if tc.future_kl else None))
+            credit.add(mb["first"], mb["mask"],
+                       token_credit(lp, old, adv, mask, tc.clip_low, tc.clip_high, trace, future_kl))
         if real:
             wt = float(mb["mask"].sum()) / max(ntok, 1)
             local += torch.tensor([float(getattr(out, k).detach()) * (wt if k in _TOKEN_MEANS else w) for k in _METRICS],
