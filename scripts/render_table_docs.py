@@ -95,11 +95,11 @@ catalog. Read them with `read_parquet`, which `capo sql` allows inside the runs 
 ## Example queries
 
 ```sql
--- 1. The critic's critiques by parse status (source 'llm'; the arithmetic check and the
---    log-prob readout are rows of their own, one per response)
-SELECT run_id, round, parse_status, count(*) AS critiques
-FROM critiques WHERE source = 'llm'
-GROUP BY ALL ORDER BY run_id, round, critiques DESC;
+-- 1. Critiques by source and parse status: 'llm' rows are the critic's sampled critiques (none
+--    under the main job's capo-readout), 'arithmetic' and 'logprob' rows one per response each
+SELECT run_id, round, source, parse_status, count(*) AS critiques
+FROM critiques
+GROUP BY ALL ORDER BY run_id, round, source, critiques DESC;
 
 -- 2. Share of steps each voting rule flags, and of steps with at least one valid critique
 SELECT run_id, round, variant, rule, round(avg((weight > 0)::INT), 3) AS share_steps_flagged,
@@ -127,12 +127,12 @@ SELECT run_id, round, variant, outcome_correct, r AS token_reward, count(*) AS t
 FROM (SELECT run_id, round, variant, outcome_correct, unnest(rewards) AS r FROM token_rewards)
 GROUP BY ALL ORDER BY ALL;
 
--- 5. One response's steps beside the critiques that judged them
-SELECT s.step_idx, s.step_text, c.critique_idx, c.parse_status, c.wrong_steps
+-- 5. One response's steps beside every verdict on them (each source's wrong steps; the readout's
+--    P(wrong) per step in step_scores)
+SELECT s.step_idx, s.step_text, c.source, c.critique_idx, c.parse_status, c.wrong_steps, c.step_scores
 FROM steps s JOIN critiques c USING (run_id, round, rollout_id)
 WHERE s.rollout_id = (SELECT any_value(rollout_id) FROM critiques WHERE parse_status = 'complete')
-  AND c.source = 'llm'
-ORDER BY c.critique_idx, s.step_idx;
+ORDER BY c.source, c.critique_idx, s.step_idx;
 
 -- 6. Held-out accuracy per round, variant and benchmark (round 0: the starting policy, variant NULL)
 SELECT run_id, round, variant, benchmark, n_problems, round(100 * accuracy, 1) AS accuracy_pct,

@@ -202,6 +202,25 @@ def test_catalog_answers_sql_read_only(tiny_round, tmp_path):
     assert toks == sum(r["num_tokens"] for r in _t(cfg, "rollouts"))
 
 
+def test_the_documented_example_queries_answer_on_a_finished_round(tiny_round, repo):
+    """Every example query of docs/tables.md runs on the round's catalog as written and returns rows."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.spec_from_file_location("render_table_docs", repo / "scripts" / "render_table_docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sql = re.findall(r"```sql\n(.*?)```", mod.INTRO, flags=re.S)[0]
+    queries = [q.strip() for q in sql.split(";\n") if q.strip()]
+    assert len(queries) == 6
+    con = duckdb.connect(str(Path(tiny_round[0].runs_dir) / "catalog.duckdb"), read_only=True)
+    try:
+        answered = {q.splitlines()[0]: len(con.execute(q).fetchall()) for q in queries}
+    finally:
+        con.close()
+    assert all(answered.values()), answered
+
+
 def test_killed_mid_critique_resumes_without_lost_or_doubled_rows(tiny_round, repo, tmp_path):
     """Copy the finished round's rollouts/outcomes/steps, kill `capo round` (its process group)
     during the critique stage once a shard is committed, run the critique stage again, and check the
