@@ -88,6 +88,26 @@ def harness():
         yield
 
 
+def require_chromium() -> None:
+    """Skip a test that drives headless Chromium where Chromium or Playwright is missing, with the
+    reason; under ``CAPO_REQUIRE_BROWSER=1`` (set by ``.ci/run``) fail instead, so that CI cannot pass
+    with the browser tests never run."""
+    from pipeline.browse import chromium_executable
+
+    missing = None
+    if chromium_executable() is None:
+        missing = "Chromium is not installed (scripts/install.sh installs Debian's `chromium` where apt works)"
+    else:
+        try:
+            import playwright.sync_api  # noqa: F401
+        except ImportError:
+            missing = "playwright is not installed (pip install -e .[test])"
+    if missing and os.environ.get("CAPO_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"{missing}; CAPO_REQUIRE_BROWSER=1 requires the browser tests to run")
+    if missing:
+        pytest.skip(missing)
+
+
 # ------------------------------------------------------------------------------- time per tier
 _TIER_SECONDS: dict[str, float] = {}
 

@@ -79,11 +79,10 @@ def served(site):
 
 
 def test_every_page_loads_and_the_navigation_reaches_it_in_chromium(served, nav):
-    from pipeline.browse import chromium_executable, headless_chromium
+    from pipeline.browse import headless_chromium
+    from tests.conftest import require_chromium
 
-    if chromium_executable() is None:
-        pytest.skip("Chromium is not installed (scripts/install.sh installs Debian's `chromium` where apt works)")
-    pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
+    require_chromium()
     with headless_chromium() as browser:
         page = browser.new_page()
         # the site loads MathJax from a CDN, which an offline machine cannot reach: answer it empty

@@ -348,11 +348,10 @@ def test_noise_floor_of_a_real_round(tiny_round, repo):
 
 def test_the_critique_browser_of_the_real_round_in_chromium(tiny_round, repo):
     """The critique browser as a person uses it: `capo browse`, open the page, filter, click a step."""
-    from pipeline.browse import chromium_executable, headless_chromium
+    from pipeline.browse import headless_chromium
+    from tests.conftest import require_chromium
 
-    if chromium_executable() is None:
-        pytest.skip("Chromium is not installed (scripts/install.sh installs Debian's `chromium` where apt works)")
-    pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
+    require_chromium()
     cfg = tiny_round[0]
     out = subprocess.run([sys.executable, "-m", "flows.cli", "browse", cfg.run_id, "--round", "1",
                           "--runs-dir", cfg.runs_dir], cwd=repo, capture_output=True, text=True, timeout=300)

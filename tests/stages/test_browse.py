@@ -12,6 +12,7 @@ import pytest
 
 from pipeline import storage
 from pipeline.browse import build_browser, chromium_executable, collect, headless_chromium
+from tests.conftest import require_chromium
 from pipeline.stages.reward import reward_stage
 from pipeline.stages.vote import vote_stage
 from tests.toy_round import toy_config, write_round
@@ -88,9 +89,7 @@ def test_model_text_reaches_the_page_as_data_only(toy_run):
 
 
 def _skip_without_chromium() -> None:
-    if chromium_executable() is None:
-        pytest.skip("Chromium is not installed (scripts/install.sh installs Debian's `chromium` where apt works)")
-    pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e .[test])")
+    require_chromium()
 
 
 def test_a_person_filters_and_opens_the_critiques_of_a_step(toy_run):
@@ -354,3 +353,13 @@ def test_fipo_shows_the_credit_its_update_recorded(toy_run, tmp_path):
         own = update(credit_key, checkpoint_key)
         assert own["credit"] == [] and own["credit_kind"] is None, credit_key
     assert update(key, key)["credit_kind"] == "recorded"
+
+
+def test_a_missing_browser_skips_here_and_fails_under_ci(monkeypatch):
+    monkeypatch.setattr("pipeline.browse.chromium_executable", lambda: None)
+    monkeypatch.delenv("CAPO_REQUIRE_BROWSER", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="Chromium is not installed"):
+        require_chromium()
+    monkeypatch.setenv("CAPO_REQUIRE_BROWSER", "1")
+    with pytest.raises(pytest.fail.Exception, match="Chromium is not installed.*CAPO_REQUIRE_BROWSER=1 requires"):
+        require_chromium()

@@ -44,6 +44,27 @@ def test_genorm_majority_is_the_outcome_reward(tmp_path):
     assert man["genorm_agreement_with_rule"] == pytest.approx(1.0) and man["genorm_no_valid_verdict"] == 0
 
 
+def test_genorm_outcome_overrides_the_rule_verifier_where_they_disagree(tmp_path):
+    """The critic says the rule verifier's right answer A is wrong (1 yes of 3) and its wrong answer B
+    right (2 yes of 2): the outcome rewards follow the critic, the rule's verdict stays recorded."""
+    cfg = _cfg(tmp_path, "critique.mode=outcome", "reward.outcome=genorm", "reward.estimator=grpo",
+               "reward.process_weight=0", "variant=grpo-genorm")
+    _write_round(cfg)  # rule verifier: A right, B wrong
+    crit = [_outcome_critique("A", 0, True), _outcome_critique("A", 1, False), _outcome_critique("A", 2, False),
+            _outcome_critique("B", 0, True), _outcome_critique("B", 1, True)]
+    _write(cfg, "critiques", crit, "critique")
+    reward_stage(cfg, 1)
+    got = {r["rollout_id"]: r for r in storage.read_table(round_paths(cfg, 1)["token_rewards"], "token_rewards").to_pylist()}
+    assert (got["A"]["outcome_reward"], got["B"]["outcome_reward"]) == (0.0, 1.0)
+    assert (got["A"]["outcome_correct"], got["B"]["outcome_correct"]) == (True, False)
+    assert got["A"]["rewards"] == [0.0] * 11 and got["B"]["rewards"] == [2.0] * 7
+    # sequence rewards [0, 2]: mean 1, std (ddof=1) sqrt(2) -> A -1/(sqrt(2) + 1e-6) = -0.70711, B +0.70711
+    np.testing.assert_allclose(got["A"]["advantages"], [-0.7071065] * 11, rtol=1e-5)
+    np.testing.assert_allclose(got["B"]["advantages"], [0.7071065] * 7, rtol=1e-5)
+    man = storage.read_manifest(round_paths(cfg, 1)["token_rewards"])
+    assert man["genorm_agreement_with_rule"] == pytest.approx(0.0)
+
+
 def test_grpo_rule_baseline_needs_no_critiques(tmp_path):
     cfg = _cfg(tmp_path, "critique.enabled=false", "reward.estimator=grpo", "reward.process_weight=0", "variant=grpo")
     _write_round(cfg)
