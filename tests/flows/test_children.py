@@ -85,9 +85,9 @@ def test_a_silent_child_and_its_grandchild_are_stopped():
         stream_child(_py(code), "train", LOG, "stage 'train' of round 1", silence_s=2)
     took = time.monotonic() - t0
     err = e.value
-    assert 2 <= err.silent_s < 4 and took < 10, (err.silent_s, took)
+    assert 2 <= err.silent_s < 6 and took < 20, (err.silent_s, took)  # upper bounds loose: a busy 2-core CI
     # the message rounds the measured silence (2.6 s under load reads "3 s"): the bound above checks it
-    assert re.match(r"stage 'train' of round 1 was stopped: no output for [23] s \(scale\.child_silence_s\)", str(err)), str(err)
+    assert re.match(r"stage 'train' of round 1 was stopped: no output for [2-6] s \(scale\.child_silence_s\)", str(err)), str(err)
     assert err.tail == [err.tail[0]] and str(err).endswith(err.tail[0])
     grandchild = int(err.tail[0].split()[1])
     assert _gone(grandchild), "the grandchild outlived the stop"
@@ -100,7 +100,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace():
     with pytest.raises(StageChildFailed) as e:
         stream_child(_py(code), "rollout", LOG, "stage 'rollout' of round 3", silence_s=1)
     took = time.monotonic() - t0
-    assert e.value.returncode == -9 and e.value.silent_s >= 1 and 5 <= took < 12, took
+    assert e.value.returncode == -9 and e.value.silent_s >= 1 and 5 <= took < 20, took  # 5 s grace; loose on a busy CPU
     assert "was stopped: no output for" in str(e.value)
 
 
@@ -113,7 +113,7 @@ def test_an_orphan_holding_the_output_is_stopped_too():
     t0 = time.monotonic()
     with pytest.raises(StageChildFailed) as e:
         stream_child(_py(code), "eval", LOG, "stage 'eval' of round 2", silence_s=2)
-    assert e.value.returncode == 0 and e.value.silent_s >= 2 and time.monotonic() - t0 < 10
+    assert e.value.returncode == 0 and e.value.silent_s >= 2 and time.monotonic() - t0 < 20
     assert _gone(int(e.value.tail[0].split()[1])), "the orphan outlived the stop"
 
 

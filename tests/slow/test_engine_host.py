@@ -77,7 +77,6 @@ def test_host_reloads_weights_in_place_and_matches_a_fresh_engine(repo, data_dir
         e3 = RemoteEngine(moved, ecfg, seed=3)  # the next round's checkpoint
         assert e3.stats.extra["host_action"] == "reloaded"
         assert e3.stats.extra["host_engine_starts"] == 1 and e3.stats.extra["host_reloads"] == 1
-        assert e3.stats.extra["load_seconds"] < 30
         after = [g.samples[0].token_ids for g in e3.generate(CONVS, 1, GREEDY)]
         # the old weights' KV entries were dropped: fewer hits than the same prompts got before
         assert e3.stats.cached_prompt_tokens < e2.stats.cached_prompt_tokens

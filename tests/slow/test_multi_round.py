@@ -358,6 +358,7 @@ def test_killed_run_resumed_to_the_same_training_state(two_runs):
     a, b = two_runs[0], two_runs[1]
     for k in (1, 2):
         wa, wb = _weights(_variant(a, k) / "train_state"), _weights(_variant(b, k) / "train_state")
+        assert wa and wa.keys() == wb.keys(), f"round {k}'s training states hold other tensors"
         assert all(bool((wa[n] == wb[n]).all()) for n in wa), f"round {k}'s master weights differ after kill + resume"
 
 

@@ -510,22 +510,18 @@ def test_verify_stage_scores_a_truncated_rollout_zero_and_records_why(tmp_path):
     assert (got["A"]["outcome_correct"], got["A"]["verify_status"]) == (True, "ok")
 
 
-SMOLLM = Path(__file__).resolve().parents[2] / "data" / "models" / "smollm2-135m-instruct"
-
-
-def test_segment_stage_with_a_real_tokenizer(tmp_path):
-    if not (SMOLLM / "tokenizer.json").is_file():
-        pytest.skip(f"{SMOLLM} not set up")
+def test_segment_stage_with_a_real_tokenizer(tmp_path, tiny_model):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(SMOLLM))
+    smollm = Path(tiny_model)
+    tok = AutoTokenizer.from_pretrained(str(smollm))
     cfg = _cfg(tmp_path)
     full = "Café: 3 €.\n\n日本語 🎉 ok\n\n\\boxed{5}"
     ids_full = tok.encode(full, add_special_tokens=False) + [tok.eos_token_id]
     ids_cut = tok.encode("日本語 🎉\n\nab", add_special_tokens=False)
     cut = next(k for k in range(1, len(ids_cut)) if tok.decode(ids_cut[:k]).endswith("\ufffd"))
     ids_cut = ids_cut[:cut]  # stopped by max_tokens inside a character
-    rows = [{"rollout_id": rid, "prompt_id": PID, "sample_idx": i, "policy": str(SMOLLM), "prompt_token_ids": [1],
+    rows = [{"rollout_id": rid, "prompt_id": PID, "sample_idx": i, "policy": str(smollm), "prompt_token_ids": [1],
              "response_text": "", "response_token_ids": ids, "rollout_logprobs": [0.0] * len(ids),
              "finish_reason": "stop", "num_tokens": len(ids)} for i, (rid, ids) in enumerate([("F", ids_full), ("X", ids_cut)])]
     _write(cfg, "rollouts", rows, "rollout")

@@ -426,7 +426,7 @@ def test_the_matrix_resumes_from_its_committed_evidence_and_keeps_every_finished
     monkeypatch.setattr(bench, "round_metrics", lambda a, arm, seed, tf: [
         {"bench": "learning", "arm": arm, "seed": seed, "round": k, "heldout_accuracy": acc}
         for k, acc in ((0, 0.5), (2, 1.0))] if (arm, seed) in finished else [])
-    monkeypatch.setattr(bench, "paired_change", lambda *args: {"diff": 0.5})
+    monkeypatch.setattr(bench, "paired_change", lambda *args: {"diff": 0.25})  # not the carried run's 0.5
     real_write = bench.write_evidence
     monkeypatch.setattr(bench, "write_evidence", lambda path, lines: (writes.append(len(lines)), real_write(path, lines)))
     rechecked = []
@@ -446,7 +446,8 @@ def test_the_matrix_resumes_from_its_committed_evidence_and_keeps_every_finished
     assert final["carried_from_evidence"] == ["capo-s0"] and set(final["settings"]) == {"capo-s0", "grpo-s0"}
     assert next(r for r in out if r.get("arm") == "capo" and r["round"] == 0)["cpu_model"] == "elsewhere"
     capo = next(r for r in out if r.get("summary") == "capo")
-    assert capo["paired_change_from_round0"]["0"] == {"diff": 0.5}
+    assert capo["paired_change_from_round0"]["0"] == {"diff": 0.5}  # carried from the file, not recomputed
+    assert next(r for r in out if r.get("summary") == "grpo")["paired_change_from_round0"]["0"] == {"diff": 0.25}
     assert capo["pooled_change_from_round0"]["greedy"]["per_seed"] == [0.5]  # b: 0 -> 1 of 2 problems
     # both arms gained +0.5 on the same items: CAPO minus GRPO is 0 on greedy accuracy
     head = next(r for r in out if "capo_minus_grpo_pooled" in r)

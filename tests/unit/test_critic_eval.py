@@ -84,16 +84,16 @@ def test_n2_ties_separate_average_from_majority_at_the_step_level():
 
 def test_n4_rules_differ():
     # A: 3 valid, flags s0 1/3, s1 3/3, s2 1/3. B: 4 valid, s0 1/4. D: 3 valid, s2 1/3. C: none valid.
-    expected = {  # (acc_erroneous, acc_correct)
-        "intersection": (1 / 2, 2 / 2),  # A -> 1, B/D nothing
-        "union": (0 / 2, 0 / 2),  # A -> 0, B -> 0, D -> 2
-        "majority": (1 / 2, 2 / 2),  # only A's s1 is above half
-        "average": (1 / 2, 2 / 2),  # 1/3 and 1/4 are below 0.5
+    expected = {  # (acc_erroneous, acc_correct, F1 = their harmonic mean)
+        "intersection": (1 / 2, 2 / 2, 2 / 3),  # A -> 1, B/D nothing; 2 * 0.5 * 1 / 1.5
+        "union": (0 / 2, 0 / 2, 0.0),  # A -> 0, B -> 0, D -> 2
+        "majority": (1 / 2, 2 / 2, 2 / 3),  # only A's s1 is above half
+        "average": (1 / 2, 2 / 2, 2 / 3),  # 1/3 and 1/4 are below 0.5
     }
-    for rule, (acc_err, acc_ok) in expected.items():
+    for rule, (acc_err, acc_ok, f1) in expected.items():
         s = score_items(ITEMS, 4, rule)
         assert (s.acc_erroneous, s.acc_correct) == (acc_err, acc_ok), rule
-        assert s.f1 == pytest.approx(processbench_f1(acc_err, acc_ok))
+        assert s.f1 == pytest.approx(f1) == pytest.approx(processbench_f1(acc_err, acc_ok))
         assert s.parse_failure_rate == (1 + 0 + 4 + 1) / 16
         assert s.no_valid_rate == 1 / 4
         assert s.critic_tokens_per_item == 100

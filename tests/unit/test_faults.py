@@ -24,12 +24,21 @@ def test_spec_grammar():
             parse_spec(bad)
 
 
-def test_without_the_variable_a_point_returns(monkeypatch):
-    monkeypatch.delenv("CAPO_KILL_AT", raising=False)
-    kill_point("table.renamed", "/x/round_001/rollouts.parquet")  # returns: this test goes on
-    monkeypatch.setenv("CAPO_KILL_AT", "table.renamed:round_002/rollouts.parquet")
-    kill_point("table.renamed", "/x/round_001/rollouts.parquet")  # another path: returns
-    kill_point("table.written", "/x/round_002/rollouts.parquet")  # another event: returns
+def test_without_the_variable_a_point_returns():
+    """In a child of its own process group (a point that fired would kill pytest's group otherwise):
+    without the variable, at another path and at another event, each point returns."""
+    code = ("import os\n"
+            "from pipeline.faults import kill_point\n"
+            "os.environ.pop('CAPO_KILL_AT', None)\n"
+            "kill_point('table.renamed', '/x/round_001/rollouts.parquet')\n"
+            "os.environ['CAPO_KILL_AT'] = 'table.renamed:round_002/rollouts.parquet'\n"
+            "kill_point('table.renamed', '/x/round_001/rollouts.parquet')\n"
+            "kill_point('table.written', '/x/round_002/rollouts.parquet')\n"
+            "print('returned', flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if k != "CAPO_KILL_AT"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          start_new_session=True, env=env)
+    assert (proc.returncode, proc.stdout.split()) == (0, ["returned"]), proc.stderr
 
 
 def test_the_nth_hit_kills_the_whole_process_group():

@@ -177,6 +177,27 @@ def test_compute_loss_matches_ppo_clip_loss():
     assert a.loss.item() == b.loss.item()
 
 
+def test_compute_loss_forwards_every_setting_by_hand():
+    one = torch.ones(1, 1)
+    # ratio 1.3, A = 1: clipped at 1 + clip_high -> loss -1.28 under clip_high 0.28 (-1.2 under the default 0.2)
+    up = LossInputs(torch.tensor([[math.log(1.3)]], dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64),
+                    torch.ones(1, 1, dtype=torch.float64), one)
+    assert compute_loss(up, clip_high=0.28).loss.item() == pytest.approx(-1.28)
+    assert compute_loss(up).loss.item() == pytest.approx(-1.2)
+    # ratio 1, A = 0.5, ref - logp = ln 2: -0.5 + 0.1 * (1 - ln 2) = -0.469315
+    kl = LossInputs(torch.tensor([[-1.0]], dtype=torch.float64), torch.tensor([[-1.0]], dtype=torch.float64),
+                    torch.tensor([[0.5]], dtype=torch.float64), one, torch.tensor([[-1.0 + math.log(2.0)]], dtype=torch.float64))
+    assert compute_loss(kl, kl_coef=0.1).loss.item() == pytest.approx(-0.469315, abs=1e-6)
+    # the trace and FIPO's weights reach the loss (each changes it from the plain one on this batch)
+    g = torch.Generator().manual_seed(1)
+    logp, old = (torch.randn(2, 4, generator=g, dtype=torch.float64) * 0.1 for _ in range(2))
+    adv, mask = torch.tensor([[1.0] * 4, [-1.0] * 4], dtype=torch.float64), torch.ones(2, 4)
+    inputs, plain = LossInputs(logp, old, adv, mask), ppo_clip_loss(logp, old, adv, mask).loss.item()
+    for kw in ({"ratio_trace": (0.9, "recent")}, {"future_kl": {"half_life": 2.0, "eps": 0.2}}):
+        got = compute_loss(inputs, **kw).loss.item()
+        assert got == ppo_clip_loss(logp, old, adv, mask, **kw).loss.item() and got != plain, kw
+
+
 def naive_loss(logp, old, adv, mask, mode, eps=0.2):
     """Reference: per-token Python loops."""
     B, T = len(logp), len(logp[0])

@@ -66,7 +66,7 @@ def test_sign_flip_p_by_hand():
     a = [1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
     b = [1, 1, 0, 1, 1, 1, 1, 1, 0, 0]
     d = np.asarray(b, float) - np.asarray(a, float)
-    assert sign_flip_p(d) == pytest.approx(mcnemar_exact(a, b))
+    assert sign_flip_p(d) == pytest.approx(14 / 64) == pytest.approx(mcnemar_exact(a, b))  # 2 * (1 + 6) / 2^6
     # the Monte Carlo path (forced) agrees with the exact value within its sampling error
     assert sign_flip_p([1, 1, 1], exact_up_to=0, n_perm=20_000) == pytest.approx(0.25, abs=0.01)
     with pytest.raises(ValueError, match="1-D"):
