@@ -272,7 +272,7 @@ def test_task_runner_settings():
         {"address": "local", "num_cpus": 2, "include_dashboard": False}  # never joins someone else's cluster
     assert make_task_runner(F(runner="ray", address="ray://head:10001")).address == "ray://head:10001"
     assert make_task_runner(F(runner="ray", address="auto")).init_kwargs["address"] == "auto"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"scale.critique.runner='local' has no task runner; valid: \['dask', 'ray'\]"):
         make_task_runner(F(runner="local"))
 
 

@@ -307,9 +307,9 @@ def test_step_verdict_right_and_empty():
 
 
 def test_non_strings_are_refused():
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="wants a str, not NoneType"):
         check_step(None)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="wants a str, not bytes"):
         step_verdict(b"3 + 4 = 7")
 
 
