@@ -121,39 +121,55 @@ def test_learning_matrix_tables():
                f"**{100 * smp['diff']:+.1f}** points [{100 * smp['lo']:+.1f}, {100 * smp['hi']:+.1f}] |" in text, arm
 
 
+def _pts(x: float) -> str:
+    return f"{100 * x:+.1f}"
+
+
+def _iv(c: dict) -> str:
+    return f"[{_pts(c['lo'])}, {_pts(c['hi'])}]"
+
+
 def test_learning_matrix_verdicts():
-    """The sentences that read the matrix: its pooled changes and CAPO's differences from the other arms."""
+    """The sentences that read the matrix: each arm's change pooled over its seeds, and CAPO's
+    differences from the other arms, in docs/benchmarks.md and the README."""
     lines = _lines("learning-readout-3seeds.jsonl")
     page = _text("docs/benchmarks.md")
-    s = next(r for r in lines if r.get("summary") == "capo")["paired_change_from_round0"]["0"]
+    readme = _text("README.md")
+    summary = {r["summary"]: r for r in lines if "summary" in r}
+    s = summary["capo"]["paired_change_from_round0"]["0"]
     t = s["transitions"]
     assert f"({t['right->wrong (ok->ok)']} right -> wrong, {t['wrong->right (ok->ok)']} wrong -> right" in page
+    for arm, who in (("capo", "CAPO's"), ("grpo", "GRPO's")):
+        pooled = summary[arm]["pooled_change_from_round0"]
+        g, smp, box = pooled["greedy"], pooled["sampled"], pooled["sampled_boxed"]
+        assert g["seeds"] == smp["seeds"] == box["seeds"] == 2
+        assert (f"{who} change is {_pts(g['diff'])} points greedy {_iv(g)}, {_pts(smp['diff'])} sampled {_iv(smp)} "
+                f"and {_pts(box['diff'])} sampled within boxed answers {_iv(box)}") in page, arm
+        assert g["lo"] < 0 < g["hi"] and smp["lo"] > 0 and box["lo"] > 0  # "greedy did not move beyond noise", "rose"
     heads = {k: v for r in lines for k, v in r.items() if "capo_minus_" in k and k.endswith("_pooled")}
-    g, smp = heads["capo_minus_grpo_pooled"], heads["sampled_capo_minus_grpo_pooled"]
-    flat = " ".join(page.split())
-    assert (f"CAPO minus GRPO on the same items is {100 * g['diff']:.1f} points greedy [{100 * g['lo']:.1f}, "
-            f"{100 * g['hi']:.1f}] and {100 * smp['diff']:.1f} sampled [{100 * smp['lo']:.1f}, {100 * smp['hi']:+.1f}]") in flat
-    g, smp = heads["capo_minus_random_credit_pooled"], heads["sampled_capo_minus_random_credit_pooled"]
-    assert (f"CAPO minus random credit is {100 * g['diff']:.1f} points greedy [{100 * g['lo']:.1f}, "
-            f"{100 * g['hi']:.1f}] and {100 * smp['diff']:.1f} sampled [{100 * smp['lo']:.1f}, {100 * smp['hi']:.1f}]") in flat
-    pooled = next(r for r in lines if r.get("summary") == "capo")["pooled_change_from_round0"]
-    g, smp, box = pooled["greedy"], pooled["sampled"], pooled["sampled_boxed"]
+    g, smp, box = (heads[f"{p}capo_minus_grpo_pooled"] for p in ("", "sampled_", "sampled_boxed_"))
     assert g["seeds"] == smp["seeds"] == box["seeds"] == 2
-    assert (f"its change is {100 * g['diff']:.1f} points greedy [{100 * g['lo']:.1f}, {100 * g['hi']:+.1f}], "
-            f"{100 * smp['diff']:+.1f} sampled [{100 * smp['lo']:+.1f}, {100 * smp['hi']:+.1f}] and "
-            f"{100 * box['diff']:+.1f} sampled within boxed answers [{100 * box['lo']:+.1f}, {100 * box['hi']:+.1f}]") in flat
-    assert g["lo"] < 0 < g["hi"] and smp["lo"] > 0 and box["lo"] > 0  # "greedy did not move beyond noise", "rose"
-    readme = " ".join(_text("README.md").split())
-    grpo = next(r for r in lines if r.get("summary") == "grpo")["paired_change_from_round0"]["0"]
-    rc = next(r for r in lines if r.get("summary") == "random-credit")["paired_change_from_round0"]["0"]
-    assert (f"CAPO's greedy held-out accuracy fell {round(-100 * s['diff'])} points and GRPO's "
-            f"{round(-100 * grpo['diff'])}, while their sampled accuracy rose {round(100 * s['sampled']['diff'])} "
-            f"and {round(100 * grpo['sampled']['diff'])}") in readme
-    assert (f"random steps did better than CAPO on that seed (greedy {100 * rc['diff']:+.0f} points, "
-            f"sampled {100 * rc['sampled']['diff']:+.0f})") in readme
-    s1 = next(r for r in lines if r.get("summary") == "capo")["paired_change_from_round0"]["1"]
-    assert (f"CAPO's seed 1 ended at {100 * s1['diff']:+.0f} greedy and {100 * s1['sampled']['diff']:+.0f} "
-            "sampled") in readme
+    assert (f"CAPO minus GRPO is {_pts(g['diff'])} points greedy {_iv(g)}, {_pts(smp['diff'])} sampled {_iv(smp)} and "
+            f"{_pts(box['diff'])} sampled within boxed answers {_iv(box)}") in page
+    assert all(c["lo"] < 0 < c["hi"] for c in (g, smp, box))  # "No interval excludes 0"
+    per = [f"{100 * x:+.1f}" for x in smp["per_seed"]]
+    assert f"by about the same amount ({per[0]} and {per[1]} points)" in page
+    assert f"its greedy accuracy on seed 0 only ({100 * g['per_seed'][0]:+.1f} and {100 * g['per_seed'][1]:+.1f})" in page
+    g_rc, smp_rc = heads["capo_minus_random_credit_pooled"], heads["sampled_capo_minus_random_credit_pooled"]
+    assert g_rc["seeds"] == 1
+    assert (f"CAPO minus random credit on seed 0 is {100 * g_rc['diff']:.1f} points greedy [{100 * g_rc['lo']:.1f}, "
+            f"{100 * g_rc['hi']:.1f}] and {100 * smp_rc['diff']:.1f} sampled [{100 * smp_rc['lo']:.1f}, "
+            f"{100 * smp_rc['hi']:.1f}]") in page
+    capo, grpo = summary["capo"]["pooled_change_from_round0"], summary["grpo"]["pooled_change_from_round0"]
+    assert (f"CAPO's held-out accuracy changed by {_pts(capo['greedy']['diff'])} points greedy and "
+            f"{_pts(capo['sampled']['diff'])} sampled, GRPO's by {_pts(grpo['greedy']['diff'])} and "
+            f"{_pts(grpo['sampled']['diff'])}; CAPO minus GRPO on the same problems is {_pts(g['diff'])} points greedy "
+            f"{_iv(g)} and {_pts(smp['diff'])} sampled {_iv(smp)}, no interval excluding 0") in readme
+    assert (f"partly within boxed answers ({_pts(capo['sampled_boxed']['diff'])} and "
+            f"{_pts(grpo['sampled_boxed']['diff'])})") in readme
+    rc = summary["random-credit"]["paired_change_from_round0"]["0"]
+    assert (f"did better than CAPO on seed 0 (greedy {_pts(rc['diff'])} points, sampled "
+            f"{_pts(rc['sampled']['diff'])})") in readme
 
 
 def test_budget_recheck_rows():
@@ -161,7 +177,7 @@ def test_budget_recheck_rows():
     page = _text("docs/benchmarks.md")
     runs = [r for r in _lines("budget-512.jsonl") if "run" in r]
     titles = {("grpo", 0): "GRPO seed 0", ("random-credit", 0): "random credit seed 0",
-              ("capo", 1): "CAPO (`capo-readout`) seed 1"}
+              ("capo", 1): "CAPO (`capo-readout`) seed 1", ("grpo", 1): "GRPO seed 1"}
     assert {(r["arm"].split()[0], r["seed"]) for r in runs} == set(titles)
     for r in runs:
         assert r["round"] == 10
