@@ -415,6 +415,7 @@ def _critique_replies(engine, mode: CritiqueMode, jobs: list[CritiqueJob], n: in
     Raises:
         pipeline.engines.openai_engine.EngineReplyError: a request failed after its retries; the
             message names the shard and the rollouts it failed on.
+        RuntimeError: the engine returned another number of results than requests (named).
     """
     from pipeline.engines.openai_engine import EngineReplyError
 
@@ -431,7 +432,10 @@ def _critique_replies(engine, mode: CritiqueMode, jobs: list[CritiqueJob], n: in
                                f"rollout{'s' if len(rids) > 1 else ''} {named}: {e}")
         err.failed, err.kept = e.failed, e.kept
         raise err from e
-    return {j.rollout_id: g.samples for j, g in zip(live, replies)}
+    if len(replies) != len(live):
+        raise RuntimeError(f"critique shard {shard} of round {round_idx}: the critic engine returned {len(replies)} "
+                           f"results for {len(live)} requests; an engine returns one result per request, in order")
+    return {j.rollout_id: g.samples for j, g in zip(live, replies, strict=True)}
 
 
 def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inputs: _CritiqueInputs | None = None) -> dict:
