@@ -402,6 +402,9 @@ def _jobs(inp: _CritiqueInputs, ids: list[str]) -> list[CritiqueJob]:
     out = []
     for rid in ids:
         r = inp.rollouts[rid]
+        if r["prompt_id"] not in inp.prompts:
+            raise ValueError(f"rollout {rid} answers prompt {r['prompt_id']!r}, which the prompt table does not hold; "
+                             "the table changed since the rollouts were sampled: run the rollout stage again (--force)")
         pr = inp.prompts[r["prompt_id"]]
         out.append(CritiqueJob(rid, pr["question"], inp.steps[rid], r["response_text"], pr["gold_answer"],
                                pr["gold_solution"], rid in inp.empty))
