@@ -17,13 +17,28 @@ log = logging.getLogger("capo.train")
 
 
 def loss_normalizer(mode: str, mb: dict, t_global: int) -> float:
-    """Size of what the aggregation divides by, to weight micro-batches inside a mini-batch."""
+    """Size of what the aggregation divides by, to weight micro-batches inside a mini-batch:
+    ``token-mean`` its response tokens, ``seq-mean-token-mean`` its responses with a token,
+    ``seq-mean-token-sum-norm`` responses x ``t_global`` (the mini-batch's longest response).
+
+    Args:
+        mode: one of :data:`train.loss.LOSS_AGG_MODES`.
+        mb: the micro-batch; ``mb["mask"]`` is (B, T), 1 on response tokens.
+        t_global: the normalizing length of ``seq-mean-token-sum-norm``, in tokens.
+
+    Raises:
+        ValueError: an unknown ``mode`` (the valid ones listed).
+    """
     m = mb["mask"]
     if mode == "token-mean":
         return float(m.sum())
     if mode == "seq-mean-token-mean":
         return float((m.sum(1) > 0).sum())
-    return float(m.size(0) * t_global)  # seq-mean-token-sum-norm
+    if mode == "seq-mean-token-sum-norm":
+        return float(m.size(0) * t_global)
+    from train.loss import LOSS_AGG_MODES
+
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {list(LOSS_AGG_MODES)}")
 
 
 def plan_steps(n_micro: int, tc: TrainConfig, seed: int) -> list[tuple[int, list[int]]]:

@@ -177,7 +177,8 @@ def checkpoint_drift(named: Iterable[tuple[str, torch.Tensor]], save_dtype: str,
     if save_dtype not in DTYPES:
         raise ValueError(f"save_dtype {save_dtype!r} is not one of {sorted(DTYPES)}")
     if (prev_master is None) != (prev_engine is None):
-        raise ValueError("prev_master and prev_engine go together: both for round k > 1, neither for round 1")
+        raise ValueError(f"prev_master and prev_engine go together: both for round k > 1, neither for round 1; got "
+                         f"prev_master={prev_master!r}, prev_engine={prev_engine!r}")
     cast = DTYPES[save_dtype]
     s = WeightFiles(start)
     m = WeightFiles(prev_master) if prev_master is not None else None

@@ -101,5 +101,7 @@ def save_checkpoint(model, tok, ckpt: Path, dtype: str, state_dict: dict | None 
     train stage exports and places in two steps."""
     tmp = ckpt.with_name(f".{ckpt.name}.tmp")  # one name: a killed save's leftovers are cleared here
     shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.exists():
+        raise OSError(f"cannot clear the leftover {tmp} of an earlier save; remove it and save again")
     export_checkpoint(model, tok, tmp, dtype, state_dict)
     storage.place_dir(tmp, ckpt, "checkpoint")

@@ -533,6 +533,8 @@ def _save(job: UpdateJob, accelerator, model, tok, sharded: bool, metrics: list[
     if accelerator.is_main_process:
         for tmp in (job.state_out, job.checkpoint_out):  # a killed round's leftovers
             shutil.rmtree(tmp, ignore_errors=True)
+            if tmp.exists():  # never save into a folder that still holds another save's files
+                raise OSError(f"cannot clear the leftover {tmp} of an earlier save; remove it and run the round again")
         job.state_out.parent.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(job.state_out), safe_serialization=True)  # collective under FSDP / DeepSpeed

@@ -45,8 +45,9 @@ def leave_one_out_means(outcome: np.ndarray, groups: np.ndarray) -> np.ndarray:
     _, inv = np.unique(groups, return_inverse=True)
     size = np.bincount(inv)
     if len(size) and size.min() < 2:
-        raise ValueError("a group has one response: the prompt's value needs the group's other responses "
-                         "(rollout.group_size >= 2)")
+        lone = np.unique(groups)[size < 2].tolist()
+        raise ValueError(f"groups {lone[:5]} have one response: the prompt's value needs the group's other "
+                         "responses (rollout.group_size >= 2)")
     total = np.bincount(inv, weights=outcome)
     return (total[inv] - outcome) / (size[inv] - 1)
 

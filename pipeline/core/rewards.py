@@ -385,7 +385,8 @@ def trace_credit(advantages: np.ndarray, offsets: np.ndarray, kappa: float, styl
         raise ValueError(f"unknown ratio trace style {style!r}; valid: ('recent', 'both')")
     offsets = np.asarray(offsets, np.int64)
     if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(advantages) or np.any(np.diff(offsets) < 0):
-        raise ValueError(f"offsets must rise from 0 to {len(advantages)} (the number of advantages)")
+        shown = offsets.tolist() if len(offsets) <= 8 else [*offsets[:4].tolist(), "...", *offsets[-2:].tolist()]
+        raise ValueError(f"offsets must rise from 0 to {len(advantages)} (the number of advantages), got {shown}")
     A_all = np.asarray(advantages, np.float64)
     out = np.zeros(len(A_all), np.float32)
     n = np.diff(offsets)

@@ -188,7 +188,9 @@ def step_token_spans(step_of_token: np.ndarray, n_steps: int) -> tuple[np.ndarra
     steps_T = np.asarray(step_of_token, dtype=np.int64)
     if steps_T.size:
         if np.any(np.diff(steps_T) < 0):
-            raise ValueError("step_of_token must be non-decreasing (tokens are in text order)")
+            i = int(np.flatnonzero(np.diff(steps_T) < 0)[0])
+            raise ValueError(f"step_of_token must be non-decreasing (tokens are in text order); token {i + 1} has step "
+                             f"{steps_T[i + 1]} after step {steps_T[i]}")
         if steps_T[0] < 0 or steps_T[-1] >= n_steps:
             raise ValueError(
                 f"step_of_token values must lie in [0, {n_steps}), "

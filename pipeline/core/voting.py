@@ -149,7 +149,9 @@ def vote(
         np.asarray(n_flagged, dtype=np.float64), np.asarray(n_valid, dtype=np.float64)
     )
     if np.any(flagged < 0) or np.any(flagged > valid):
-        raise ValueError("flag counts must satisfy 0 <= n_flagged <= n_valid")
+        i = int(np.flatnonzero((flagged < 0) | (flagged > valid))[0])
+        raise ValueError(f"flag counts must satisfy 0 <= n_flagged <= n_valid; step {i} has n_flagged "
+                         f"{flagged.flat[i]:g} and n_valid {valid.flat[i]:g}")
     has_votes = valid > 0
     safe_valid = np.where(has_votes, valid, 1.0)
     weights = rule_fn(flagged, safe_valid, majority_threshold).astype(np.float64)

@@ -402,6 +402,9 @@ def _jobs(inp: _CritiqueInputs, ids: list[str]) -> list[CritiqueJob]:
     out = []
     for rid in ids:
         r = inp.rollouts[rid]
+        if r["prompt_id"] not in inp.prompts:
+            raise ValueError(f"rollout {rid} answers prompt {r['prompt_id']!r}, which the prompt table does not hold; "
+                             "the table changed since the rollouts were sampled: run the rollout stage again (--force)")
         pr = inp.prompts[r["prompt_id"]]
         out.append(CritiqueJob(rid, pr["question"], inp.steps[rid], r["response_text"], pr["gold_answer"],
                                pr["gold_solution"], rid in inp.empty))
@@ -415,6 +418,7 @@ def _critique_replies(engine, mode: CritiqueMode, jobs: list[CritiqueJob], n: in
     Raises:
         pipeline.engines.openai_engine.EngineReplyError: a request failed after its retries; the
             message names the shard and the rollouts it failed on.
+        RuntimeError: the engine returned another number of results than requests (named).
     """
     from pipeline.engines.openai_engine import EngineReplyError
 
@@ -431,7 +435,10 @@ def _critique_replies(engine, mode: CritiqueMode, jobs: list[CritiqueJob], n: in
                                f"rollout{'s' if len(rids) > 1 else ''} {named}: {e}")
         err.failed, err.kept = e.failed, e.kept
         raise err from e
-    return {j.rollout_id: g.samples for j, g in zip(live, replies)}
+    if len(replies) != len(live):
+        raise RuntimeError(f"critique shard {shard} of round {round_idx}: the critic engine returned {len(replies)} "
+                           f"results for {len(live)} requests; an engine returns one result per request, in order")
+    return {j.rollout_id: g.samples for j, g in zip(live, replies, strict=True)}
 
 
 def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inputs: _CritiqueInputs | None = None) -> dict:

@@ -125,7 +125,7 @@ def evaluate_policy(model: str, benchmarks: list[str], sample_size: int | None, 
     try:
         for decoding, probs, n, sampling in runs:
             gens = engine.generate([policy_messages(p["question"], instruction) for p in probs], n, sampling)
-            for p, gen in zip(probs, gens):
+            for p, gen in zip(probs, gens, strict=True):
                 for j, s in enumerate(gen.samples):
                     rows.append({"run_id": run_id, "round": round_idx, "variant": variant, "policy": model,
                                  "benchmark": p["benchmark"], "prompt_id": p["prompt_id"], "decoding": decoding,

@@ -135,8 +135,15 @@ def mc_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResul
                 stats = engine.stats.as_dict()
             finally:
                 engine.close()
+            if len(gens) != len(states):
+                raise RuntimeError(f"[mc] the engine returned {len(gens)} results for {len(states)} states of round "
+                                   f"{round_idx}; an engine returns one result per prefix, in order")
+            short = [(s["rollout_id"], s["state_idx"], len(g.samples)) for s, g in zip(states, gens) if len(g.samples) != K]
+            if short:
+                raise RuntimeError(f"[mc] states with other than mc.continuations = {K} continuations "
+                                   f"(rollout, state, continuations): {short[:5]}")
             pairs, finish = [], []
-            for s, text, g in zip(states, texts, gens):
+            for s, text, g in zip(states, texts, gens, strict=True):
                 for smp in g.samples:
                     pairs.append((gold[prompt_of[s["rollout_id"]]], text + smp.text))
                     finish.append(smp.finish_reason)

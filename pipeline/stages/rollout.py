@@ -174,7 +174,7 @@ def rollout_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stage
             gens = engine.generate([policy_messages(r["question"], cfg.instruction()) for r in chosen],
                                    rc.group_size, rc.sampling)
             new = [(r, g, [decode_with_bytes(engine.tokenizer, s.token_ids)[0] for s in g.samples])
-                   for r, g in zip(chosen, gens)]
+                   for r, g in zip(chosen, gens, strict=True)]
             groups += new
             if not rc.dynamic_sampling:
                 break

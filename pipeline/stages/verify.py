@@ -36,13 +36,22 @@ def verify_key(cfg: CAPOConfig, round_idx: int) -> dict:
 
 def verify_stage(cfg: CAPOConfig, round_idx: int, force: bool = False, workers: int = 2) -> StageResult:
     """math-verify every response against its gold answer -> ``outcomes.parquet``, under the rule of
-    ``cfg.verify`` (a response cut at the token budget is wrong by default, status ``truncated``)."""
+    ``cfg.verify`` (a response cut at the token budget is wrong by default, status ``truncated``).
+
+    Raises:
+        ValueError: a rollout's prompt is not in the prompt table (the prompt ids named).
+    """
     p = round_paths(cfg, round_idx)
     key = verify_key(cfg, round_idx)
 
     def compute():
         ro = storage.read_table(p["rollouts"], "rollouts").select(["rollout_id", "prompt_id", "response_text", "finish_reason"]).to_pylist()
         gold = {r["prompt_id"]: r["gold_answer"] for r in pq.read_table(prompts_path(cfg), columns=["prompt_id", "gold_answer"]).to_pylist()}
+        missing = sorted({r["prompt_id"] for r in ro} - set(gold))
+        if missing:
+            raise ValueError(f"round {round_idx}'s rollouts answer prompts that {prompts_path(cfg)} does not hold: "
+                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; the prompt table changed since the "
+                             "rollouts were sampled: run the round's rollout stage again (--force) or restore the table")
         pairs = [(gold[r["prompt_id"]], r["response_text"] or "") for r in ro]
         results = grade(pairs, workers=workers, answer=cfg.verify.answer,
                         finish_reasons=[r["finish_reason"] for r in ro], truncated=cfg.verify.truncated)

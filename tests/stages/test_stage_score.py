@@ -490,6 +490,19 @@ def test_verify_stage_grades_against_the_prompt_table(tmp_path):
     assert storage.read_manifest(round_paths(cfg, 1)["outcomes"])["accuracy"] == 0.5
 
 
+def test_verify_stage_names_a_prompt_the_prompt_table_lost(tmp_path):
+    cfg = _cfg(tmp_path)
+    _write_round(cfg)
+    ro = storage.read_table(round_paths(cfg, 1)["rollouts"], "rollouts").to_pylist()
+    for r in ro:
+        r["prompt_id"] = "gone-00007" if r["rollout_id"] == "B" else r["prompt_id"]
+    _write(cfg, "rollouts", [{k: v for k, v in r.items() if k not in ("run_id", "round")} for r in ro], "rollout")
+    round_paths(cfg, 1)["outcomes"].unlink()
+    with pytest.raises(ValueError, match=r"answer prompts that .* does not hold: \['gone-00007'\]"):
+        verify_stage(cfg, 1, workers=1)
+    assert not round_paths(cfg, 1)["outcomes"].exists()  # nothing written
+
+
 def test_verify_stage_scores_a_truncated_rollout_zero_and_records_why(tmp_path):
     cfg = _cfg(tmp_path)
     _write_round(cfg)

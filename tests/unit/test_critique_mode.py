@@ -107,6 +107,12 @@ def test_a_judged_response_with_too_few_replies_is_a_clear_error():
                       {"run_id": "run", "round": 0, "critic_model": "critic"})
 
 
+def test_a_judged_response_without_replies_is_a_clear_error_not_an_empty_one():
+    with pytest.raises(ValueError, match="rollout r2 is not empty and has no critiques"):
+        critique_rows(ProcessCritique("capo-genprm-v1"), _jobs(), {"r0": [_Reply("x", [1])]}, 1,
+                      {"run_id": "run", "round": 0, "critic_model": "critic"})
+
+
 def test_no_critiques_asked_gives_no_rows():
     assert critique_rows(ProcessCritique("capo-genprm-v1"), _jobs(), {}, 0, {"run_id": "r", "round": 0,
                                                                             "critic_model": "c"}) == []

@@ -412,3 +412,14 @@ def test_credit_sums_average_each_token_over_the_passes():
     assert sums.sums.shape == (6,)  # one value per response token, no padding to the longest
     with pytest.raises(ValueError, match="example 2 has 2 response tokens; its micro-batch row masks 3"):
         sums.add(2, torch.ones(1, 3, dtype=torch.bool), torch.zeros(1, 3))
+
+
+def test_loss_normalizer_by_hand_and_an_unknown_mode_named():
+    from train.distributed import loss_normalizer
+
+    mb = {"mask": torch.tensor([[1, 1, 0], [0, 0, 0]])}  # 2 response tokens, one response with a token
+    assert loss_normalizer("token-mean", mb, 5) == 2.0
+    assert loss_normalizer("seq-mean-token-mean", mb, 5) == 1.0
+    assert loss_normalizer("seq-mean-token-sum-norm", mb, 5) == 2 * 5.0  # responses x the global length
+    with pytest.raises(ValueError, match="unknown loss aggregation mode 'sum'; valid: \\['token-mean'"):
+        loss_normalizer("sum", mb, 5)

@@ -57,7 +57,7 @@ def test_the_prompt_value_is_the_mean_of_the_groups_other_outcomes():
     # group 1 [1, 0]: 0 and 1
     got = leave_one_out_means(np.array([1, 1, 0, 0, 1, 0.0]), np.array([0, 0, 0, 0, 1, 1]))
     np.testing.assert_allclose(got, [1 / 3, 1 / 3, 2 / 3, 2 / 3, 0.0, 1.0])
-    with pytest.raises(ValueError, match="a group has one response"):
+    with pytest.raises(ValueError, match=r"groups \[1\] have one response"):
         leave_one_out_means(np.array([1.0, 0.0, 1.0]), np.array([0, 0, 1]))
 
 

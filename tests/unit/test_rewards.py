@@ -307,5 +307,5 @@ def test_trace_credit_is_the_traced_loss_gradient_at_ratio_1():
         trace_credit(A, off, 1.5)
     with pytest.raises(ValueError, match="unknown ratio trace style 'old'"):
         trace_credit(A, off, 0.5, "old")
-    with pytest.raises(ValueError, match="offsets must rise from 0 to 14"):
+    with pytest.raises(ValueError, match=r"offsets must rise from 0 to 14 \(the number of advantages\), got \[0, 5\]"):
         trace_credit(A, np.array([0, 5]), 0.5)

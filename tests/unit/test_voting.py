@@ -93,7 +93,7 @@ def test_vote_errors_list_valid_choices():
     for bad in (1.0, -0.1, 1.5):
         with pytest.raises(ValueError, match=r"\[0, 1\)"):
             vote(np.array([0]), 1, "majority", bad)
-    with pytest.raises(ValueError, match="n_flagged <= n_valid"):
+    with pytest.raises(ValueError, match="step 0 has n_flagged 3 and n_valid 2"):
         vote(np.array([3]), 2, "union")
 
 

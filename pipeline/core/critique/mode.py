@@ -198,13 +198,17 @@ def critique_rows(mode: ProcessCritique | OutcomeCritique, jobs: Sequence[Critiq
         base: the columns every row shares (``run_id``, ``round``, ``critic_model``).
 
     Raises:
-        ValueError: a judged job with fewer than ``n`` replies.
+        ValueError: a judged job with fewer than ``n`` replies, or a job that is not empty with no
+            replies at all (named: only an empty response goes unjudged).
     """
     rows = []
     shared = {**base, "source": "llm", "mode": mode.type, "template_version": mode.template_version,
               "include_gold_answer": mode.include_gold_answer}
     for job in jobs:
         got = replies.get(job.rollout_id)
+        if got is None and not job.empty and n > 0:
+            raise ValueError(f"rollout {job.rollout_id} is not empty and has no critiques; every non-empty "
+                             "response is judged (a job without replies must be an empty response)")
         if got is not None and len(got) < n:
             raise ValueError(f"rollout {job.rollout_id} has {len(got)} critiques, {n} were asked for")
         for k in range(n):
