@@ -112,7 +112,7 @@ fi
 
 # The critique browser's test opens the page in headless Chromium (Debian's package, driven by
 # Playwright's Python API; Playwright's own browser download needs a CDN this machine cannot reach).
-# Installed with apt where we may; elsewhere that test is skipped with its reason.
+# Installed with apt where we may; elsewhere those tests skip with their reason (and fail under .ci/run).
 if CHROMIUM=$(command -v chromium || command -v chromium-browser); then
   echo "chromium: already installed ($CHROMIUM)"
 else

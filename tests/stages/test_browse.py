@@ -5,6 +5,7 @@ untrusted model text, and the page used in headless Chromium (filters, a click o
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import duckdb
@@ -12,9 +13,9 @@ import pytest
 
 from pipeline import storage
 from pipeline.browse import build_browser, chromium_executable, collect, headless_chromium
-from tests.conftest import require_chromium
 from pipeline.stages.reward import reward_stage
 from pipeline.stages.vote import vote_stage
+from tests.conftest import require_chromium
 from tests.toy_round import toy_config, write_round
 
 EVIL = "</script><img src=x onerror=\"document.title='pwned'\"><b>bold</b> &amp; 'quoted'"
@@ -339,7 +340,8 @@ def test_fipo_shows_the_credit_its_update_recorded(toy_run, tmp_path):
     finally:
         con.close()
     assert {r[0]: r[2] for r in got} == {rid: pytest.approx(c, rel=1e-6) for rid, c in recorded.items()}
-    if chromium_executable():
+    if chromium_executable() or os.environ.get("CAPO_REQUIRE_BROWSER") == "1":
+        require_chromium()
         with headless_chromium() as browser:
             tab = browser.new_page()
             tab.goto(page.as_uri())
