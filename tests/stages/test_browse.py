@@ -72,11 +72,16 @@ def test_every_stated_query_runs_unchanged_in_the_catalog(toy_run):
     cat = storage.refresh_catalog(Path(cfg.runs_dir), Path(cfg.data_dir))
     con = duckdb.connect(str(cat), read_only=True)
     try:
-        for name in ("responses", "steps", "critiques", "token_rewards", "parse_status"):
-            rows = con.execute(data["queries"][name]).fetchall()
-            assert len(rows) == {"responses": 2, "steps": 6, "critiques": 5, "token_rewards": 2, "parse_status": 2}[name], name
+        got = {name: con.execute(data["queries"][name]).fetchall()
+               for name in ("responses", "steps", "critiques", "token_rewards", "parse_status")}
     finally:
         con.close()
+    assert {n: len(rows) for n, rows in got.items()} == {"responses": 2, "steps": 6, "critiques": 5, "token_rewards": 2,
+                                                         "parse_status": 2}
+    assert [(r[1], r[6]) for r in got["responses"]] == [("A", True), ("B", False)]  # rollout, outcome_correct
+    assert [(r[0], r[1]) for r in got["steps"]] == [("A", 0), ("A", 1), ("A", 2), ("B", 0), ("B", 1), ("B", 2)]
+    assert sorted((r[0], len(r[2])) for r in got["token_rewards"]) == [("A", 11), ("B", 7)]  # advantages per token
+    assert got["parse_status"] == [("ok", 4), ("no_verdict", 1)]
 
 
 def test_model_text_reaches_the_page_as_data_only(toy_run):
