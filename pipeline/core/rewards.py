@@ -59,6 +59,9 @@ def broadcast_to_tokens(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 
     Returns:
         (N,) with ``values.dtype``, ``N = offsets[-1]``.
+
+    Raises:
+        ValueError: ``offsets`` is not (B+1,), does not start at 0, or decreases.
     """
     values_B = np.asarray(values)
     off = _check_offsets(offsets, n_rows=len(values_B), n_tokens=None)

@@ -126,6 +126,7 @@ def policy_for_round(cfg: CAPOConfig, round_idx: int) -> str:
     """Round 1 samples from ``rollout.policy``; round k > 1 from round k-1's checkpoint.
 
     Raises:
+        ValueError: ``round_idx`` below 1 (round 0 is the starting policy, evaluated only).
         FileNotFoundError: round k-1 has not written its checkpoint.
     """
     if round_idx < 1:

@@ -64,6 +64,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
     With ``n == k`` (what :func:`evaluate_policy` draws) it reduces to "any of the k samples is
     right": 1.0 when ``c > 0`` else 0.0. Computed as a product so large n does not overflow.
+
+    Raises:
+        ValueError: ``c`` outside ``[0, n]`` or ``k`` outside ``[1, n]`` (the values named).
     """
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
@@ -109,6 +112,10 @@ def evaluate_policy(model: str, benchmarks: list[str], sample_size: int | None, 
     ``seed`` picks the problems and seeds the engine; ``sample_seed`` (None: ``seed``) seeds the engine
     alone, so the same problems can be sampled again under other random numbers (the sampled
     accuracy's own noise).
+
+    Raises:
+        ValueError: an empty ``instruction``, or the engine returned another number of results
+            than prompts.
     """
     from pipeline.engines.host import policy_engine
 
@@ -181,7 +188,11 @@ def eval_path(cfg: CAPOConfig, round_idx: int) -> Path:
 
 
 def eval_stage(cfg: CAPOConfig, round_idx: int, force: bool = False):
-    """Evaluate round ``round_idx``'s policy on ``eval.benchmarks`` -> ``eval.parquet``."""
+    """Evaluate round ``round_idx``'s policy on ``eval.benchmarks`` -> ``eval.parquet``.
+
+    Raises:
+        FileNotFoundError: round ``round_idx`` (> 0) has not written the checkpoint the eval reads.
+    """
     ec = cfg.eval
 
     def compute():

@@ -68,6 +68,11 @@ def reward_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageR
     """Token rewards ``C*r_v - P*w`` and advantages for the config's variant -> ``token_rewards``.
 
     Vectorized end to end (numpy + pyarrow list arrays): no per-token Python.
+
+    Raises:
+        ValueError: the round's tables disagree (a rollout without an outcome or without steps,
+            steps that do not cover a response's tokens, MC values of unknown rollouts or states);
+            each message names the rollout and the stage to run again.
     """
     p = round_paths(cfg, round_idx)
     key = reward_key(cfg, round_idx)

@@ -147,7 +147,13 @@ def rollout_key(cfg: CAPOConfig, round_idx: int) -> dict:
 
 
 def rollout_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
-    """Sample G responses per prompt from the round's policy -> ``rollouts.parquet``."""
+    """Sample G responses per prompt from the round's policy -> ``rollouts.parquet``.
+
+    Raises:
+        ValueError: ``data.prompts_per_round`` exceeds the prompt table, or the round would hold a
+            rollout id twice.
+        FileNotFoundError: round k-1's checkpoint is missing (:func:`policy_for_round`).
+    """
     p = round_paths(cfg, round_idx)
     key = rollout_key(cfg, round_idx)
 

@@ -76,7 +76,20 @@ PARTIAL_POLICIES = ("list", "lines", "drop")
 def critique_votes(status: str, listed, wrong_by_lines, partial: str = "list") -> tuple[int, ...] | None:
     """What a critique row votes (see :meth:`ParsedCritique.votes`): its status, final list
     (None when unparsed) and steps its lines call wrong (None in tables from before per-step
-    parsing, read as the list)."""
+    parsing, read as the list).
+
+    Args:
+        status: the row's ``parse_status``.
+        listed: the row's ``wrong_steps`` (a sequence of step indices, or None).
+        wrong_by_lines: the row's ``steps_wrong_lines`` (a sequence of step indices, or None).
+        partial: ``vote.partial_critiques``, one of :data:`PARTIAL_POLICIES`.
+
+    Returns:
+        The step indices the row votes wrong, or None when it casts no vote.
+
+    Raises:
+        ValueError: an unknown ``partial`` policy (the valid ones listed).
+    """
     if partial not in PARTIAL_POLICIES:
         raise ValueError(f"unknown partial-critique policy {partial!r}; valid: {list(PARTIAL_POLICIES)}")
     if status in (STATUS_COMPLETE, STATUS_OK):
