@@ -21,7 +21,6 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -454,22 +453,6 @@ def part_intact(path: Path, meta: dict) -> bool:
     if "rows" in meta and rows != meta["rows"]:
         return False
     return "sha256" not in meta or file_sha256(path) == meta["sha256"]
-
-
-def read_parts(parts_dir: Path, name: str, meta_key: Any) -> list[pa.Table]:
-    """Committed shards in ``parts_dir`` whose sidecar has ``key == meta_key`` (others are removed)."""
-    out = []
-    if not parts_dir.is_dir():
-        return out
-    for p in sorted(parts_dir.glob("part-*.parquet")):
-        side = p.with_suffix(".json")
-        meta = json.loads(side.read_text()) if side.is_file() else None
-        if meta is None or meta.get("key") != meta_key:
-            p.unlink()
-            side.unlink(missing_ok=True)
-            continue
-        out.append(check_schema(pq.read_table(p), name, str(p)))
-    return out
 
 
 # ----------------------------------------------------------------------------------------- catalog

@@ -22,6 +22,7 @@ import socket
 import time
 from collections import Counter
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
@@ -314,6 +315,13 @@ def _cut(ids: list[str], size: int) -> list[list[str]]:
     return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
+def _sidecar_parses(side: Path) -> bool:
+    try:
+        return isinstance(json.loads(side.read_text(encoding="utf-8")), dict)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+
+
 def _shard_committed(parts_dir: Path, shard: int, shard_key: str, ids: list[str]) -> bool:
     path = _part_path(parts_dir, shard)
     side = path.with_suffix(".json")
@@ -341,8 +349,12 @@ def critique_done_shards(cfg: CAPOConfig, round_idx: int, plan: list[list[str]] 
     under the current stage key.
 
     With ``prune`` (only the process that plans the stage, before any worker starts: a worker
-    writes a part before its sidecar), also delete every other file in the parts directory: parts
-    of another key or another ``batch_rollouts``, and parts whose write was interrupted.
+    writes a part before its sidecar), clear the parts directory of everything else. Critic output
+    that was paid for is kept: a committed part of another key or another ``batch_rollouts`` (with
+    its sidecar), and an OpenAI reply file of a shard index the plan no longer has, move to
+    ``superseded/critiques.parts-<UTC stamp>/`` beside the directory. What holds no finished
+    critique is deleted: temporaries and parts of an interrupted write (no sidecar, or one that
+    does not parse).
 
     Raises:
         FileNotFoundError: the round's rollouts or steps table is missing (the key needs them).
@@ -357,12 +369,27 @@ def critique_done_shards(cfg: CAPOConfig, round_idx: int, plan: list[list[str]] 
         keep = {_part_path(parts_dir, i).name for i in done} | {_part_path(parts_dir, i).with_suffix(".json").name for i in done}
         # an OpenAI critic's finished replies of a shard not committed yet: a re-run sends only the rest
         keep |= {_replies_path(parts_dir, i).name for i in range(len(plan)) if i not in done}
-        stale = [f for f in parts_dir.iterdir() if f.name not in keep]
+        stale = [f for f in parts_dir.iterdir() if f.name not in keep and f.is_file()]
+        paid = {f for f in stale if f.name.endswith(".replies.jsonl")}
+        for f in stale:  # a part whose sidecar parses was committed: its critiques were finished
+            if f.suffix == ".json" and f.with_suffix(".parquet") in stale and _sidecar_parses(f):
+                paid |= {f, f.with_suffix(".parquet")}
+        if paid:
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+            dest = parts_dir.parent / "superseded" / f"{parts_dir.name}-{stamp}"
+            dest.mkdir(parents=True)
+            for f in sorted(paid):
+                os.replace(f, dest / f.name)
+            storage.fsync_dir(dest)
+            storage.fsync_dir(parts_dir)
+            log.warning("[critique] moved %d files of finished critiques under another key or batch_rollouts "
+                        "from %s to %s", len(paid), parts_dir.name, dest)
         for f in stale:
-            f.unlink()
-        if stale:
-            log.info("[critique] removed %d stale files from %s (another key or batch_rollouts, or an "
-                     "interrupted write)", len(stale), parts_dir.name)
+            if f not in paid:
+                f.unlink()
+        if len(stale) > len(paid):
+            log.info("[critique] removed %d files of interrupted writes from %s", len(stale) - len(paid),
+                     parts_dir.name)
     return done
 
 

@@ -199,7 +199,7 @@ def test_fanout_resumes_committed_shards_and_local_resume_logs(toy, caplog):
         assert rows[(r["rollout_id"], r["critique_idx"])]["raw_text"] == r["raw_text"]  # not recomputed
 
 
-def test_prune_removes_stale_and_uncommitted_parts(toy, tmp_path):
+def test_prune_keeps_finished_critiques_of_another_key_and_removes_interrupted_writes(toy, tmp_path):
     from pipeline.stages.critique import (
         critique_done_shards,
         critique_parts_dir,
@@ -210,12 +210,22 @@ def test_prune_removes_stale_and_uncommitted_parts(toy, tmp_path):
     parts = critique_parts_dir(toy, 1)
     shutil.copy(parts / "part-00000.parquet", parts / "part-00009.parquet")  # no sidecar: never committed
     (parts / "part-00001.json").write_text(json.dumps({"key": "another-key", "rows": 4}))
+    (parts / ".part-00001.parquet.abc.tmp").write_bytes(b"torn")  # a write killed before its rename
+    (parts / ".part-00007.replies.jsonl").write_text('{"key": "k", "reply": 1}\n')  # no shard 7 in this plan
     assert critique_done_shards(toy, 1) == [0]
     assert critique_done_shards(toy, 1, prune=True) == [0]
     assert sorted(f.name for f in parts.iterdir()) == ["part-00000.json", "part-00000.parquet"]
-    # another batch_rollouts: shard 0 would hold r0, r1, r2: the old part is not reused
+    # part 1 (another key, committed) and the replies are finished critic output: moved, not deleted
+    (moved,) = (parts.parent / "superseded").iterdir()
+    assert moved.name.startswith("critiques.parts-")
+    assert sorted(f.name for f in moved.iterdir()) == [".part-00007.replies.jsonl", "part-00001.json", "part-00001.parquet"]
+    assert json.loads((moved / "part-00001.json").read_text())["key"] == "another-key"
+    # another batch_rollouts: shard 0 would hold r0, r1, r2: the old part is not reused, but kept
+    shard0 = (parts / "part-00000.parquet").read_bytes()
     bigger = _cfg(Path(toy.runs_dir).parent, "critique.batch_rollouts=3")
     assert critique_done_shards(bigger, 1, prune=True) == [] and list(parts.iterdir()) == []
+    kept = [d for d in (parts.parent / "superseded").iterdir() if d != moved]
+    assert len(kept) == 1 and (kept[0] / "part-00000.parquet").read_bytes() == shard0
 
 
 def test_part_without_rollouts_sha_is_checked_by_content(toy):
