@@ -8,9 +8,12 @@ incremental decoding (slower, exact for whole characters).
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 
 import numpy as np
+
+log = logging.getLogger("capo.tokenization")
 
 
 @lru_cache(maxsize=1)
@@ -40,7 +43,9 @@ def token_bytes(tokenizer, token_ids: list[int] | np.ndarray) -> list[bytes]:
         tokenizer: a Hugging Face tokenizer.
         token_ids: (T,) generated token ids.
     Returns:
-        T byte strings whose concatenation is the response text's UTF-8 encoding.
+        T byte strings whose concatenation is the response text's UTF-8 encoding. A tokenizer
+        that is not byte-level is decoded prefix by prefix; where its decoder rewrites text
+        already assigned to earlier tokens, the token is given ``b""`` and a warning counts them.
     """
     ids = [int(i) for i in token_ids]
     added_tokens = getattr(tokenizer, "added_tokens_decoder", {}) or {}
@@ -63,14 +68,22 @@ def token_bytes(tokenizer, token_ids: list[int] | np.ndarray) -> list[bytes]:
                     out.append(piece.encode("utf-8"))
         return out
     # Fallback: decode growing prefixes; each token gets the new bytes it adds.
-    out, prev = [], b""
+    out, prev, rewrote = [], b"", 0
     for i in range(len(ids)):
         cur = tokenizer.decode(ids[: i + 1], skip_special_tokens=True, clean_up_tokenization_spaces=False)
         cur_b = cur.encode("utf-8")
         if cur_b.endswith("\ufffd".encode()) and i + 1 < len(ids):
             cur_b = cur_b[: -len("\ufffd".encode())]  # incomplete character: wait for its next byte
-        out.append(cur_b[len(prev):] if cur_b.startswith(prev) else b"")
-        prev = cur_b if cur_b.startswith(prev) else prev
+        if cur_b.startswith(prev):
+            out.append(cur_b[len(prev):])
+            prev = cur_b
+        else:  # the decoder rewrote text already assigned: this token is given no bytes
+            out.append(b"")
+            rewrote += 1
+    if rewrote:
+        log.warning("%s's decoder rewrote earlier text at %d of %d tokens; those tokens were given no bytes, so "
+                    "the response text is the concatenation of the others (it may differ from decode())",
+                    type(tokenizer).__name__, rewrote, len(ids))
     return out
 
 
