@@ -129,65 +129,80 @@ def _iv(c: dict) -> str:
     return f"[{_pts(c['lo'])}, {_pts(c['hi'])}]"
 
 
+WORDS = dict(enumerate(["no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]))
+WHOSE = {"capo": "CAPO's", "grpo": "GRPO's", "random-credit": "random credit's"}
+RIVALS = {"grpo": "GRPO", "random_credit": "random credit"}
+
+
+def _and(xs: list[str]) -> str:
+    return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " and " + xs[-1]
+
+
+def matrix_sentences(lines: list[dict]) -> dict[str, str]:
+    """The sentences of docs/benchmarks.md and the README that read the matrix, built from its
+    evidence lines: each arm's change pooled over its seeds (seeds and items resampled), CAPO's
+    differences from GRPO and from random credit over the seeds both finished, and the verdicts."""
+    summary = {r["summary"]: r for r in lines if "summary" in r}
+    heads = {k: v for r in lines for k, v in r.items() if "capo_minus_" in k and k.endswith("_pooled")}
+    pooled = {arm: summary[arm]["pooled_change_from_round0"] for arm in WHOSE}
+    n_runs = len(_matrix_runs(lines))
+    out = {"status": ("The matrix has finished" if n_runs == 9 else
+                      f"**The matrix has not finished**: {WORDS[n_runs]} of its nine runs have")}
+    out["spread"] = "per seed, " + "; ".join(
+        f"{who} greedy change was {_and([_pts(x) for x in pooled[arm]['greedy']['per_seed']])} points and its sampled "
+        f"{_and([_pts(x) for x in pooled[arm]['sampled']['per_seed']])}" for arm, who in WHOSE.items())
+    for arm, who in WHOSE.items():
+        g, smp, box = (pooled[arm][k] for k in ("greedy", "sampled", "sampled_boxed"))
+        assert g["seeds"] == smp["seeds"] == box["seeds"]
+        out[f"pooled {arm}"] = (f"{who} change over {WORDS[g['seeds']]} seeds is {_pts(g['diff'])} points greedy {_iv(g)}, "
+                                f"{_pts(smp['diff'])} sampled {_iv(smp)} and {_pts(box['diff'])} sampled within boxed "
+                                f"answers {_iv(box)}")
+    for other, name in RIVALS.items():
+        g, gb, smp, sb = (heads[f"{p}capo_minus_{other}_pooled"] for p in ("", "greedy_boxed_", "sampled_", "sampled_boxed_"))
+        assert g["seeds"] == gb["seeds"] == smp["seeds"] == sb["seeds"]
+        seeds = WORDS[g["seeds"]]
+        out[f"minus {other}"] = (f"CAPO minus {name} over {seeds} seeds is {_pts(g['diff'])} points greedy {_iv(g)}, "
+                                 f"{_pts(smp['diff'])} sampled {_iv(smp)}, {_pts(gb['diff'])} greedy within boxed answers "
+                                 f"{_iv(gb)} and {_pts(sb['diff'])} sampled within boxed answers {_iv(sb)}")
+        out[f"per seed {other}"] = (f"per seed {_and([_pts(x) for x in g['per_seed']])} points greedy, "
+                                    f"{_and([_pts(x) for x in smp['per_seed']])} sampled")
+        below = [c for c in (g, gb, smp, sb) if c["hi"] < 0]
+        above = [c for c in (g, gb, smp, sb) if c["lo"] > 0]
+        if not below and not above:
+            out[f"verdict {other}"] = (f"No interval excludes 0: over {seeds} seeds CAPO's credit is neither shown "
+                                       f"better nor worse than {name}")
+        elif below and not above:
+            out[f"verdict {other}"] = f"{name[0].upper() + name[1:]} did better than CAPO over {seeds} seeds"
+        elif above and not below:
+            out[f"verdict {other}"] = f"CAPO did better than {name} over {seeds} seeds"
+        else:
+            out[f"verdict {other}"] = f"Over {seeds} seeds the intervals that exclude 0 disagree in sign"
+        out[f"readme {other}"] = (f"CAPO minus {name} on the same problems over {seeds} seeds is {_pts(g['diff'])} points "
+                                  f"greedy {_iv(g)} and {_pts(smp['diff'])} sampled {_iv(smp)}")
+    c, r = pooled["capo"], pooled["grpo"]
+    out["readme pooled"] = (f"CAPO's held-out accuracy changed by {_pts(c['greedy']['diff'])} points greedy and "
+                            f"{_pts(c['sampled']['diff'])} sampled over {WORDS[c['greedy']['seeds']]} seeds, GRPO's by "
+                            f"{_pts(r['greedy']['diff'])} and {_pts(r['sampled']['diff'])} over {WORDS[r['greedy']['seeds']]}")
+    out["readme boxed"] = (f"partly within boxed answers ({_pts(c['sampled_boxed']['diff'])} and "
+                           f"{_pts(r['sampled_boxed']['diff'])})")
+    return out
+
+
 def test_learning_matrix_verdicts():
-    """The sentences that read the matrix: each arm's change pooled over its seeds, and CAPO's
-    differences from the other arms, in docs/benchmarks.md and the README."""
+    """The sentences that read the matrix (see :func:`matrix_sentences`), in docs/benchmarks.md
+    and the README, and the claims about them that the intervals must bear out."""
     lines = _lines("learning-readout-3seeds.jsonl")
     page = _text("docs/benchmarks.md")
     readme = _text("README.md")
+    said = matrix_sentences(lines)
+    for key, sentence in said.items():
+        assert sentence in (readme if key.startswith("readme") else page), (key, sentence)
     summary = {r["summary"]: r for r in lines if "summary" in r}
-    s = summary["capo"]["paired_change_from_round0"]["0"]
-    t = s["transitions"]
+    t = summary["capo"]["paired_change_from_round0"]["0"]["transitions"]
     assert f"({t['right->wrong (ok->ok)']} right -> wrong, {t['wrong->right (ok->ok)']} wrong -> right" in page
-    for arm, who in (("capo", "CAPO's"), ("grpo", "GRPO's")):
-        pooled = summary[arm]["pooled_change_from_round0"]
-        g, smp, box = pooled["greedy"], pooled["sampled"], pooled["sampled_boxed"]
-        assert g["seeds"] == smp["seeds"] == box["seeds"] == 2
-        assert (f"{who} change is {_pts(g['diff'])} points greedy {_iv(g)}, {_pts(smp['diff'])} sampled {_iv(smp)} "
-                f"and {_pts(box['diff'])} sampled within boxed answers {_iv(box)}") in page, arm
-        assert g["lo"] < 0 < g["hi"] and smp["lo"] > 0 and box["lo"] > 0  # "greedy did not move beyond noise", "rose"
-    heads = {k: v for r in lines for k, v in r.items() if "capo_minus_" in k and k.endswith("_pooled")}
-    g, smp, box = (heads[f"{p}capo_minus_grpo_pooled"] for p in ("", "sampled_", "sampled_boxed_"))
-    assert g["seeds"] == smp["seeds"] == box["seeds"] == 2
-    assert (f"CAPO minus GRPO is {_pts(g['diff'])} points greedy {_iv(g)}, {_pts(smp['diff'])} sampled {_iv(smp)} and "
-            f"{_pts(box['diff'])} sampled within boxed answers {_iv(box)}") in page
-    assert all(c["lo"] < 0 < c["hi"] for c in (g, smp, box))  # "No interval excludes 0"
-    per = [f"{100 * x:+.1f}" for x in smp["per_seed"]]
-    assert f"by about the same amount ({per[0]} and {per[1]} points)" in page
-    assert f"its greedy accuracy on seed 0 only ({100 * g['per_seed'][0]:+.1f} and {100 * g['per_seed'][1]:+.1f})" in page
-    g_rc, smp_rc, box_rc = (heads[f"{p}capo_minus_random_credit_pooled"] for p in ("", "sampled_", "sampled_boxed_"))
-    if g_rc["seeds"] == 1:
-        assert (f"CAPO minus random credit on seed 0 is {100 * g_rc['diff']:.1f} points greedy [{100 * g_rc['lo']:.1f}, "
-                f"{100 * g_rc['hi']:.1f}] and {100 * smp_rc['diff']:.1f} sampled [{100 * smp_rc['lo']:.1f}, "
-                f"{100 * smp_rc['hi']:.1f}]") in page
-    else:
-        assert g_rc["seeds"] == smp_rc["seeds"] == box_rc["seeds"] == 2
-        assert (f"CAPO minus random credit is {_pts(g_rc['diff'])} points greedy {_iv(g_rc)}, {_pts(smp_rc['diff'])} "
-                f"sampled {_iv(smp_rc)} and {_pts(box_rc['diff'])} sampled within boxed answers {_iv(box_rc)}") in page
-        gp, sp = ([f"{100 * x:+.1f}" for x in c["per_seed"]] for c in (g_rc, smp_rc))
-        assert f"per seed {gp[0]} and {gp[1]} points greedy, {sp[0]} and {sp[1]} sampled" in page
-        below = [c for c in (g_rc, smp_rc, box_rc) if c["hi"] < 0]
-        above = [c for c in (g_rc, smp_rc, box_rc) if c["lo"] > 0]
-        if not below and not above:
-            assert "No interval excludes 0: over two seeds the readout's placement" in page
-        elif below and not above:
-            assert "placed at random did better than the readout's placement over two seeds" in page
-        else:
-            assert "the readout's placement did better than random placement" in page
-    capo, grpo = summary["capo"]["pooled_change_from_round0"], summary["grpo"]["pooled_change_from_round0"]
-    assert (f"CAPO's held-out accuracy changed by {_pts(capo['greedy']['diff'])} points greedy and "
-            f"{_pts(capo['sampled']['diff'])} sampled, GRPO's by {_pts(grpo['greedy']['diff'])} and "
-            f"{_pts(grpo['sampled']['diff'])}; CAPO minus GRPO on the same problems is {_pts(g['diff'])} points greedy "
-            f"{_iv(g)} and {_pts(smp['diff'])} sampled {_iv(smp)}, no interval excluding 0") in readme
-    assert (f"partly within boxed answers ({_pts(capo['sampled_boxed']['diff'])} and "
-            f"{_pts(grpo['sampled_boxed']['diff'])})") in readme
-    if g_rc["seeds"] == 1:
-        rc = summary["random-credit"]["paired_change_from_round0"]["0"]
-        assert (f"did better than CAPO on seed 0 (greedy {_pts(rc['diff'])} points, sampled "
-                f"{_pts(rc['sampled']['diff'])})") in readme
-    else:
-        assert (f"CAPO minus random credit (CAPO's penalty moved to random steps of the same responses) is "
-                f"{_pts(g_rc['diff'])} points greedy {_iv(g_rc)} and {_pts(smp_rc['diff'])} sampled {_iv(smp_rc)}") in readme
+    for arm in WHOSE:  # "in every arm sampled accuracy rose, also within boxed answers; greedy did not move beyond noise"
+        p = summary[arm]["pooled_change_from_round0"]
+        assert p["greedy"]["lo"] < 0 < p["greedy"]["hi"] and p["sampled"]["lo"] > 0 and p["sampled_boxed"]["lo"] > 0, arm
 
 
 def test_budget_recheck_rows():
