@@ -148,6 +148,9 @@ def matrix_sentences(lines: list[dict]) -> dict[str, str]:
     n_runs = len(_matrix_runs(lines))
     out = {"status": ("The matrix has finished" if n_runs == 9 else
                       f"**The matrix has not finished**: {WORDS[n_runs]} of its nine runs have")}
+    gains = [summary[arm]["paired_change_from_round0"][str(seed)]["sampled"]["diff"] for arm, seed in _matrix_runs(lines)]
+    out["gains"] = (f"All {WORDS[n_runs]} runs gained sampled accuracy" if min(gains) > 0 else
+                    f"{WORDS[sum(g > 0 for g in gains)].capitalize()} of the {WORDS[n_runs]} runs gained sampled accuracy")
     out["spread"] = "per seed, " + "; ".join(
         f"{who} greedy change was {_and([_pts(x) for x in pooled[arm]['greedy']['per_seed']])} points and its sampled "
         f"{_and([_pts(x) for x in pooled[arm]['sampled']['per_seed']])}" for arm, who in WHOSE.items())
