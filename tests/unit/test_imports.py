@@ -142,3 +142,13 @@ def test_pipeline_train_and_critic_eval_import_no_orchestrator():
     bad = [f"{m} -> {i}" for m, p in mods.items() if m.split(".")[0] != "flows"
            for i in _imports(m, p) if i.split(".")[0] in ("prefect", "prefect_dask", "prefect_ray", "dask", "ray")]
     assert bad == []
+
+
+def test_every_package_is_in_the_distribution():
+    """``pyproject.toml`` lists its packages by hand: a subpackage left out is missing from a wheel
+    or a non-editable ``pip install .`` (an editable install hides it)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(f.parent.relative_to(REPO).parts) for pkg in PACKAGES for f in (REPO / pkg).rglob("__init__.py")}
+    assert listed == found, f"missing from pyproject.toml: {sorted(found - listed)}; not packages: {sorted(listed - found)}"
