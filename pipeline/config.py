@@ -579,7 +579,8 @@ class EvalConfig(Strict):
     pass_k_benchmarks: list[str] | None = None
     """Benchmarks that get the k samples (None: all of ``benchmarks``); meant for the small sets."""
     engine: EngineConfig | None = None
-    """None uses ``rollout.engine``."""
+    """None uses ``rollout.engine``; ``vllm`` or ``transformers`` (``openai`` is refused: the eval reads
+    each round's checkpoint from disk)."""
 
     @model_validator(mode="after")
     def _known_benchmarks(self) -> "EvalConfig":
@@ -587,6 +588,10 @@ class EvalConfig(Strict):
 
         for name in [*self.benchmarks, *(self.pass_k_benchmarks or [])]:
             get_benchmark(name)  # ValueError listing the valid names
+        if self.engine is not None and self.engine.type == "openai":
+            raise ValueError("eval.engine.type=openai cannot evaluate the policy: each round evaluates its own "
+                             "checkpoint from disk, which no served endpoint holds; valid: vllm, transformers, or "
+                             "leave eval.engine unset to use rollout.engine")
         return self
 
 

@@ -25,6 +25,7 @@ BAD_OVERRIDES = [
     (["critique.sampling.max_tokens=5000"], ["critique max_tokens=5000", "max_model_len=4096"]),
     (["eval.max_tokens=2048"], ["eval max_tokens=2048", "max_model_len=2048"]),
     (["rollout.engine.type=openai"], ["rollout.engine.type=openai cannot serve the policy", "valid: vllm, transformers"]),
+    (["eval.engine.type=openai"], ["eval.engine.type=openai cannot evaluate the policy", "valid: vllm, transformers"]),
     (["rollout.policy=/no/such/checkpoint"], ["rollout.policy='/no/such/checkpoint' is not a checkpoint folder"]),
     (["critique.critic=./missing/critic/dir"], ["critique.critic='./missing/critic/dir'", "embedded model"]),
     (["run_id=a/b"], ["run_id", "pattern"]),
