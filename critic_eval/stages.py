@@ -90,7 +90,8 @@ class CriticSpec(Strict):
     template: Literal["capo-genprm-v1", "capo-genprm-v2", "capo-genprm-v3"] = TEMPLATE_VERSION
     """Critic prompt template, as ``critique.template`` in training (:mod:`pipeline.core.critique`)."""
     structured_output: bool = False
-    """Constrain every critique to the verdict format, as ``critique.structured_output`` in training."""
+    """Constrain every critique to the verdict format, as ``critique.structured_output`` in training
+    (where it is on by default with the vllm engine; here it is off unless set)."""
 
     @model_validator(mode="after")
     def _structured_engine(self) -> "CriticSpec":
