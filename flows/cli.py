@@ -151,7 +151,8 @@ def stage(
     overrides: Optional[list[str]] = typer.Argument(None),
 ) -> None:
     """Run a single stage in this process (the critique stage with scale.critique.runner=dask|ray
-    fans its shards out to the cluster and finalizes here)."""
+    fans its shards out to the cluster and finalizes here; the train stage with train.launcher set
+    runs under that launcher, as in a round)."""
     _setup_logging()
     import resource
 
@@ -177,8 +178,9 @@ def stage(
         print(RESULT_TAG + json.dumps(out), flush=True)
         return
     with _writing(cfg):  # a no-op in a stage child of the runner (it inherits its parent's lock)
-        if st.fans_out(cfg):
-            res = run_stage(name, cfg, round, force=force)  # skips when current, else fans out (flows/fanout.py)
+        if st.fans_out(cfg) or st.launcher(cfg):
+            # skips when current, else fans out (flows/fanout.py) or starts the trainer under train.launcher
+            res = run_stage(name, cfg, round, force=force)
         else:
             res = stage_function(name)(cfg, round, force=force)
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
