@@ -142,19 +142,30 @@ def policy_for_round(cfg: CAPOConfig, round_idx: int) -> str:
 
 
 def prompts_path(cfg: CAPOConfig) -> Path:
-    """The prompt table of ``data.train_prompts`` (embedded GSM8K is ingested on first use)."""
+    """The prompt table of ``data.train_prompts`` (ingested on first use: the embedded GSM8K, a local
+    file, or a Hugging Face dataset given as ``name`` or ``name:config``).
+
+    Raises:
+        ValueError: a dataset name with an empty name or config around its ``:``.
+    """
     from pipeline.assets.prompts import ensure_embedded_prompts, ingest_prompts
 
     src, split = cfg.data.train_prompts, cfg.data.train_split
     root = data_root(cfg) / "prompts"
     if src == "gsm8k":
         return ensure_embedded_prompts(root)[f"gsm8k_{split}"]
+    config = None
     if Path(src).is_file():  # a local file: the table is named by its content, so an edit re-ingests
         out = root / f"{Path(src).stem}-{storage.file_sha256(Path(src))[:12]}_{split}.parquet"
-    else:
-        out = root / f"{src.replace('/', '_')}_{split}.parquet"
+    else:  # a HF dataset, ``name`` or ``name:config`` (openai/gsm8k:main)
+        name, _, config = src.partition(":")
+        if not name or (_ and not config):
+            raise ValueError(f"data.train_prompts={src!r}: a Hugging Face dataset is NAME or NAME:CONFIG "
+                             "(e.g. openai/gsm8k:main); valid also: gsm8k, or a local .jsonl/.parquet file")
+        src, config = name, config or None
+        out = root / f"{src.replace('/', '_')}{'_' + config if config else ''}_{split}.parquet"
     if not out.exists():
-        ingest_prompts(src, split, out)
+        ingest_prompts(src, split, out, config=config)
     return out
 
 

@@ -198,3 +198,31 @@ def test_read_prompts_rejects_other_schema(tmp_path):
     with pytest.raises(ValueError, match=r"x\.parquet: schema differs from PROMPTS_SCHEMA; "
                                          r"has \['prompt_id: string', 'question: string'\], expected "):
         read_prompts(tmp_path / "x.parquet")
+
+
+def test_a_hub_dataset_with_a_config_is_ingested_with_it(tmp_path, monkeypatch):
+    """``data.train_prompts=NAME:CONFIG`` reaches ``datasets.load_dataset(NAME, CONFIG)`` (the hub
+    itself is out of reach here: its reader is replaced by rows written out below)."""
+    from pipeline.assets import prompts as P
+    from pipeline.config import load_config
+    from pipeline.stages.base import prompts_path
+
+    asked = []
+
+    def hub(name, config, split):
+        asked.append((name, config, split))
+        return [(f"{name}[{config}:{split}] row 1", {"question": "What is 2+3?", "answer": "2+3=5\n#### 5"})]
+
+    monkeypatch.setattr(P, "_read_hf", hub)
+    cfg = load_config(None, [f"data_dir={tmp_path}", "data.train_prompts=openai/gsm8k:main"])
+    path = prompts_path(cfg)
+    assert asked == [("openai/gsm8k", "main", "train")]
+    assert path.name == "openai_gsm8k_main_train.parquet"
+    row = pq.read_table(path).to_pylist()[0]
+    assert (row["prompt_id"], row["gold_answer"]) == ("openai-gsm8k-train-00000", "5")
+    assert pq.read_schema(path).metadata[b"capo.config"] == b"main"
+    prompts_path(load_config(None, [f"data_dir={tmp_path}", "data.train_prompts=org/plain"]))
+    assert asked[-1] == ("org/plain", None, "train")  # no colon: no config
+    for bad in ("org/ds:", ":main"):
+        with pytest.raises(ValueError, match=rf"data.train_prompts='{bad}': a Hugging Face dataset is NAME or NAME:CONFIG"):
+            prompts_path(load_config(None, {"data_dir": str(tmp_path), "data": {"train_prompts": bad}}))
