@@ -206,8 +206,11 @@ def eval_stage(cfg: CAPOConfig, round_idx: int, force: bool = False):
         for s in summary:
             log.info("[eval] round %d %s: accuracy %.3f on %d problems, %.0f tokens on average", round_idx,
                      s["benchmark"], s["accuracy"] or 0.0, s["n_problems"], s["mean_response_tokens"] or 0.0)
-        return table, provenance(cfg, {"policy": policy, "summary": summary,
-                                       "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1"})
+        # the persistent policy engine generates in its own process, started without the variable
+        from pipeline.engines.host import ADDRESS_ENV
+
+        invariant = os.environ.get("VLLM_BATCH_INVARIANT") == "1" and not os.environ.get(ADDRESS_ENV)
+        return table, provenance(cfg, {"policy": policy, "summary": summary, "batch_invariant": invariant})
 
     return run_table_stage("eval", eval_path(cfg, round_idx), "eval", eval_key(cfg, round_idx), compute, force)
 
