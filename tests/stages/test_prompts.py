@@ -226,3 +226,24 @@ def test_a_hub_dataset_with_a_config_is_ingested_with_it(tmp_path, monkeypatch):
     for bad in ("org/ds:", ":main"):
         with pytest.raises(ValueError, match=rf"data.train_prompts='{bad}': a Hugging Face dataset is NAME or NAME:CONFIG"):
             prompts_path(load_config(None, {"data_dir": str(tmp_path), "data": {"train_prompts": bad}}))
+
+
+def test_embedded_math_train_and_test(tmp_path):
+    """``data.train_prompts=math``: MATH's 7500 training problems (2 whose solution boxes nothing left
+    out and counted) and 5000 test problems, the gold answer taken from the solution's last box."""
+    from pipeline.assets.prompts import ingest_prompts
+
+    cache = _cache_dir()
+    train = pq.read_table(ingest_prompts("math", "train", tmp_path / "math_train.parquet", cache_dir=cache))
+    assert train.num_rows == 7498 and train.schema.metadata[b"capo.skipped"] == b"2"
+    rows = train.to_pylist()
+    first = rows[0]
+    assert first["prompt_id"] == "math-train-00000" and first["question"].startswith("Let \\[f(x) = \\left\\{")
+    assert first["gold_answer"] == "0" and first["gold_solution"].endswith("$a+b=-3+3=\\boxed{0}$.")
+    bare = next(r for r in rows if r["gold_solution"].endswith("our answer is $\\boxed 2$."))
+    assert bare["gold_answer"] == "2"  # a box without braces
+    assert sum(r["gold_answer"] == "" for r in rows) == 0
+    test = pq.read_table(ingest_prompts("math", "test", tmp_path / "math_test.parquet", cache_dir=cache))
+    assert test.num_rows == 5000 and b"capo.skipped" not in test.schema.metadata
+    with pytest.raises(ValueError, match="embedded math has splits"):
+        ingest_prompts("math", "validation", tmp_path / "x.parquet", cache_dir=cache)
