@@ -165,7 +165,7 @@ def prompts_path(cfg: CAPOConfig) -> Path:
         src, config = name, config or None
         out = root / f"{src.replace('/', '_')}{'_' + config if config else ''}_{split}.parquet"
     if not out.exists():
-        ingest_prompts(src, split, out, config=config)
+        ingest_prompts(src, split, out, config=config, cache_dir=root.parent / "cache")  # math: the embedded wheel
     return out
 
 

@@ -247,3 +247,18 @@ def test_embedded_math_train_and_test(tmp_path):
     assert test.num_rows == 5000 and b"capo.skipped" not in test.schema.metadata
     with pytest.raises(ValueError, match="embedded math has splits"):
         ingest_prompts("math", "validation", tmp_path / "x.parquet", cache_dir=cache)
+
+
+def test_a_run_with_train_prompts_math_reads_the_embedded_table(tmp_path):
+    from pipeline.config import load_config
+    from pipeline.stages.base import prompts_path
+
+    from pipeline.assets.prompts import math_file
+
+    math_file("train", _cache_dir())  # the wheel unpacked in the project cache
+    data = tmp_path / "data"
+    (data / "cache").mkdir(parents=True)
+    (data / "cache" / "pkgs").symlink_to(_cache_dir() / "pkgs")  # the wheel already unpacked
+    path = prompts_path(load_config(None, [f"data_dir={data}", "data.train_prompts=math"]))
+    assert path == data / "prompts" / "math_train.parquet"
+    assert pq.read_metadata(path).num_rows == 7498
