@@ -52,7 +52,9 @@ import pyarrow as pa
 from pipeline.assets.models import data_dir, install_package, locate_package_file
 from pipeline.assets.prompts import (
     PROMPTS_SCHEMA,
+    clean_latex_gold,
     gsm8k_final_answer,
+    last_boxed,
     read_prompts,
     write_prompt_table,
 )
@@ -67,31 +69,6 @@ Mapped = tuple[str, str, str | None]  # (question, gold_answer, gold_solution)
 
 
 # ---------------------------------------------------------------------------------- field mapping
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` in ``text`` (braces matched), or None.
-
-    >>> last_boxed(r"so $x=\\boxed{\\frac{1}{2}}$ cm")
-    '\\\\frac{1}{2}'
-    """
-    start = text.rfind("\\boxed")
-    if start < 0:
-        return None
-    open_at = text.find("{", start)
-    if open_at < 0:
-        return None
-    depth = 0
-    for k in range(open_at, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[k], 0)
-        if depth == 0:
-            return text[open_at + 1 : k]
-    return None
-
-
-def clean_latex_gold(gold: str) -> str:
-    """Remove currency ``\\$`` and stray ``$`` from a LaTeX gold answer; collapse whitespace."""
-    return re.sub(r"\s+", " ", gold.replace("\\$", "").replace("$", "")).strip()
-
-
 def number_text(x: float | int | str) -> str:
     """A JSON number as math-verify's gold: ``145.0`` -> ``"145"``, ``11.5`` -> ``"11.5"``."""
     v = float(x)

@@ -187,12 +187,35 @@ def _read_file(path: Path) -> list[tuple[str, dict]]:
     return list(reader(path))
 
 
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` in ``text`` (braces matched), or None.
+
+    >>> last_boxed(r"so $x=\\boxed{\\frac{1}{2}}$ cm")
+    '\\\\frac{1}{2}'
+    """
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    open_at = text.find("{", start)
+    if open_at < 0:
+        return None
+    depth = 0
+    for k in range(open_at, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[k], 0)
+        if depth == 0:
+            return text[open_at + 1 : k]
+    return None
+
+
+def clean_latex_gold(gold: str) -> str:
+    """Remove currency ``\\$`` and stray ``$`` from a LaTeX gold answer; collapse whitespace."""
+    return re.sub(r"\s+", " ", gold.replace("\\$", "").replace("$", "")).strip()
+
+
 def math_rows(path: Path) -> tuple[list[tuple[str, dict]], int]:
     """The embedded MATH file's rows with their gold answer (``final_answer``: the last boxed
-    answer of ``solution``, :func:`pipeline.assets.benchmarks.last_boxed`, or the token after a
+    answer of ``solution``, :func:`last_boxed`, or the token after a
     bare ``\\boxed``), and how many rows were left out for boxing nothing."""
-    from pipeline.assets.benchmarks import clean_latex_gold, last_boxed
-
     out, skipped = [], 0
     for where, row in _read_file(path):
         sol = str(row.get("solution") or "")
