@@ -289,11 +289,13 @@ def ingest_prompts(source: str, split: str, out_path: Path, limit: int | None = 
                    cache_dir: Path | None = None) -> Path:
     """Write the prompt table for ``source``/``split`` to ``out_path`` (Parquet, :data:`PROMPTS_SCHEMA`).
 
-    ``source`` is ``gsm8k`` (embedded), a local .jsonl/.json/.parquet file, or a Hugging Face
-    dataset name (``config`` is its configuration, e.g. ``openai/gsm8k`` with ``main``). ``limit``
-    keeps the first rows only. ``prompt_id`` is ``f"{source_tag}-{split}-{row:05d}"`` (row index
-    from 0 in source order); ``source_tag`` is ``gsm8k``, the file stem, or the dataset name with
-    ``/`` -> ``-``. The file is written atomically. If ``out_path`` exists with the same rows it is
+    ``source`` is ``gsm8k`` or ``math`` (embedded), a local .jsonl/.json/.parquet file, or a
+    Hugging Face dataset name (``config`` is its configuration, e.g. ``openai/gsm8k`` with
+    ``main``). ``limit`` keeps the first rows only. ``prompt_id`` is
+    ``f"{source_tag}-{split}-{row:05d}"`` (the index, from 0 in source order, among the rows kept:
+    for ``math``, after the rows without a final answer are left out; ``capo.skipped`` in the
+    table's metadata counts those of the whole file); ``source_tag`` is ``gsm8k``, ``math``, the
+    file stem, or the dataset name with ``/`` -> ``-``. The file is written atomically. If ``out_path`` exists with the same rows it is
     returned untouched; with different rows ``FileExistsError`` unless ``overwrite=True``.
 
     Raises ``ValueError`` naming the file and row for a row without a question or an answer, a

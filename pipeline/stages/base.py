@@ -142,13 +142,14 @@ def policy_for_round(cfg: CAPOConfig, round_idx: int) -> str:
 
 
 def prompts_path(cfg: CAPOConfig) -> Path:
-    """The prompt table of ``data.train_prompts`` (ingested on first use: the embedded GSM8K, a local
-    file, or a Hugging Face dataset given as ``name`` or ``name:config``).
+    """The prompt table of ``data.train_prompts`` (ingested on first use: the embedded GSM8K or MATH,
+    a local file, or a Hugging Face dataset given as ``name`` or ``name:config``).
 
     Raises:
         ValueError: a dataset name with an empty name or config around its ``:``.
+        FileNotFoundError: a prompt file (.jsonl, .json, .parquet) that does not exist.
     """
-    from pipeline.assets.prompts import ensure_embedded_prompts, ingest_prompts
+    from pipeline.assets.prompts import FILE_SUFFIXES, ensure_embedded_prompts, ingest_prompts
 
     src, split = cfg.data.train_prompts, cfg.data.train_split
     root = data_root(cfg) / "prompts"
@@ -157,11 +158,13 @@ def prompts_path(cfg: CAPOConfig) -> Path:
     config = None
     if Path(src).is_file():  # a local file: the table is named by its content, so an edit re-ingests
         out = root / f"{Path(src).stem}-{storage.file_sha256(Path(src))[:12]}_{split}.parquet"
-    else:  # a HF dataset, ``name`` or ``name:config`` (openai/gsm8k:main)
+    elif Path(src).suffix.lower() in FILE_SUFFIXES:
+        raise FileNotFoundError(f"data.train_prompts={src!r}: no such prompt file")
+    else:  # math (embedded), or a HF dataset: ``name`` or ``name:config`` (openai/gsm8k:main)
         name, _, config = src.partition(":")
         if not name or (_ and not config):
             raise ValueError(f"data.train_prompts={src!r}: a Hugging Face dataset is NAME or NAME:CONFIG "
-                             "(e.g. openai/gsm8k:main); valid also: gsm8k, or a local .jsonl/.parquet file")
+                             "(e.g. openai/gsm8k:main); valid also: gsm8k, math, or a local .jsonl/.json/.parquet file")
         src, config = name, config or None
         out = root / f"{src.replace('/', '_')}{'_' + config if config else ''}_{split}.parquet"
     if not out.exists():

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import time
 from collections import Counter
@@ -352,9 +353,10 @@ def critique_done_shards(cfg: CAPOConfig, round_idx: int, plan: list[list[str]] 
     writes a part before its sidecar), clear the parts directory of everything else. Critic output
     that was paid for is kept: a committed part of another key or another ``batch_rollouts`` (with
     its sidecar), and an OpenAI reply file of a shard index the plan no longer has, move to
-    ``superseded/critiques.parts-<UTC stamp>/`` beside the directory. What holds no finished
-    critique is deleted: temporaries and parts of an interrupted write (no sidecar, or one that
-    does not parse).
+    ``superseded/critiques.parts-<UTC stamp>/`` beside the directory. The rest is deleted:
+    temporaries and parts of an interrupted write (no sidecar, or one that does not parse), and the
+    reply file of a shard committed since (its replies are in the part). A reply file of a shard
+    still to compute stays whatever the key: a request is reused only when its whole body matches.
 
     Raises:
         FileNotFoundError: the round's rollouts or steps table is missing (the key needs them).
@@ -370,7 +372,8 @@ def critique_done_shards(cfg: CAPOConfig, round_idx: int, plan: list[list[str]] 
         # an OpenAI critic's finished replies of a shard not committed yet: a re-run sends only the rest
         keep |= {_replies_path(parts_dir, i).name for i in range(len(plan)) if i not in done}
         stale = [f for f in parts_dir.iterdir() if f.name not in keep and f.is_file()]
-        paid = {f for f in stale if f.name.endswith(".replies.jsonl")}
+        paid = {f for f in stale if (m := re.fullmatch(r"\.part-(\d+)\.replies\.jsonl", f.name))
+                and int(m.group(1)) >= len(plan)}
         for f in stale:  # a part whose sidecar parses was committed: its critiques were finished
             if f.suffix == ".json" and f.with_suffix(".parquet") in stale and _sidecar_parses(f):
                 paid |= {f, f.with_suffix(".parquet")}
@@ -382,14 +385,14 @@ def critique_done_shards(cfg: CAPOConfig, round_idx: int, plan: list[list[str]] 
                 os.replace(f, dest / f.name)
             storage.fsync_dir(dest)
             storage.fsync_dir(parts_dir)
-            log.warning("[critique] moved %d files of finished critiques under another key or batch_rollouts "
-                        "from %s to %s", len(paid), parts_dir.name, dest)
+            log.warning("[critique] moved %d files of finished critiques (parts of another key or batch_rollouts, "
+                        "replies of shards the plan no longer has) from %s to %s", len(paid), parts_dir.name, dest)
         for f in stale:
             if f not in paid:
                 f.unlink()
         if len(stale) > len(paid):
-            log.info("[critique] removed %d files of interrupted writes from %s", len(stale) - len(paid),
-                     parts_dir.name)
+            log.info("[critique] removed %d files of interrupted writes or committed shards' replies from %s",
+                     len(stale) - len(paid), parts_dir.name)
     return done
 
 
@@ -611,6 +614,7 @@ def critique_stage(cfg: CAPOConfig, round_idx: int, force: bool = False,
         kept = None if force else reusable_llm_critiques(p["critiques"], key)
         if kept is not None:
             stats_box["kept_engine"] = (storage.read_manifest(p["critiques"]) or {}).get("engine")
+            critique_done_shards(cfg, round_idx, inp.plan, prune=True)  # parts of another key: superseded
             _commit_kept(cfg, round_idx, inp, kept)
             done, todo = list(range(len(inp.plan))), []
         else:

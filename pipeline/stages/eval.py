@@ -206,10 +206,12 @@ def eval_stage(cfg: CAPOConfig, round_idx: int, force: bool = False):
         for s in summary:
             log.info("[eval] round %d %s: accuracy %.3f on %d problems, %.0f tokens on average", round_idx,
                      s["benchmark"], s["accuracy"] or 0.0, s["n_problems"], s["mean_response_tokens"] or 0.0)
-        # the persistent policy engine generates in its own process, started without the variable
+        # vLLM's batch-invariant kernels apply to a vLLM engine started in this process; the persistent
+        # policy engine (vLLM only) generates in its own process, which records nothing here: not claimed
         from pipeline.engines.host import ADDRESS_ENV
 
-        invariant = os.environ.get("VLLM_BATCH_INVARIANT") == "1" and not os.environ.get(ADDRESS_ENV)
+        vllm_here = (ec.engine or cfg.rollout.engine).type == "vllm" and not os.environ.get(ADDRESS_ENV)
+        invariant = os.environ.get("VLLM_BATCH_INVARIANT") == "1" and vllm_here
         return table, provenance(cfg, {"policy": policy, "summary": summary, "batch_invariant": invariant})
 
     return run_table_stage("eval", eval_path(cfg, round_idx), "eval", eval_key(cfg, round_idx), compute, force)

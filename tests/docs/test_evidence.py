@@ -134,6 +134,10 @@ WHOSE = {"capo": "CAPO's", "grpo": "GRPO's", "random-credit": "random credit's"}
 RIVALS = {"grpo": "GRPO", "random_credit": "random credit"}
 
 
+def _seeds(n: int) -> str:
+    return f"{WORDS[n]} seed" + ("s" if n != 1 else "")
+
+
 def _and(xs: list[str]) -> str:
     return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " and " + xs[-1]
 
@@ -149,7 +153,7 @@ def matrix_sentences(lines: list[dict]) -> dict[str, str]:
     out = {"status": ("The matrix has finished" if n_runs == 9 else
                       f"**The matrix has not finished**: {WORDS[n_runs]} of its nine runs have")}
     gains = [summary[arm]["paired_change_from_round0"][str(seed)]["sampled"]["diff"] for arm, seed in _matrix_runs(lines)]
-    out["gains"] = (f"All {WORDS[n_runs]} runs gained sampled accuracy" if min(gains) > 0 else
+    out["gains"] = (f"All {WORDS[n_runs]} runs gained sampled accuracy" if min(gains) > 0 and n_runs > 1 else
                     f"{WORDS[sum(g > 0 for g in gains)].capitalize()} of the {WORDS[n_runs]} runs gained sampled accuracy")
     out["spread"] = "per seed, " + "; ".join(
         f"{who} greedy change was {_and([_pts(x) for x in pooled[arm]['greedy']['per_seed']])} points and its sampled "
@@ -157,14 +161,14 @@ def matrix_sentences(lines: list[dict]) -> dict[str, str]:
     for arm, who in WHOSE.items():
         g, smp, box = (pooled[arm][k] for k in ("greedy", "sampled", "sampled_boxed"))
         assert g["seeds"] == smp["seeds"] == box["seeds"]
-        out[f"pooled {arm}"] = (f"{who} change over {WORDS[g['seeds']]} seeds is {_pts(g['diff'])} points greedy {_iv(g)}, "
+        out[f"pooled {arm}"] = (f"{who} change over {_seeds(g['seeds'])} is {_pts(g['diff'])} points greedy {_iv(g)}, "
                                 f"{_pts(smp['diff'])} sampled {_iv(smp)} and {_pts(box['diff'])} sampled within boxed "
                                 f"answers {_iv(box)}")
     for other, name in RIVALS.items():
         g, gb, smp, sb = (heads[f"{p}capo_minus_{other}_pooled"] for p in ("", "greedy_boxed_", "sampled_", "sampled_boxed_"))
         assert g["seeds"] == gb["seeds"] == smp["seeds"] == sb["seeds"]
-        seeds = WORDS[g["seeds"]]
-        out[f"minus {other}"] = (f"CAPO minus {name} over {seeds} seeds is {_pts(g['diff'])} points greedy {_iv(g)}, "
+        seeds = _seeds(g["seeds"])
+        out[f"minus {other}"] = (f"CAPO minus {name} over {seeds} is {_pts(g['diff'])} points greedy {_iv(g)}, "
                                  f"{_pts(smp['diff'])} sampled {_iv(smp)}, {_pts(gb['diff'])} greedy within boxed answers "
                                  f"{_iv(gb)} and {_pts(sb['diff'])} sampled within boxed answers {_iv(sb)}")
         out[f"per seed {other}"] = (f"per seed {_and([_pts(x) for x in g['per_seed']])} points greedy, "
@@ -172,19 +176,23 @@ def matrix_sentences(lines: list[dict]) -> dict[str, str]:
         below = [c for c in (g, gb, smp, sb) if c["hi"] < 0]
         above = [c for c in (g, gb, smp, sb) if c["lo"] > 0]
         if not below and not above:
-            out[f"verdict {other}"] = (f"No interval excludes 0: over {seeds} seeds CAPO's credit is neither shown "
+            out[f"verdict {other}"] = (f"No interval excludes 0: over {seeds} CAPO's credit is neither shown "
                                        f"better nor worse than {name}")
         elif below and not above:
-            out[f"verdict {other}"] = f"{name[0].upper() + name[1:]} did better than CAPO over {seeds} seeds"
+            out[f"verdict {other}"] = f"{name[0].upper() + name[1:]} did better than CAPO over {seeds}"
         elif above and not below:
-            out[f"verdict {other}"] = f"CAPO did better than {name} over {seeds} seeds"
+            out[f"verdict {other}"] = f"CAPO did better than {name} over {seeds}"
         else:
-            out[f"verdict {other}"] = f"Over {seeds} seeds the intervals that exclude 0 disagree in sign"
-        out[f"readme {other}"] = (f"CAPO minus {name} on the same problems over {seeds} seeds is {_pts(g['diff'])} points "
-                                  f"greedy {_iv(g)} and {_pts(smp['diff'])} sampled {_iv(smp)}")
+            out[f"verdict {other}"] = f"Over {seeds} the intervals that exclude 0 disagree in sign"
+        excluding = [c for c in (g, smp) if not c["lo"] <= 0 <= c["hi"]]  # the README gives greedy and sampled
+        short = ("no interval excluding 0" if not excluding else
+                 f"{name} ahead" if all(c["hi"] < 0 for c in excluding) else
+                 "CAPO ahead" if all(c["lo"] > 0 for c in excluding) else "intervals of both signs")
+        out[f"readme {other}"] = (f"CAPO minus {name} on the same problems over {seeds} is {_pts(g['diff'])} points "
+                                  f"greedy {_iv(g)} and {_pts(smp['diff'])} sampled {_iv(smp)}, {short}")
     c, r = pooled["capo"], pooled["grpo"]
     out["readme pooled"] = (f"CAPO's held-out accuracy changed by {_pts(c['greedy']['diff'])} points greedy and "
-                            f"{_pts(c['sampled']['diff'])} sampled over {WORDS[c['greedy']['seeds']]} seeds, GRPO's by "
+                            f"{_pts(c['sampled']['diff'])} sampled over {_seeds(c['greedy']['seeds'])}, GRPO's by "
                             f"{_pts(r['greedy']['diff'])} and {_pts(r['sampled']['diff'])} over {WORDS[r['greedy']['seeds']]}")
     out["readme boxed"] = (f"partly within boxed answers ({_pts(c['sampled_boxed']['diff'])} and "
                            f"{_pts(r['sampled_boxed']['diff'])})")

