@@ -155,6 +155,25 @@ def penalty_share(weights: list[float], n_tokens: list[int]) -> float:
     return float(sum(w * n for w, n in zip(weights, n_tokens)) / total) if total else 0.0
 
 
+def first_penalty_at(weights: list[float], n_tokens: list[int]) -> float | None:
+    """Where one response's process penalty starts: the tokens before its first penalized step
+    (weight > 0) over all its tokens, in [0, 1); None when no step is penalized or the steps hold
+    no tokens. Early values say the signal blames a response's start, late ones its end.
+
+    Raises:
+        ValueError: the two lists differ in length.
+    """
+    if len(weights) != len(n_tokens):
+        raise ValueError(f"{len(weights)} step weights for {len(n_tokens)} steps")
+    total = sum(n_tokens)
+    first = next((i for i, w in enumerate(weights) if w > 0), None)
+    return None if first is None or not total else float(sum(n_tokens[:first]) / total)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return float(sum(xs) / len(xs)) if xs else None
+
+
 def _variant_key(variant_dir: Path) -> dict:
     man = variant_dir / "token_rewards.parquet.manifest.json"
     return json.loads(man.read_text()).get("key", {}) if man.exists() else {}
@@ -296,12 +315,15 @@ def _signal_sources(arith: dict[str, list[float]], rids: list[str], rule: str | 
 def _scope_stats(w_all: dict[str, list[float]], scope: str, rids: list[str], n_tok: dict[str, list[int]],
                  answer_at: dict[str, int], correct: dict[str, bool], prompt_of: dict[str, str],
                  n_boot: int, seed: int) -> dict:
-    """One source's penalized shares of right and wrong responses and its AUROC (with interval) over ``scope``."""
-    scores, pen = [], []
+    """One source's penalized shares of right and wrong responses, where in them the penalty starts
+    on average (:func:`first_penalty_at`, over the penalized ones), and its AUROC (with interval)
+    over ``scope``."""
+    scores, pen, starts = [], [], []
     for rid in rids:
         k = len(n_tok[rid]) if scope == "all_steps" else answer_at[rid]
         scores.append(penalty_share(w_all[rid][:k], n_tok[rid][:k]))
         pen.append(any(x > 0 for x in w_all[rid][:k]))
+        starts.append(first_penalty_at(w_all[rid][:k], n_tok[rid][:k]))
     wrong = [not correct[r] for r in rids]
     auc, lo, hi = auroc_interval(scores, wrong, n_boot=n_boot, seed=seed,
                                  groups=[prompt_of[r] for r in rids])
@@ -309,6 +331,8 @@ def _scope_stats(w_all: dict[str, list[float]], scope: str, rids: list[str], n_t
     n_r = len(rids) - n_w
     return {"right_penalized": _share(sum(p and not w for p, w in zip(pen, wrong)), n_r),
             "wrong_penalized": _share(sum(p and w for p, w in zip(pen, wrong)), n_w),
+            "right_penalty_starts": _mean([x for x, w in zip(starts, wrong) if x is not None and not w]),
+            "wrong_penalty_starts": _mean([x for x, w in zip(starts, wrong) if x is not None and w]),
             "auroc": auc, "auroc_low": lo, "auroc_high": hi}
 
 
@@ -358,8 +382,10 @@ def measure_run(run_dir: Path, rounds: list[int] | None = None, n_boot: int = 20
         One dict per round x variant x source x scope (module docstring): ``round``, ``variant``,
         ``rule``, ``source``, ``scope``, counts of responses, wrong ones and steps, ``right_penalized``
         and ``wrong_penalized`` (shares of right / wrong responses with a penalized step, None when
-        there are none), ``auroc`` with ``auroc_low`` / ``auroc_high`` (None when a class is empty)
-        and the variant's group counts.
+        there are none), ``right_penalty_starts`` and ``wrong_penalty_starts`` (the mean
+        :func:`first_penalty_at` of the penalized right / wrong responses, None without any),
+        ``auroc`` with ``auroc_low`` / ``auroc_high`` (None when a class is empty) and the variant's
+        group counts.
     Raises:
         FileNotFoundError: ``run_dir`` has no finished round (names what is there), or a round asked
             for is missing.
@@ -384,17 +410,21 @@ def format_rows(rows: list[dict]) -> str:
     def pct(x):
         return "-" if x is None else f"{100 * x:.1f}"
 
+    def pos(x):
+        return "-" if x is None else f"{x:.2f}"
+
     def auc(r):
         return "-" if r["auroc"] is None else f"{r['auroc']:.3f} [{r['auroc_low']:.3f}, {r['auroc_high']:.3f}]"
 
     head = f"{'round':>5} {'variant':<18} {'source':<19} {'scope':<13} {'n':>4} {'wrong':>5} " \
-           f"{'right pen %':>11} {'wrong pen %':>11}  AUROC [95% CI]"
+           f"{'right pen %':>11} {'wrong pen %':>11} {'starts at (right/wrong)':>23}  AUROC [95% CI]"
     lines = [head]
     for r in rows:
         src = r["source"] + ("*" if r.get("trains") else "")
         lines.append(f"{r['round']:>5} {str(r['variant'] or '-'):<18} {src:<19} {r['scope']:<13} "
                      f"{r['n_responses']:>4} {r['n_wrong']:>5} {pct(r['right_penalized']):>11} "
-                     f"{pct(r['wrong_penalized']):>11}  {auc(r)}")
+                     f"{pct(r['wrong_penalized']):>11} {pos(r['right_penalty_starts']) + ' / ' + pos(r['wrong_penalty_starts']):>23}"
+                     f"  {auc(r)}")
     if any(r.get("trains") for r in rows):
         lines.append("* the source whose weights the variant's token rewards subtract (vote.sources)")
     return "\n".join(lines)

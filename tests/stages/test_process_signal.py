@@ -9,7 +9,14 @@ import sys
 
 import pytest
 
-from pipeline.process_signal import auroc, auroc_interval, final_answer_step, measure_run, penalty_share
+from pipeline.process_signal import (
+    auroc,
+    auroc_interval,
+    final_answer_step,
+    first_penalty_at,
+    measure_run,
+    penalty_share,
+)
 from pipeline.stages.base import round_paths
 from pipeline.stages.reward import reward_stage
 from pipeline.stages.vote import vote_stage
@@ -61,6 +68,14 @@ def test_cluster_bootstrap_over_prompts_is_wider_when_responses_of_a_prompt_agre
         auroc_interval(scores, hard, groups=groups[:10])
 
 
+def test_first_penalty_at_by_hand():
+    assert first_penalty_at([0, 1, 0.5], [4, 1, 6]) == pytest.approx(4 / 11)  # 4 tokens before step 1
+    assert first_penalty_at([1, 0], [3, 5]) == 0.0
+    assert first_penalty_at([0, 0], [3, 5]) is None and first_penalty_at([1], [0]) is None
+    with pytest.raises(ValueError, match="1 step weights for 2 steps"):
+        first_penalty_at([1], [1, 2])
+
+
 def test_penalty_share_and_final_answer_step():
     assert penalty_share([0, 1, 0.5], [4, 1, 6]) == pytest.approx((1 * 1 + 0.5 * 6) / 11)
     assert penalty_share([], []) == 0.0
@@ -107,13 +122,16 @@ def test_every_source_and_scope_on_the_toy_round(toy_run):
     # B scores 0 against A's 1/11 (0), C's 0 (tie, 1/2), D's 0 (tie, 1/2): AUROC (0 + 0.5 + 0.5) / 3
     assert vote["auroc"] == pytest.approx(1 / 3)
     assert vote["right_penalized"] == pytest.approx(1 / 3) and vote["wrong_penalized"] == 0.0
+    assert (vote["right_penalty_starts"], vote["wrong_penalty_starts"]) == (pytest.approx(4 / 11), None)  # A at step 1
     arith = _by(rows, "arithmetic", "all_steps")
     assert arith["auroc"] == 1.0 and arith["right_penalized"] == 0.0 and arith["wrong_penalized"] == 1.0
+    assert (arith["right_penalty_starts"], arith["wrong_penalty_starts"]) == (None, 0.0)  # B at its first token
     both = _by(rows, "vote+arithmetic", "all_steps")  # A 1/11, B 2/7, C = D = 0
     assert both["auroc"] == 1.0 and both["right_penalized"] == pytest.approx(1 / 3)
     # before the step stating the answer (each one's \boxed step): A keeps steps 0, 1 (w [0, 1] over 4 + 1
     # tokens), B steps 0, 1 (vote none; arithmetic step 0), C and D nothing
     assert _by(rows, "vote", "before_answer")["auroc"] == pytest.approx(1 / 3)
+    assert _by(rows, "vote", "before_answer")["right_penalty_starts"] == pytest.approx(4 / 5)  # 4 of A's first 5 tokens
     assert _by(rows, "arithmetic", "before_answer")["auroc"] == 1.0
     for r in rows:
         assert (r["n_responses"], r["n_wrong"], r["steps"]) == (4, 1, 8)
