@@ -379,7 +379,8 @@ def measure_run(run_dir: Path, rounds: list[int] | None = None, n_boot: int = 20
     """Process-signal quality of every round (or ``rounds``) of a run, from its tables as written.
 
     Returns:
-        One dict per round x variant x source x scope (module docstring): ``round``, ``variant``,
+        One dict per round x variant x source x scope (module docstring): ``run`` (the folder's
+        name), ``round``, ``variant``,
         ``rule``, ``source``, ``scope``, counts of responses, wrong ones and steps, ``right_penalized``
         and ``wrong_penalized`` (shares of right / wrong responses with a penalized step, None when
         there are none), ``right_penalty_starts`` and ``wrong_penalty_starts`` (the mean
@@ -402,7 +403,7 @@ def measure_run(run_dir: Path, rounds: list[int] | None = None, n_boot: int = 20
             raise FileNotFoundError(f"{run_dir}: no outcomes for {sorted(missing)}; rounds there: "
                                     f"{[p.name for p in have]}")
         have = [p for p in have if p.name in want]
-    return [row for p in have for row in measure_round(p, n_boot=n_boot, seed=seed)]
+    return [{"run": run_dir.name, **row} for p in have for row in measure_round(p, n_boot=n_boot, seed=seed)]
 
 
 def format_rows(rows: list[dict]) -> str:

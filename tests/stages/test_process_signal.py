@@ -134,6 +134,7 @@ def test_every_source_and_scope_on_the_toy_round(toy_run):
     assert _by(rows, "vote", "before_answer")["right_penalty_starts"] == pytest.approx(4 / 5)  # 4 of A's first 5 tokens
     assert _by(rows, "arithmetic", "before_answer")["auroc"] == 1.0
     for r in rows:
+        assert r["run"] == toy_run.run_dir().name
         assert (r["n_responses"], r["n_wrong"], r["steps"]) == (4, 1, 8)
         assert r["steps_flagged_by_arithmetic"] == 1 and r["steps_with_checkable_arithmetic"] == 2
         # group toy-train-00000 has a right and a wrong response; toy-train-00001 two right ones and no flag
