@@ -216,6 +216,36 @@ def test_learning_matrix_verdicts():
         assert p["greedy"]["lo"] < 0 < p["greedy"]["hi"] and p["sampled"]["lo"] > 0 and p["sampled_boxed"]["lo"] > 0, arm
 
 
+def placement_sentences(rows: list[dict]) -> dict[str, str]:
+    """Per matrix run with a process penalty: where its trained penalty falls (``capo signal``
+    rows of the source it trains on, all steps), averaged over its rounds."""
+    out = {}
+    runs = sorted({r["run"] for r in rows})
+    for run in runs:
+        arm, seed = re.fullmatch(r"learn-(.+)-s(\d+)-[0-9a-f]+", run).groups()
+        mine = [r for r in rows if r["run"] == run and r["trains"] and r["scope"] == "all_steps"]
+        assert len({r["round"] for r in mine}) == len(mine) >= 1
+
+        def mean(field):
+            xs = [r[field] for r in mine if r[field] is not None]
+            return sum(xs) / len(xs)
+
+        out[run] = (f"{MATRIX_TITLES[arm]} seed {seed}: a penalty in {100 * mean('wrong_penalized'):.0f} % of wrong "
+                    f"and {100 * mean('right_penalized'):.0f} % of right responses, starting at "
+                    f"{mean('wrong_penalty_starts'):.2f} of a wrong response and {mean('right_penalty_starts'):.2f} of "
+                    f"a right one")
+    return out
+
+
+def test_penalty_placement_sentences():
+    """Where CAPO's and random credit's penalties fall, as docs/benchmarks.md says it."""
+    page = _text("docs/benchmarks.md")
+    said = placement_sentences(_lines("penalty-placement.jsonl"))
+    assert any("capo" in run for run in said) and any("random-credit" in run for run in said)
+    for run, sentence in said.items():
+        assert sentence in page, (run, sentence)
+
+
 def test_budget_recheck_rows():
     """The 512-token rows of the matrix's tables are the budget file's per-run lines."""
     page = _text("docs/benchmarks.md")
