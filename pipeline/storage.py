@@ -475,7 +475,7 @@ CATALOG_GLOBS = {
 }
 
 _MANIFEST_COLUMNS = {"table": "VARCHAR", "stage": "VARCHAR", "path": "VARCHAR", "rows": "BIGINT",
-                     "key_hash": "VARCHAR", "code_version": "VARCHAR", "created_at": "TIMESTAMPTZ",
+                     "key_hash": "VARCHAR", "key": "JSON", "code_version": "VARCHAR", "created_at": "TIMESTAMPTZ",
                      "elapsed_s": "DOUBLE", "fingerprint": "VARCHAR"}
 
 

@@ -138,6 +138,12 @@ ORDER BY c.source, c.critique_idx, s.step_idx;
 SELECT run_id, round, variant, benchmark, n_problems, round(100 * accuracy, 1) AS accuracy_pct,
        pass_k, pass_at_k
 FROM eval_summary ORDER BY run_id, round, variant NULLS FIRST, benchmark;
+
+-- 7. What wrote each variant's token rewards: the advantage estimator and the reward weights C
+--    and P, read from the key the reward stage committed
+SELECT path, key->>'$.variant' AS variant, key->>'$.reward.estimator' AS estimator,
+       key->>'$.reward.correct_weight' AS C, key->>'$.reward.process_weight' AS P
+FROM manifests WHERE stage = 'reward' ORDER BY path;
 ```
 
 The critique browser shows the queries behind each of its views, and they run unchanged in

@@ -193,6 +193,8 @@ def test_catalog_views_are_absolute_and_read_only_queryable(tmp_path, monkeypatc
         mans = q("SELECT \"table\", rows, elapsed_s FROM manifests ORDER BY path")
         assert sorted(mans, key=str) == sorted([("outcomes", 3, None), ("rollouts", 3, None), ("rollouts", 2, None),
                                                 ("rollouts", 4, 1.5)], key=str)
+        # the key a stage computed, queryable (the committed outcomes are the second write's, v 2)
+        assert q("SELECT key->>'$.v' FROM manifests WHERE \"table\" = 'outcomes'") == [("2",)]
         with pytest.raises(duckdb.Error):
             con.execute("CREATE TABLE t AS SELECT 1")
     finally:
