@@ -381,6 +381,10 @@ def test_the_critique_stage_adds_the_arithmetic_check_and_keeps_older_llm_critiq
     for r in steps:
         r["step_text"] = texts.get((r["rollout_id"], r["step_idx"]), r["step_text"])
     _write(cfg, "steps", [{k: v for k, v in r.items() if k not in ("run_id", "round")} for r in steps], "segment")
+    # an interrupted run under another key left a committed shard: finished critic output, kept aside
+    parts = crit_mod.critique_parts_dir(cfg, 1)
+    storage.write_part(storage.read_table(p["critiques"], "critiques").slice(0, 2), parts, 0, "critiques",
+                       {"key": "another-key"})
     old = storage.read_table(p["critiques"], "critiques").drop_columns(["source"])  # as written before the column
     old_key = {k: v for k, v in crit_mod.critique_key(cfg, 1).items() if k != "arithmetic"}
     storage.write_parquet(old, p["critiques"], stage="critique", key=old_key)
@@ -402,6 +406,9 @@ def test_the_critique_stage_adds_the_arithmetic_check_and_keeps_older_llm_critiq
     assert (arith["B"]["wrong_steps"], arith["B"]["steps_judged"]) == ([2], [0, 2])
     assert "Step 2: wrong - 4 + 4 = 9 (is 8)" in arith["B"]["raw_text"]
     assert len(list((p["round_dir"] / "superseded").glob("critiques-*.parquet"))) == n_superseded + 1
+    (aside,) = (p["round_dir"] / "superseded").glob("critiques.parts-*")
+    assert sorted(f.name for f in aside.iterdir()) == ["part-00000.json", "part-00000.parquet"]
+    assert not parts.exists()
     assert crit_mod.critique_stage(cfg, 1).skipped  # current now
     vote_stage(cfg, 1)
     sv = {(r["rollout_id"], r["step_idx"]): r for r in storage.read_table(p["step_verdicts"], "step_verdicts").to_pylist()
