@@ -222,7 +222,7 @@ def test_the_documented_example_queries_answer_on_a_finished_round(tiny_round, r
     spec.loader.exec_module(mod)
     sql = re.findall(r"```sql\n(.*?)```", mod.INTRO, flags=re.S)[0]
     queries = [q.strip() for q in sql.split(";\n") if q.strip()]
-    assert len(queries) == 6
+    assert len(queries) == 7
     con = duckdb.connect(str(Path(tiny_round[0].runs_dir) / "catalog.duckdb"), read_only=True)
     try:
         answered = {q.splitlines()[0]: len(con.execute(q).fetchall()) for q in queries}
