@@ -31,7 +31,14 @@
    token by the future-KL influence of the update, another rival) and ``vineppo`` (preset ``vineppo``:
    each step's change of Monte Carlo value from K continuations of the policy, no critic) and ``densr``
    (preset ``densr``: GRPO's advantage weighted per token by the hidden-state divergence from the
-   group's responses with the other outcome). The control
+   group's responses with the other outcome). Each rival is compared with GRPO and with CAPO
+   where they ran in the invocation (rows with ``rival``, ``against``, ``rival_minus_other_pooled``
+   and ``verdict``: ``ahead`` or ``behind`` where the interval over >= 2 seeds excludes 0, ``no
+   difference shown`` where it does not, None with one seed, whose interval holds item noise only).
+   FIPO's weights act from a round's second optimizer step on (the first sees no shift): with the
+   benchmark's 2 mini-batches and one epoch they touch half of each round's responses, and raise
+   advantages by at most 20 %, so a FIPO run close to GRPO's here says little about FIPO at the
+   paper's scale. The control
    samples its final eval with round 0's seed, so its sampled accuracy cannot move; the **noise
    floor** that can: the starting policy evaluated again with the engine seeded by each of
    ``--noise-seeds`` (default 1 2; round 0's eval is the first measurement), its sampled
@@ -135,6 +142,8 @@ sys.path.insert(0, str(ROOT))
 from pipeline.core.answer_format import FORMAT_CODE, PROGRAM, answer_format  # noqa: E402
 
 ARMS = ("grpo", "capo", "control", "shuffled", "random-credit", "grpo-lambda", "fipo", "vineppo", "densr")
+RIVAL_ARMS = ("grpo-lambda", "fipo", "vineppo", "densr")
+"""The seeds' rival credit-assignment methods: each is compared with GRPO and with CAPO where those ran."""
 METRICS = ("greedy", "sampled", "greedy_boxed", "sampled_boxed")
 """Per-item changes the verdicts are computed on: greedy accuracy, sampled accuracy (share of right
 samples), and both within finished, boxed answers (reasoning apart from format: :func:`changes_from_records`)."""
@@ -920,6 +929,18 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
                 row[f"{metric}_capo_minus_{name}_pooled"] = head
                 row[f"{metric}_capo_beat_{name}"] = (bool(head["lo"] > 0) if head["seeds"] >= 2 else None) if head else None
             out.append(row)
+    # each rival credit method against GRPO (does its credit beat the outcome alone?) and against
+    # CAPO (does it beat the critic's?), paired by seed and item like CAPO's own verdicts
+    for rival in (arm for arm in a.arms if arm in RIVAL_ARMS):
+        for other in (arm for arm in ("grpo", "capo") if arm in a.arms):
+            for metric in METRICS:
+                head = arm_minus_other(a, changes or {}, metric, rival, other)
+                if head is None:
+                    continue
+                verdict = (None if head["seeds"] < 2 else "ahead" if head["lo"] > 0 else "behind" if head["hi"] < 0
+                           else "no difference shown")
+                out.append({"bench": "learning", "metric": metric, "rival": rival, "against": other,
+                            "rival_minus_other_pooled": head, "verdict": verdict})
     return out
 
 

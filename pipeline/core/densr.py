@@ -15,7 +15,8 @@ tokens, ``O_i`` the responses of its group with the other outcome, ``T_j > 0``):
   (aligned by position; past the end of a shorter response, its last token stands in);
 - weight ``w_i[t] = (1 - mix) + mix * d_i[t] / mean_t(d_i)``, so ``mean_t(w_i) = 1``; a response
   with no opposite (its group all right or all wrong, where GRPO's advantage is 0 unless the
-  overlong penalty is on) or whose divergences are all 0 keeps GRPO's flat weights, ``w = 1``;
+  overlong penalty is on) or whose divergences are all 0 (a mean below :data:`FLAT_BELOW`: the
+  rounding of a cosine of equal states) keeps GRPO's flat weights, ``w = 1``;
 - advantage ``A[i, t] = A_i * w_i[t]``, ``A_i`` GRPO's sequence advantage
   (:func:`pipeline.core.rewards.densr`).
 
@@ -26,6 +27,11 @@ concatenated (N,) token arrays.
 from __future__ import annotations
 
 import numpy as np
+
+FLAT_BELOW = 1e-9
+"""A response whose mean divergence is below this keeps flat weights: a cosine of two equal hidden
+states rounds to 1 - 1e-16 or so, and dividing that rounding by its own mean would make weights of it.
+A token where two responses differ at all is many orders of magnitude above."""
 
 
 def _unit_rows(h: np.ndarray) -> np.ndarray:
@@ -91,7 +97,8 @@ def densr_weights(divergence: np.ndarray, offsets: np.ndarray, mix: float = 1.0)
         mix: share of the weight that follows the divergence, in [0, 1]; 0 is GRPO.
 
     Returns:
-        (N,) float32 weights, >= 0; 1 for every token of a response whose divergences are NaN or all 0.
+        (N,) float32 weights, >= 0; 1 for every token of a response whose divergences are NaN or all 0
+        (mean below :data:`FLAT_BELOW`).
 
     Raises:
         ValueError: bad offsets, ``mix`` outside [0, 1], or a negative divergence.
@@ -110,6 +117,6 @@ def densr_weights(divergence: np.ndarray, offsets: np.ndarray, mix: float = 1.0)
     total = np.bincount(resp, weights=np.where(valid, d, 0.0), minlength=len(lengths))
     has_nan = np.bincount(resp, weights=~valid, minlength=len(lengths)) > 0
     mean = total / np.maximum(lengths, 1)
-    flat = has_nan | (mean <= 0)  # no opposite, or no token differs: GRPO's flat weights
+    flat = has_nan | (mean < FLAT_BELOW)  # no opposite, or no token differs: GRPO's flat weights
     ratio = np.where(flat[resp], 1.0, np.where(valid, d, 0.0) / np.where(flat, 1.0, mean)[resp])
     return ((1.0 - mix) + mix * ratio).astype(np.float32)

@@ -413,7 +413,7 @@ def trace_credit(advantages: np.ndarray, offsets: np.ndarray, kappa: float, styl
 def vineppo(r: RoundRewards) -> np.ndarray:
     """VinePPO's advantage (Kazemnejad et al. 2025, arXiv 2410.01679): each step's change of Monte Carlo
     value (:func:`pipeline.core.mc.mc_step_advantages`, the final reward ``r_v`` plus any overlong
-    penalty), whitened over every token of the round (:func:`pipeline.core.mc.whiten_runs`). The runs
+    penalty over ``C``: values and ``r_v`` are in units of a right answer), whitened over every token of the round (:func:`pipeline.core.mc.whiten_runs`). The runs
     must be the responses' steps. Returns (S,) float32.
 
     Raises:
@@ -425,7 +425,10 @@ def vineppo(r: RoundRewards) -> np.ndarray:
         raise ValueError("reward.estimator=vineppo needs the round's Monte Carlo state values (the mc stage's "
                          "mc_values table); none were given")
     n_steps = np.bincount(r.run_response, minlength=len(r.outcome))
-    adv = mc_step_advantages(r.state_values, r.n_states, n_steps, r.outcome + r.length_penalty)
+    # values are shares of continuations that reach the gold answer, so the final reward is r_v in {0, 1};
+    # the overlong penalty is in units of a right answer's C, so it enters divided by C, as in GRPO's C * r_v
+    penalty = r.length_penalty / r.correct_weight if np.any(r.length_penalty) else r.length_penalty
+    adv = mc_step_advantages(r.state_values, r.n_states, n_steps, r.outcome + penalty)
     return whiten_runs(adv, r.run_lengths, r.eps)
 
 

@@ -491,3 +491,23 @@ def test_a_finished_run_is_rechecked_at_the_larger_budget_once(bench, tmp_path, 
     assert bench.recheck_budget(a, "learn-grpo-s0-abc") is True and len(calls) == 1  # recorded: not evaluated again
     assert bench.recheck_budget(a, "learn-bad-s0-abc") is False and len(calls) == 2
     assert "budget recheck of learn-bad-s0-abc failed (exit 2)" in caplog.text
+
+
+def test_each_rival_is_compared_with_grpo_and_with_capo(bench):
+    """GRPO-λ gained items 0-29 in both seeds, GRPO items 0-9, CAPO items 0-29: GRPO-λ minus GRPO is
+    +1 on items 10-29 (+10 points, interval above 0: ahead); minus CAPO 0 on every item (no difference
+    shown). One seed gives no verdict; an arm not run gives no row."""
+    a = bench.parser().parse_args(["--arms", "grpo", "capo", "grpo-lambda", "--seeds", "0", "1", "--rounds", "2"])
+    rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": 0.6} for arm in ("grpo", "capo", "grpo-lambda")
+            for s in (0, 1)]
+    changes = {(arm, s): _changes([up, 0]) for arm, up in [("grpo", 10), ("capo", 30), ("grpo-lambda", 30)]
+               for s in (0, 1)}
+    rival = [r for r in bench.summarize(a, rows, {}, changes) if "rival" in r]
+    assert [(r["rival"], r["against"], r["metric"]) for r in rival] == [("grpo-lambda", "grpo", "greedy"),
+                                                                     ("grpo-lambda", "capo", "greedy")]
+    vs_grpo, vs_capo = rival
+    assert vs_grpo["rival_minus_other_pooled"]["diff"] == pytest.approx(0.10) and vs_grpo["verdict"] == "ahead"
+    assert vs_capo["rival_minus_other_pooled"]["diff"] == 0.0 and vs_capo["verdict"] == "no difference shown"
+    one = bench.parser().parse_args(["--arms", "grpo", "grpo-lambda", "--seeds", "0", "--rounds", "2"])
+    out1 = [r for r in bench.summarize(one, rows, {}, changes) if "rival" in r]
+    assert [(r["against"], r["verdict"]) for r in out1] == [("grpo", None)]  # no CAPO arm: no row against it

@@ -52,6 +52,29 @@ def test_bad_override_is_refused_with_a_clear_message(overrides, words):
         assert w in msg, f"{w!r} not in {msg!r}"
 
 
+BAD_ESTIMATOR_SETTINGS = [
+    # (preset, overrides, words): a rival estimator under a setting it would ignore, refused
+    ("grpo", ["reward.estimator=grpo-lambda"], ["train.ratio_trace is not set", "preset grpo-lambda"]),
+    ("grpo-lambda", ["reward.scale_by_std=false"], ["floors advantages at -0.1", "set reward.scale_by_std=true"]),
+    ("vineppo", ["reward.scale_by_std=false"], ["whitens its advantages", "set reward.scale_by_std=true"]),
+    ("grpo-lambda", ["reward.process_weight=1", "critique.enabled=true"],
+     ["reward.estimator=grpo-lambda is sequence-level", "would ignore the process reward"]),
+    ("vineppo", ["reward.overlong_buffer=64", "reward.correct_weight=0"],
+     ["units of a right answer's reward.correct_weight, which is 0"]),
+]
+
+
+@pytest.mark.parametrize("preset,overrides,words", BAD_ESTIMATOR_SETTINGS,
+                         ids=[f"{p}:{' '.join(o)}" for p, o, _ in BAD_ESTIMATOR_SETTINGS])
+def test_an_estimator_under_a_setting_it_would_ignore_is_refused(preset, overrides, words):
+    with pytest.raises((ValidationError, ValueError)) as err:
+        load_config(None, overrides, preset=preset)
+    msg = str(err.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+    load_config(None, [], preset=preset)  # the preset itself is valid
+
+
 def test_a_leading_zero_run_id_stays_as_written(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("run_id: 0123\nseed: 010\n")

@@ -94,6 +94,20 @@ def test_the_vineppo_estimator_reads_the_runs_as_steps():
                                                      np.zeros(3, int), 2.0, True, 1e-8))
 
 
+def test_the_vineppo_estimator_takes_the_overlong_penalty_in_units_of_a_right_answer():
+    # C's overlong penalty -1.0 with C = 2 (a right answer is worth 2): r_v + (-1.0 / 2) = -0.5, so C's
+    # step advantage is -0.5 - 1/3 = -5/6 (not -1 - 1/3: the values are in units of a right answer)
+    values, n_states, n_steps, final = _example()
+    run_response = np.repeat(np.arange(3), n_steps)
+    lengths = np.array([2, 1, 1, 1, 1, 1, 1, 4])
+    r = RoundRewards(np.zeros(8), lengths, run_response, final, np.array([0.0, 0.0, -1.0]), np.array([0, 0, 0]),
+                     2.0, True, 1e-8, values, n_states)
+    adv = np.array([-0.25, 0.75, 0.0, -0.5, 1.0, 0.0, 0.0, -5 / 6])
+    mean = (adv * lengths).sum() / 12
+    std = np.sqrt((lengths * (adv - mean) ** 2).sum() / 11)
+    np.testing.assert_allclose(ADVANTAGE_ESTIMATORS["vineppo"](r), (adv - mean) / std, rtol=1e-5)
+
+
 def test_first_error_is_the_first_fall_of_value_by_drop():
     # V = 0.75, 0.5, 0.0, R = 0: falls 0.25 then 0.5 -> step 1 at drop 0.5, step 0 at drop 0.25
     assert first_error_from_values([0.75, 0.5, 0.0], 0.0, 0.5) == 1
