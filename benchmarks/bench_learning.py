@@ -241,7 +241,7 @@ def arm_config(a: argparse.Namespace, arm: str, seed: int, train_file: Path):
         over.append("reward.outcome=shuffled")
     if arm == "random-credit":
         over.append("vote.random_credit=true")
-    preset = (a.capo_preset or None) if arm in ("capo", "random-credit") else arm if arm in ("grpo-lambda", "fipo", "vineppo", "densr") else "grpo"
+    preset = (a.capo_preset or None) if arm in ("capo", "random-credit") else arm if arm in RIVAL_ARMS else "grpo"
     return load_config(ROOT / "configs" / "default.yaml", over, preset=preset)
 
 

@@ -733,14 +733,15 @@ class CAPOConfig(Strict):
                              "and train.ratio_trace is not set (it would train GRPO with floored advantages): use "
                              "preset grpo-lambda, or set train.ratio_trace, e.g. train.ratio_trace.kappa=0.99")
         if r.estimator in ("grpo-lambda", "vineppo") and not r.scale_by_std:
-            why = ("floors advantages at -0.1 in units of the group's std" if r.estimator == "grpo-lambda" else
-                   "whitens its advantages over the round's tokens (mean 0, std 1) in any case")
-            raise ValueError(f"reward.estimator={r.estimator} {why}; reward.scale_by_std=false does not apply to it: "
-                             "set reward.scale_by_std=true")
-        if r.estimator == "vineppo" and r.overlong_buffer > 0 and r.correct_weight == 0:
-            raise ValueError("reward.estimator=vineppo takes the overlong penalty in units of a right answer's "
-                             "reward.correct_weight, which is 0: set reward.correct_weight above 0 (e.g. 2) or "
-                             "reward.overlong_buffer=0")
+            why = ("floors advantages at -0.1, a floor calibrated in units of the group's std; "
+                   "reward.scale_by_std=false would change what it floors" if r.estimator == "grpo-lambda" else
+                   "whitens its advantages over the round's tokens (mean 0, std 1) in any case; "
+                   "reward.scale_by_std=false would not apply")
+            raise ValueError(f"reward.estimator={r.estimator} {why}: set reward.scale_by_std=true")
+        if r.estimator == "vineppo" and r.overlong_buffer > 0 and r.overlong_penalty > 0 and r.correct_weight == 0:
+            raise ValueError("reward.estimator=vineppo divides the overlong penalty by reward.correct_weight (a right "
+                             "answer's reward) to put it in units of a right answer, and reward.correct_weight is 0: "
+                             "set it above 0 (e.g. 2), or reward.overlong_buffer=0")
         if r.estimator in ("grpo", "grpo-lambda") and r.process_weight > 0:
             raise ValueError(f"reward.estimator={r.estimator} is sequence-level and would ignore the process reward "
                              f"(reward.process_weight={r.process_weight}); use capo-token-group or set it to 0")

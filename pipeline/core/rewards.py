@@ -413,11 +413,13 @@ def trace_credit(advantages: np.ndarray, offsets: np.ndarray, kappa: float, styl
 def vineppo(r: RoundRewards) -> np.ndarray:
     """VinePPO's advantage (Kazemnejad et al. 2025, arXiv 2410.01679): each step's change of Monte Carlo
     value (:func:`pipeline.core.mc.mc_step_advantages`, the final reward ``r_v`` plus any overlong
-    penalty over ``C``: values and ``r_v`` are in units of a right answer), whitened over every token of the round (:func:`pipeline.core.mc.whiten_runs`). The runs
-    must be the responses' steps. Returns (S,) float32.
+    penalty divided by ``C``: values and ``r_v`` are in units of a right answer), whitened over every
+    token of the round (:func:`pipeline.core.mc.whiten_runs`). The runs must be the responses' steps.
+    Returns (S,) float32.
 
     Raises:
-        ValueError: the round has no Monte Carlo values (run the ``mc`` stage), or they do not fit the runs.
+        ValueError: the round has no Monte Carlo values (run the ``mc`` stage), or they do not fit the
+            runs; an overlong penalty with ``correct_weight`` 0.
     """
     from pipeline.core.mc import mc_step_advantages, whiten_runs
 
@@ -426,7 +428,11 @@ def vineppo(r: RoundRewards) -> np.ndarray:
                          "mc_values table); none were given")
     n_steps = np.bincount(r.run_response, minlength=len(r.outcome))
     # values are shares of continuations that reach the gold answer, so the final reward is r_v in {0, 1};
-    # the overlong penalty is in units of a right answer's C, so it enters divided by C, as in GRPO's C * r_v
+    # the overlong penalty is in reward units, where a right answer is worth C: divided by C, it is in the
+    # values' units, as GRPO weighs it against C * r_v
+    if np.any(r.length_penalty) and r.correct_weight <= 0:
+        raise ValueError(f"vineppo: an overlong penalty needs correct_weight > 0 to put it in units of a right answer, "
+                         f"got correct_weight={r.correct_weight}")
     penalty = r.length_penalty / r.correct_weight if np.any(r.length_penalty) else r.length_penalty
     adv = mc_step_advantages(r.state_values, r.n_states, n_steps, r.outcome + penalty)
     return whiten_runs(adv, r.run_lengths, r.eps)

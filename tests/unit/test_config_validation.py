@@ -55,12 +55,12 @@ def test_bad_override_is_refused_with_a_clear_message(overrides, words):
 BAD_ESTIMATOR_SETTINGS = [
     # (preset, overrides, words): a rival estimator under a setting it would ignore, refused
     ("grpo", ["reward.estimator=grpo-lambda"], ["train.ratio_trace is not set", "preset grpo-lambda"]),
-    ("grpo-lambda", ["reward.scale_by_std=false"], ["floors advantages at -0.1", "set reward.scale_by_std=true"]),
+    ("grpo-lambda", ["reward.scale_by_std=false"], ["floors advantages at -0.1", "would change what it floors", "set reward.scale_by_std=true"]),
     ("vineppo", ["reward.scale_by_std=false"], ["whitens its advantages", "set reward.scale_by_std=true"]),
     ("grpo-lambda", ["reward.process_weight=1", "critique.enabled=true"],
      ["reward.estimator=grpo-lambda is sequence-level", "would ignore the process reward"]),
     ("vineppo", ["reward.overlong_buffer=64", "reward.correct_weight=0"],
-     ["units of a right answer's reward.correct_weight, which is 0"]),
+     ["divides the overlong penalty by reward.correct_weight", "reward.correct_weight is 0"]),
 ]
 
 

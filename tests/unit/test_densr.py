@@ -74,7 +74,7 @@ def test_weights_average_one_per_response_and_mix_toward_flat():
     np.testing.assert_allclose(densr_weights(d, off, mix=0.25), [0.75, 0.75, 1.25, 1.25, 1, 1, 1, 1, 1])
     np.testing.assert_allclose(densr_weights(d, off, mix=0.0), np.ones(9))
     # equal hidden states: cosine rounding leaves divergences of ~1e-16, which must not become weights
-    # (2.2e-16 / 7.4e-17 = 3 would be); the mean is below FLAT_BELOW, so flat
+    # (2.2e-16 / 9.2e-17 = 2.4 would be); the mean, 5.5e-16 / 6, is below FLAT_BELOW, so flat
     rounding = np.array([0.0, 0.0, 2.2e-16, 2.2e-16, 1.1e-16, 0.0])
     np.testing.assert_allclose(densr_weights(rounding, np.array([0, 6])), np.ones(6))
     with pytest.raises(ValueError, match="mix=1.5 must lie in"):

@@ -95,8 +95,8 @@ def test_the_vineppo_estimator_reads_the_runs_as_steps():
 
 
 def test_the_vineppo_estimator_takes_the_overlong_penalty_in_units_of_a_right_answer():
-    # C's overlong penalty -1.0 with C = 2 (a right answer is worth 2): r_v + (-1.0 / 2) = -0.5, so C's
-    # step advantage is -0.5 - 1/3 = -5/6 (not -1 - 1/3: the values are in units of a right answer)
+    # response 3's overlong penalty -1.0 with correct_weight 2 (a right answer is worth 2): r_v + (-1.0 / 2)
+    # = -0.5, so its step advantage is -0.5 - 1/3 = -5/6 (not -1 - 1/3: values are in units of a right answer)
     values, n_states, n_steps, final = _example()
     run_response = np.repeat(np.arange(3), n_steps)
     lengths = np.array([2, 1, 1, 1, 1, 1, 1, 4])
@@ -106,6 +106,8 @@ def test_the_vineppo_estimator_takes_the_overlong_penalty_in_units_of_a_right_an
     mean = (adv * lengths).sum() / 12
     std = np.sqrt((lengths * (adv - mean) ** 2).sum() / 11)
     np.testing.assert_allclose(ADVANTAGE_ESTIMATORS["vineppo"](r), (adv - mean) / std, rtol=1e-5)
+    with pytest.raises(ValueError, match="overlong penalty needs correct_weight > 0"):
+        ADVANTAGE_ESTIMATORS["vineppo"](RoundRewards(**{**r.__dict__, "correct_weight": 0.0}))
 
 
 def test_first_error_is_the_first_fall_of_value_by_drop():
