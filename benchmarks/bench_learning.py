@@ -90,6 +90,9 @@
     .venv/bin/python benchmarks/bench_learning.py --rounds 2 --seeds 0 --eval-size 50   # a smaller look
     .venv/bin/python benchmarks/bench_learning.py --arms capo grpo random-credit --seeds 0 1 2 \
         --report-only --evidence docs/data/learning.jsonl   # the table of what has run, as evidence
+    .venv/bin/python benchmarks/bench_learning.py --arms grpo capo grpo-lambda fipo vineppo densr --seeds 0 \
+        --carry-from docs/data/learning-readout-3seeds.jsonl --evidence docs/data/learning-rivals.jsonl
+        # the rivals beside the matrix's CAPO and GRPO seed 0, read from its evidence, not run again
 
 ``--evidence`` writes every JSON line printed plus per-item results (:func:`item_records`: each
 held-out problem's greedy answer right or not and its format, its samples right, boxed, and right
@@ -692,8 +695,8 @@ def write_evidence(path: Path, lines: list[dict]) -> None:
     tmp.replace(path)
 
 
-def carried_runs(a: argparse.Namespace, path: Path, train_file: Path,
-                 local: set[tuple[str, int]]) -> tuple[dict[tuple[str, int], dict], dict | None]:
+def carried_runs(a: argparse.Namespace, path: Path, train_file: Path, local: set[tuple[str, int]],
+                 strict: bool = True) -> tuple[dict[tuple[str, int], dict], dict | None]:
     """Runs finished elsewhere, read back from an evidence file written earlier (``--evidence``):
     per arm and seed of this invocation that did not finish here (not in ``local``), the run's
     per-round lines, its two per-item records (round 0 and round K) and its paired change from
@@ -705,6 +708,10 @@ def carried_runs(a: argparse.Namespace, path: Path, train_file: Path,
     Returns ``({(arm, seed): {"rows", "items", "paired"}}, noise floor)``: the second the file's
     :func:`noise_floor` where it was measured for this invocation's held-out eval (policy, dataset,
     size, samples) and ``--noise-seeds``, else None; ``({}, None)`` without the file.
+
+    With ``strict=False`` (``--carry-from``: a file this invocation reads and does not write) a
+    finished run outside ``--arms``/``--seeds`` is passed over, and one under other settings is
+    passed over with a warning that names it (it runs here), instead of stopping.
 
     Raises:
         ValueError: a line of the file is not JSON (named with its line number); a run's item
@@ -753,7 +760,11 @@ def carried_runs(a: argparse.Namespace, path: Path, train_file: Path,
             out[(arm, seed)] = {
                 "rows": [ln for ln in lines if ln.get("arm") == arm and ln.get("seed") == seed and "round" in ln],
                 "items": items, "paired": (summary.get("paired_change_from_round0") or {}).get(str(seed))}
-    if dropped:
+    if dropped and not strict:
+        for name in dropped:
+            if "not among --arms" not in name:
+                log.warning("%s: %s is not carried (it runs here)", path, name)
+    elif dropped:
         raise ValueError(f"{path} holds finished runs this invocation would drop when it writes the file: "
                          f"{', '.join(dropped)}; give their arms and seeds and settings too, or write another --evidence file")
     noise = next((ln["noise_floor"] for ln in lines if "noise_floor" in ln), None)
@@ -1194,6 +1205,10 @@ def parser() -> argparse.ArgumentParser:
                          "after every run that finishes and at the end. An existing file is read first: its runs "
                          "finished under these settings count and are not run again; an invocation that would drop "
                          "one of its finished runs stops and names it")
+    ap.add_argument("--carry-from", nargs="+", default=[], metavar="FILE",
+                    help="other evidence files whose finished runs of these --arms and --seeds, under these settings, "
+                         "count and are not run again (read, never written; runs under other settings are named and "
+                         "run here): e.g. the rivals beside the matrix's CAPO and GRPO runs")
     ap.add_argument("--budget-evidence", default=None,
                     help="re-evaluate each finished run's last checkpoint at --budget-tokens with bench_budget.py "
                          "right after it finishes (or, finished earlier here, when first met), recording it in this "
@@ -1247,6 +1262,17 @@ def main() -> None:
         raise SystemExit(f"--evidence: {e}") from None
     for arm, seed in carried:
         log.info("%s seed %d: finished elsewhere; its lines in %s count (remove them to run it here)", arm, seed, a.evidence)
+    for extra in a.carry_from:  # finished runs of other evidence files, read and not written
+        if not Path(extra).is_file():
+            raise SystemExit(f"--carry-from: {extra} is not a file (give evidence files written by --evidence)")
+        try:
+            more, more_noise = carried_runs(a, Path(extra), train_file, finished_here | set(carried), strict=False)
+        except ValueError as e:
+            raise SystemExit(f"--carry-from: {e}") from None
+        for arm, seed in more:
+            log.info("%s seed %d: finished elsewhere; its lines in %s count", arm, seed, extra)
+        carried.update(more)
+        carried_noise = carried_noise or more_noise
     # the training arms of every seed first, the control (no update) last
     order = [(arm, seed) for seed in a.seeds for arm in a.arms if arm != "control"]
     order += [("control", seed) for seed in a.seeds if "control" in a.arms]

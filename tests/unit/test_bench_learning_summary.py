@@ -339,6 +339,13 @@ def test_runs_finished_elsewhere_count_through_their_committed_evidence(bench, t
                                        "--runs-dir", str(other / "runs")])
     with pytest.raises(ValueError, match=r"capo-s0 \(the file's run id learn-capo-s0-\w+, this invocation's learn-capo-s0-\w+"):
         bench.carried_runs(moved, ev, train, local=set())
+    # --carry-from (read, not written): runs outside the arms are passed over, runs under other settings
+    # are passed over and named, instead of stopping
+    _evidence(bench, a, train, ev, settings={"capo-s0": ids["capo"], "grpo-s0": "learn-grpo-s0-other"})
+    assert set(bench.carried_runs(a, ev, train, local=set(), strict=False)[0]) == {("capo", 0)}
+    assert set(bench.carried_runs(only_capo, ev, train, local=set(), strict=False)[0]) == {("capo", 0)}
+    assert bench.carried_runs(only_capo, ev, train, local={("capo", 0)}, strict=False)[0] == {}
+    _evidence(bench, a, train, ev)
     lines = ev.read_text().splitlines()
     ev.write_text("\n".join(lines + [lines[-1]]) + "\n")  # random credit's round-0 record twice
     with pytest.raises(ValueError, match=r"random-credit seed 0 has item records of rounds \[0, 0\]"):
