@@ -21,8 +21,10 @@ def _text(path: str) -> str:
 
 
 def test_every_evidence_file_the_docs_link_exists():
+    """Every docs/data file the docs name is committed, except those the commands of the benchmarks
+    page's "Figures awaiting evidence" list would write."""
     for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
-        text = doc.read_text()
+        text = re.sub(r"\*\*Figures awaiting evidence\.\*\*.*?\n## ", "", doc.read_text(), flags=re.S)
         for name in re.findall(r"(?:docs/)?data/([\w.+-]+\.jsonl?)\b", text):
             assert (DATA / name).is_file(), f"{doc.name} names docs/data/{name}, which is not committed"
 
