@@ -246,7 +246,8 @@ class CriticEvalConfig(Strict):
 def load_eval_config(path: str | Path | None = None, overrides: list[str] | None = None) -> CriticEvalConfig:
     """Load a ``critic-eval`` YAML config and apply ``key=value`` overrides (YAML values, e.g.
     ``n_values=[1,2]`` or ``critics=[{name: big, model: Qwen/Qwen2.5-72B-Instruct, engine: {type:
-    openai, base_url: "http://host:8000/v1"}}]``).
+    openai, base_url: "http://host:8000/v1"}}] unions=[]``: a new ``critics`` list replaces the
+    config's, whose ``unions`` name the old critics).
 
     Raises:
         FileNotFoundError: no such config file.
