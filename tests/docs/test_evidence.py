@@ -349,3 +349,25 @@ def test_trainer_memory_figures():
     text = _text("docs/benchmarks.md")
     assert (f"**{s['peak_rss_mb']['after'] / 1024:.1f} GB against {s['peak_rss_mb']['before'] / 1024:.1f} GB** "
             f"without the four, {s['saved_mb'] / 1024:.1f} GB saved") in text
+
+
+def test_arithmetic_check_alone_against_the_default_in_critic_eval():
+    """docs/critic-eval.md's comparison of the arithmetic check alone with the default union
+    (readout above 0.8 or the check), majority over N = 4, from critic-eval-sources-24.jsonl."""
+    rows = _lines("critic-eval-sources-24.jsonl")
+
+    def f1(setup: str, subset: str) -> float:  # the readout at the default's threshold, 0.8
+        (r,) = [r for r in rows if r.get("setup") == setup and r.get("subset") == subset
+                and r.get("rule") == "majority" and r.get("n") == 4
+                and (setup == "arithmetic" or r.get("logprob_threshold") == 0.8)]
+        return r["f1"]
+
+    page = _text("docs/critic-eval.md")
+    alone, union = "arithmetic", "readout-1.5b|arithmetic+gold"
+    assert "F1 0.55 on the plain items and 0.96 on the adversarial copies" in page
+    assert (round(f1(alone, "plain"), 2), round(f1(alone, "adversarial"), 2)) == (0.55, 0.96)
+    assert f1(alone, "plain") > f1(union, "plain") and f1(alone, "adversarial") > f1(union, "adversarial")
+    kinds = ("missing_step", "wrong_operation", "misread_relation", "wrong_quantity")
+    assert [round(f1(union, k), 2) for k in kinds] == [0.15, 0.18, 0.0, 0.0]
+    assert all(f1(alone, k) == 0 for k in kinds)
+    assert "F1 0.15 on missing steps and 0.18 on wrong operations, 0 on the other" in page
