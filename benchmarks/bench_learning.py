@@ -743,6 +743,8 @@ def carried_runs(a: argparse.Namespace, path: Path, train_file: Path, local: set
     for (arm, seed), items in sorted(finished.items()):
         name = f"{arm}-s{seed}"
         if arm not in a.arms or seed not in a.seeds:
+            if not strict:  # a file read, not written: runs outside this invocation are simply not needed
+                continue
             dropped.append(f"{name} (not among --arms {' '.join(a.arms)} --seeds {' '.join(map(str, a.seeds))})")
             continue
         if final.get("rounds") != a.rounds:
@@ -762,8 +764,7 @@ def carried_runs(a: argparse.Namespace, path: Path, train_file: Path, local: set
                 "items": items, "paired": (summary.get("paired_change_from_round0") or {}).get(str(seed))}
     if dropped and not strict:
         for name in dropped:
-            if "not among --arms" not in name:
-                log.warning("%s: %s is not carried (it runs here)", path, name)
+            log.warning("%s: %s is not carried (it runs here)", path, name)
     elif dropped:
         raise ValueError(f"{path} holds finished runs this invocation would drop when it writes the file: "
                          f"{', '.join(dropped)}; give their arms and seeds and settings too, or write another --evidence file")
