@@ -236,6 +236,30 @@ def test_learning_matrix_verdicts():
         assert p["greedy"]["lo"] < 0 < p["greedy"]["hi"] and p["sampled"]["lo"] > 0 and p["sampled_boxed"]["lo"] > 0, arm
 
 
+def noise_sentence(lines: list[dict]) -> str:
+    """The matrix's noise-floor sentence: the starting policy's held-out accuracy under each sample
+    seed (round 0's eval first), the sampled spread, and which arms' pooled sampled change starts
+    above it (``sampled_beyond_noise``)."""
+    noise = next(r["noise_floor"] for r in lines if "noise_floor" in r)
+    summary = {r["summary"]: r for r in lines if "summary" in r}
+    seeds = noise["sample_seeds"]
+    g, smp = noise["greedy"], noise["sample"]
+    above = [MATRIX_TITLES[arm] for arm in WHOSE if summary[arm]["sampled_beyond_noise"]]
+    below = [MATRIX_TITLES[arm] for arm in WHOSE if summary[arm]["sampled_beyond_noise"] is False]
+    verdict = (f"the pooled sampled change of {_and(above)} starts above that spread" if above else "") + (
+        ("; " if above else "") + f"that of {_and(below)} does not" if below else "")
+    return (f"Sampled under engine seeds {_and([str(s) for s in seeds])}, the starting policy scored "
+            f"{_and([f'{100 * x:.1f}' for x in smp['accuracy']])} % sampled (a spread of {100 * smp['spread']:.1f} "
+            f"points) and {_and([f'{100 * x:.1f}' for x in g['accuracy']])} % greedy; {verdict}")
+
+
+def test_learning_noise_floor_sentence():
+    """The matrix's noise floor as the page states it, and the claim that the sampled gains lie
+    above it, which the evidence must bear out."""
+    lines = _lines("learning-readout-3seeds.jsonl")
+    assert noise_sentence(lines) in _text("docs/benchmarks.md")
+
+
 def placement_sentences(rows: list[dict]) -> dict[str, str]:
     """Per matrix run with a process penalty: where its trained penalty falls (``capo signal``
     rows of the source it trains on, all steps), averaged over its rounds."""
@@ -302,6 +326,60 @@ def test_rivals_cost_table():
     own = {arm: s["own_stages_s"] / 60 for arm, s in summary.items()}
     assert (f"CAPO's critic {own['capo']:.1f} minutes, DenseR's hidden states {round(own['densr'])}, VinePPO's "
             f"continuations {round(own['vineppo'])} (training: {round(sorted(trains)[len(trains) // 2] / 60)})") in _text("README.md")
+
+
+RIVAL_TITLES = {"grpo": "GRPO", "capo": "CAPO (`capo-readout`)", "grpo-lambda": "GRPO-λ", "fipo": "FIPO",
+                "vineppo": "VinePPO", "densr": "DenseR"}
+
+
+def rivals_table(lines: list[dict]) -> str:
+    """The rivals' learning table of docs/benchmarks.md, built from learning-rivals.jsonl: per arm of
+    the invocation, its change from round 0 (greedy, sampled, sampled within boxed answers) with its
+    interval, and its sampled result minus GRPO's and minus CAPO's, paired by seed and item; an arm
+    with no finished run reads "not run yet"."""
+    last = next(r for r in reversed(lines) if "run_ids" in r)
+    summary = {r["summary"]: r for r in lines if "summary" in r}
+    vs = {(r["rival"], r["against"]): r["rival_minus_other_pooled"] for r in lines
+          if "rival" in r and r["metric"] == "sampled"}
+    head = next((r["sampled_capo_minus_grpo_pooled"] for r in lines if "sampled_capo_minus_grpo_pooled" in r), None)
+    vs[("capo", "grpo")] = head
+
+    def cell(c: dict | None) -> str:
+        return f"{_pts(c['diff'])} {_iv(c)}" if c else ""
+
+    seeds = ", ".join(str(s) for s in last["seeds"])
+    rows = [f"| method (seed {seeds}) | greedy change | sampled change | sampled within boxed answers | "
+            "sampled, minus GRPO | sampled, minus CAPO |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for arm in last["arms"]:
+        if arm not in summary:
+            rows.append(f"| {RIVAL_TITLES[arm]} | not run yet | | | | |")
+            continue
+        p = summary[arm]["pooled_change_from_round0"]
+        cells = [cell(p.get(m)) for m in ("greedy", "sampled", "sampled_boxed")]
+        cells += [cell(vs.get((arm, other))) if arm != other else "" for other in ("grpo", "capo")]
+        rows.append(f"| {RIVAL_TITLES[arm]} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def test_rivals_learning_table():
+    """The rival credit methods' learning table is the one their evidence renders
+    (:func:`rivals_table`); while a rival has not run, the page lists the command that runs it."""
+    raw = (REPO / "docs" / "benchmarks.md").read_text()
+    path = DATA / "learning-rivals.jsonl"
+    command = "--evidence docs/data/learning-rivals.jsonl"
+    if not path.exists():
+        assert command in raw.split("## The scripts", 1)[0]
+        return
+    lines = _lines("learning-rivals.jsonl")
+    table = rivals_table(lines)
+    assert table in raw, table
+    assert "learning-rivals.jsonl" in raw.split(table, 1)[0].rsplit("###", 1)[1]  # the evidence named above it
+    last = next(r for r in reversed(lines) if "run_ids" in r)
+    missing = [arm for arm in last["arms"] if not any(r.get("summary") == arm for r in lines)]
+    assert set(last["arms"]) >= {"grpo", "capo", "grpo-lambda", "fipo", "vineppo", "densr"}
+    # a rival still to run keeps its command among the figures awaiting evidence, and only then
+    assert (command in raw.split("## The scripts", 1)[0]) == bool(missing), missing
 
 
 def test_generation_precision_figures():
