@@ -548,7 +548,7 @@ class TrainConfig(Strict):
     """Train LoRA adapters (peft) instead of all weights; merged into the saved checkpoint."""
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "aim", "comet_ml", "clearml"]] = Field(default_factory=list)
     """Accelerate trackers that also receive the training metrics (nothing is sent by default);
-    TensorBoard logs go to ``<run_dir>/tracking``."""
+    TensorBoard logs go to ``<run_dir>/tracking``. Outside the train stage's key: changing it retrains nothing."""
     launcher: list[str] = Field(default_factory=list)
     """Command prefix that starts the trainer, e.g. ``["accelerate", "launch", "--num_processes",
     "4"]``; empty runs it with this Python in a subprocess (one process)."""
@@ -723,6 +723,10 @@ class CAPOConfig(Strict):
             raise ValueError(f"reward.estimator=densr contrasts right and wrong responses as the rule verifier grades "
                              f"them, so its outcome reward must be the same rule: reward.outcome={r.outcome!r}, set it "
                              "to 'rule'")
+        if r.estimator == "densr" and c.enabled and c.mode == "process":
+            raise ValueError("reward.estimator=densr weights each token by the policy's hidden states, while "
+                             "critique.enabled=true with critique.mode=process splits the rewards into the critic's "
+                             "steps (and runs the critic for nothing): set critique.enabled=false (preset densr)")
         if r.estimator in ("vineppo", "densr") and r.process_weight > 0:
             source = "Monte Carlo step values" if r.estimator == "vineppo" else "hidden-state divergence"
             raise ValueError(f"reward.estimator={r.estimator} takes its credit from {source} and would ignore the "

@@ -19,7 +19,8 @@ log = logging.getLogger("capo.train")
 def loss_normalizer(mode: str, mb: dict, t_global: int) -> float:
     """Size of what the aggregation divides by, to weight micro-batches inside a mini-batch:
     ``token-mean`` its response tokens, ``seq-mean-token-mean`` its responses with a token,
-    ``seq-mean-token-sum-norm`` responses x ``t_global`` (the mini-batch's longest response).
+    ``seq-mean-token-sum-norm`` responses x ``t_global`` (the round's longest response, as
+    :func:`train.trainer.ppo_update` takes it).
 
     Args:
         mode: one of :data:`train.loss.LOSS_AGG_MODES`.

@@ -68,7 +68,7 @@ def mcnemar_exact(a, b) -> float:
     if n == 0:
         return 1.0
     k = min(n01, n10)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n  # ints: exact above 1023 items too
     return min(1.0, 2.0 * tail)
 
 

@@ -63,7 +63,7 @@ log = logging.getLogger("capo.stages")
 def critique_key(cfg: CAPOConfig, round_idx: int) -> dict:
     """What the critiques depend on: steps, rollouts, critique settings (not the shard size),
     template, parser version, prompts, resolved dtype and critic."""
-    from pipeline.core.critique import DATA_ESCAPE_VERSION, PARSER_VERSION, STRUCTURED_VERSION
+    from pipeline.core.critique import DATA_ESCAPE_VERSION, OUTCOME_DATA_ESCAPE_VERSION, PARSER_VERSION, STRUCTURED_VERSION
     from pipeline.precision import precision_record
 
     p = round_paths(cfg, round_idx)
@@ -76,6 +76,8 @@ def critique_key(cfg: CAPOConfig, round_idx: int) -> dict:
            "prompts": storage.file_sha256(prompts_path(cfg)), "dtype": precision_record(cfg)["critique_dtype"],
            "critic": model_fingerprint(resolve_model(cfg.critique.critic, cfg))}
     mode = critique_mode(cfg.critique)
+    if mode.type == "outcome":  # a whole solution's first line is escaped too (step critiques keep their key)
+        key["data_escape"] = OUTCOME_DATA_ESCAPE_VERSION
     if mode.type == "process" and mode.structured_output:  # free text keeps its earlier keys
         key["structured"] = STRUCTURED_VERSION
     if mode.type == "process":

@@ -62,9 +62,12 @@ def train_settings_key(cfg: CAPOConfig) -> dict:
     """The ``train`` settings that the checkpoint depends on: every field but ``launcher`` and
     ``keep_states`` (how and where it runs, how many states it keeps), and ``deterministic``,
     ``ratio_trace`` and ``future_kl`` only
-    when true (a setting added later must not make the runs trained before it stale)."""
-    return {k: v for k, v in cfg.model_dump(mode="json")["train"].items()
-            if k not in ("launcher", "keep_states") and not (k in ("deterministic", "ratio_trace", "future_kl") and not v)}
+    when true (a setting added later must not make the runs trained before it stale).
+    ``report_to`` (where the metrics are logged) changes no output either: it is held as ``[]``
+    whatever it is, the value rounds trained before this rule have in their key."""
+    out = {k: v for k, v in cfg.model_dump(mode="json")["train"].items()
+           if k not in ("launcher", "keep_states") and not (k in ("deterministic", "ratio_trace", "future_kl") and not v)}
+    return {**out, "report_to": []}
 
 
 def train_key(cfg: CAPOConfig, round_idx: int) -> dict:

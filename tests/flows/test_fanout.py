@@ -632,3 +632,16 @@ def test_environment_kept_undoes_what_a_cluster_writes(monkeypatch):
             del os.environ["CAPO_TEST_GONE"]
             raise RuntimeError("a chunk failed")
     assert dict(os.environ) == before
+
+
+def test_the_genorm_critiques_key_names_its_own_escaping(tmp_path):
+    """A whole solution's first line is escaped since v3 of the outcome escaping: GenORM critiques
+    of the earlier prompt are not reused, and step critiques keep their key."""
+    import pipeline.stages.critique as sg
+    from pipeline.core.critique import DATA_ESCAPE_VERSION, OUTCOME_DATA_ESCAPE_VERSION
+
+    steps = _cfg(tmp_path)
+    genorm = _cfg(tmp_path, "critique.mode=outcome", "reward.outcome=genorm", "reward.process_weight=0")
+    _write_round(steps)
+    assert sg.critique_key(steps, 1)["data_escape"] == DATA_ESCAPE_VERSION == "tags-entities-lookalikes-lines-v2"
+    assert sg.critique_key(genorm, 1)["data_escape"] == OUTCOME_DATA_ESCAPE_VERSION != DATA_ESCAPE_VERSION

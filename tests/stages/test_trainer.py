@@ -259,6 +259,8 @@ def test_train_deterministic_enters_the_stage_key_only_when_on():
     lam = train_settings_key(load_config(DEFAULT, [], preset="grpo-lambda"))
     assert lam["ratio_trace"] == {"kappa": 0.99, "style": "recent"} and "future_kl" not in lam
     assert train_settings_key(load_config(DEFAULT, [], preset="fipo"))["future_kl"]["half_life"] == 32.0
+    # where the metrics are logged changes no output: the key of the default (report_to=[]) stays
+    assert train_settings_key(load_config(DEFAULT, ["train.report_to=[tensorboard]"])) == old_rule
 
 
 def test_a_second_in_process_train_stage_may_use_another_mixed_precision(monkeypatch):

@@ -61,6 +61,7 @@ BAD_ESTIMATOR_SETTINGS = [
      ["reward.estimator=grpo-lambda is sequence-level", "would ignore the process reward"]),
     ("vineppo", ["reward.overlong_buffer=64", "reward.correct_weight=0"],
      ["divides the overlong penalty by reward.correct_weight", "reward.correct_weight is 0"]),
+    ("densr", ["critique.enabled=true"], ["reward.estimator=densr weights each token", "set critique.enabled=false"]),
 ]
 
 

@@ -107,3 +107,21 @@ def test_the_rollout_key_holds_dynamic_sampling_only_when_it_is_on(tmp_path):
     other = rollout_settings(load_config(None, base + ["rollout.dynamic_sampling=true", "verify.answer=any"]))
     assert other["dynamic_sampling"]["verify"] == {"answer": "any", "truncated": "zero"}
     assert {k: v for k, v in on.items() if k != "dynamic_sampling"} == off
+
+
+def test_the_rollout_key_holds_the_instruction_that_steps_mode_picks(tmp_path):
+    """``steps.mode=step_tag`` asks the policy for ``<step k>`` markers: rollouts sampled under the
+    blank-line instruction must not be reused for it (their segmentation would find no marker)."""
+    from pipeline.config import DEFAULT_INSTRUCTIONS, load_config
+    from pipeline.stages.rollout import rollout_settings
+
+    base = [f"runs_dir={tmp_path}", f"data_dir={tmp_path}"]
+    blank, tag, line = (rollout_settings(load_config(None, base + [f"steps.mode={m}"]))
+                        for m in ("blank_line", "step_tag", "line"))
+    assert blank["instruction"] is None  # the default mode's key is the one it always was
+    assert tag["instruction"] == DEFAULT_INSTRUCTIONS["step_tag"] and "<step 1>" in tag["instruction"]
+    assert line["instruction"] == DEFAULT_INSTRUCTIONS["line"]
+    assert len({str(blank), str(tag), str(line)}) == 3
+    # an explicit instruction is the key's, whatever the mode
+    mine = rollout_settings(load_config(None, base + ["steps.mode=step_tag", "rollout.instruction=Box it."]))
+    assert mine["instruction"] == "Box it."

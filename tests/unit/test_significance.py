@@ -18,6 +18,15 @@ def test_mcnemar_exact_by_hand():
     assert mcnemar_exact([1, 0], [0, 1]) == 1.0  # one each way: min(1, 2 * 3/4)
 
 
+def test_mcnemar_exact_above_1023_discordant_items():
+    """2.0**n overflows a float past n = 1023 (a full 2,000-problem eval that learned a format
+    flips that many): the tail is computed on integers."""
+    assert mcnemar_exact([1] * 600 + [0] * 600, [0] * 600 + [1] * 600) == 1.0  # 600 each way: symmetric
+    assert mcnemar_exact([0] * 1200, [1] * 1200) == 0.0  # 2 / 2**1200 underflows to 0
+    # 1200 discordant, 580 one way: 2 * P(Bin(1200, 1/2) <= 580), z = (580.5 - 600) / sqrt(300) = -1.126
+    assert mcnemar_exact([1] * 580 + [0] * 620, [0] * 580 + [1] * 620) == pytest.approx(0.26, abs=0.01)
+
+
 def test_bootstrap_by_hand_and_against_the_normal_approximation():
     diff, lo, hi = paired_bootstrap([0] * 8, [1] * 8)
     assert (diff, lo, hi) == (1.0, 1.0, 1.0)  # every resample has every item improved

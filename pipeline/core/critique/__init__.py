@@ -32,7 +32,13 @@ regex), :mod:`~pipeline.core.critique.health` (signal health), :mod:`~pipeline.c
 (the critique mode and the stage's pure core). Their public names are importable from here.
 """
 
-from pipeline.core.critique.escape import DATA_ESCAPE_VERSION, as_data, defuse_tags, reference_text
+from pipeline.core.critique.escape import (
+    DATA_ESCAPE_VERSION,
+    OUTCOME_DATA_ESCAPE_VERSION,
+    as_data,
+    defuse_tags,
+    reference_text,
+)
 from pipeline.core.critique.health import ECHO_SHARE, signal_health
 from pipeline.core.critique.mode import (
     SKIPPED_EMPTY,
@@ -83,6 +89,7 @@ from pipeline.core.critique.templates import (
 
 __all__ = [
     "DATA_ESCAPE_VERSION",
+    "OUTCOME_DATA_ESCAPE_VERSION",
     "ECHO_SHARE",
     "OUTCOME_PARSE_STATUSES",
     "PARSER_VERSION",

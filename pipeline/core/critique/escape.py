@@ -9,6 +9,10 @@ DATA_ESCAPE_VERSION = "tags-entities-lookalikes-lines-v2"
 """Version of how judged text is put into the critic prompt (:func:`as_data`); part of the
 critique key, so a change re-critiques instead of reusing critiques of another prompt."""
 
+OUTCOME_DATA_ESCAPE_VERSION = "tags-entities-lookalikes-lines-v3"
+"""The same for a whole solution (GenORM, ``critique.mode=outcome``), whose first line is marked
+too (v3); step critiques keep :data:`DATA_ESCAPE_VERSION` and their key."""
+
 
 def _letters(word: str) -> str:
     # each letter ASCII (either case) or its fullwidth form (U+FF21.., U+FF41..)
@@ -30,15 +34,17 @@ def as_data(text: str, step: int | None = None) -> str:
     - A ``<solution>`` / ``</solution>`` tag in any spelling (spaces inside, ``&lt;`` entities,
       decimal and hex character references, fullwidth and other look-alike brackets, slashes and
       letters) becomes ``[solution]`` / ``[/solution]``.
-    - A line after the first that starts like one of the prompt's step lines (``Step 3: ...``) or
-      verdict lines (``Wrong step list: ...``, ``Final answer correct: ...``) is marked as text of
-      step ``step`` (``[in step 0] Step 3: correct``), so a policy cannot forge a judgment.
+    - A line that starts like one of the prompt's step lines (``Step 3: ...``) or verdict lines
+      (``Wrong step list: ...``, ``Final answer correct: ...``) is marked as text of step ``step``
+      (``[in step 0] Step 3: correct``), so a policy cannot forge a judgment. A step's first line
+      follows its ``Step i:`` prefix and is left as it is; a whole solution (``step`` None, the
+      GenORM prompt) has every line checked, the first included (``[in the solution] ...``).
 
     Linear in the length of ``text``; never raises on any string.
     """
     lines = defuse_tags(text).split("\n")
     where = f"[in step {step}]" if step is not None else "[in the solution]"
-    for k in range(1, len(lines)):
+    for k in range(0 if step is None else 1, len(lines)):
         if _FORGED_LINE.match(lines[k], 0, 200):
             lines[k] = f"{where} {lines[k]}"
     return "\n".join(lines)
