@@ -55,14 +55,6 @@ def _with_args(findings: list[Finding], args: str) -> list[Finding]:
             Finding(f.round, f.variant, f.output, f.status, f.detail, f"{f.fix} {args}") for f in findings]
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
 def check_run(cfg: CAPOConfig, config: str = "configs/default.yaml", args: str = "") -> list[Finding]:
     """Verify run ``cfg.run_id`` under ``cfg.runs_dir``; ``config`` and ``args`` (the other
     overrides the user gave, as shell words) are repeated in the fix commands.
@@ -112,7 +104,7 @@ def check_run(cfg: CAPOConfig, config: str = "configs/default.yaml", args: str =
                                    f"rm -r {shlex.quote(str(p))}  (or let the next write of that output remove it)"))
             elif p.parent.name.endswith(".parts") and p.suffix == ".parquet":
                 side = p.with_suffix(".json")
-                meta = _read_json(side)
+                meta = storage.read_json_object(side)
                 if meta is None:
                     out.append(Finding(k, None, rel, "uncommitted", "critique shard without its sidecar (killed before "
                                        "its commit); recomputed by the next run", _round_cmd(cfg, k, config, None)))

@@ -113,6 +113,16 @@ def manifest_path(path: Path) -> Path:
     return path.with_name(path.name + MANIFEST_SUFFIX) if path.suffix else path.parent / (path.name + MANIFEST_SUFFIX)
 
 
+def read_json_object(path: Path) -> dict | None:
+    """The JSON object in ``path``; None when it is missing, unreadable, not UTF-8, not JSON or not
+    an object (a shard's sidecar, a kept reply file: callers treat it as not written)."""
+    try:
+        meta = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 def read_manifest(path: Path) -> dict | None:
     """The manifest of stage output ``path``, or None when there is none, or it is unreadable (not
     UTF-8, not JSON, not a JSON object): the output then reads as not current and is recomputed."""

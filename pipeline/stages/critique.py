@@ -318,21 +318,12 @@ def _cut(ids: list[str], size: int) -> list[list[str]]:
     return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
-def _read_sidecar(side: Path) -> dict | None:
-    """A part's sidecar as a dict; None when it is missing, unreadable or not a JSON object."""
-    try:
-        meta = json.loads(side.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
 def _shard_committed(parts_dir: Path, shard: int, shard_key: str, ids: list[str]) -> bool:
     path = _part_path(parts_dir, shard)
     side = path.with_suffix(".json")
     if not (path.is_file() and side.is_file()):
         return False
-    meta = _read_sidecar(side)
+    meta = storage.read_json_object(side)
     if meta is None or meta.get("key") != shard_key:
         return False
     if not storage.part_intact(path, meta):  # torn or altered: recomputed, not trusted
@@ -376,7 +367,7 @@ def critique_done_shards(cfg: CAPOConfig, round_idx: int, plan: list[list[str]] 
         paid = {f for f in stale if (m := re.fullmatch(r"\.part-(\d+)\.replies\.jsonl", f.name))
                 and int(m.group(1)) >= len(plan)}
         for f in stale:  # a part whose sidecar parses was committed: its critiques were finished
-            if f.suffix == ".json" and f.with_suffix(".parquet") in stale and _read_sidecar(f) is not None:
+            if f.suffix == ".json" and f.with_suffix(".parquet") in stale and storage.read_json_object(f) is not None:
                 paid |= {f, f.with_suffix(".parquet")}
         if paid:
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
