@@ -1047,7 +1047,7 @@ def noise_floor(a: argparse.Namespace, round0: Path, compute: bool = True) -> di
                           "run again to retry it", s, e.returncode)
                 return None
         tables.append(pq.read_table(out).to_pylist())
-    res: dict = {"sample_seeds": [rc["eval"]["seed"], *seeds], "policy": policy}
+    res: dict = {"sample_seeds": [rc["eval"]["seed"], *seeds], "policy": _shown(Path(policy))}
     for dec in ("greedy", "sample"):
         accs = [float(np.mean([bool(r["correct"]) for r in t if r["decoding"] == dec]))
                 for t in tables if any(r["decoding"] == dec for r in t)]
