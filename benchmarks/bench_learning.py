@@ -31,7 +31,8 @@
    token by the future-KL influence of the update, another rival) and ``vineppo`` (preset ``vineppo``:
    each step's change of Monte Carlo value from K continuations of the policy, no critic) and ``densr``
    (preset ``densr``: GRPO's advantage weighted per token by the hidden-state divergence from the
-   group's responses with the other outcome). Each rival is compared with GRPO and with CAPO
+   group's responses with the other outcome). Each rival, and each control that trains (random
+   credit, shuffled), is compared with GRPO and with CAPO
    where they ran in the invocation (rows with ``rival``, ``against``, ``rival_minus_other_pooled``
    and ``verdict``: ``ahead`` or ``behind`` where the interval over >= 2 seeds excludes 0, ``no
    difference shown`` where it does not, None with one seed, whose interval holds item noise only).
@@ -90,9 +91,9 @@
     .venv/bin/python benchmarks/bench_learning.py --rounds 2 --seeds 0 --eval-size 50   # a smaller look
     .venv/bin/python benchmarks/bench_learning.py --arms capo grpo random-credit --seeds 0 1 2 \
         --report-only --evidence docs/data/learning.jsonl   # the table of what has run, as evidence
-    .venv/bin/python benchmarks/bench_learning.py --arms grpo capo grpo-lambda fipo vineppo densr --seeds 0 \
-        --carry-from docs/data/learning-readout-3seeds.jsonl --evidence docs/data/learning-rivals.jsonl
-        # the rivals beside the matrix's CAPO and GRPO seed 0, read from its evidence, not run again
+    .venv/bin/python benchmarks/bench_learning.py --arms grpo capo random-credit grpo-lambda fipo vineppo densr \
+        --seeds 0 --carry-from docs/data/learning-readout-3seeds.jsonl --evidence docs/data/learning-rivals.jsonl
+        # the rivals beside the matrix's CAPO, GRPO and random credit seed 0, read from its evidence
 
 ``--evidence`` writes every JSON line printed plus per-item results (:func:`item_records`: each
 held-out problem's greedy answer right or not and its format, its samples right, boxed, and right
@@ -942,8 +943,9 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
                 row[f"{metric}_capo_beat_{name}"] = (bool(head["lo"] > 0) if head["seeds"] >= 2 else None) if head else None
             out.append(row)
     # each rival credit method against GRPO (does its credit beat the outcome alone?) and against
-    # CAPO (does it beat the critic's?), paired by seed and item like CAPO's own verdicts
-    for rival in (arm for arm in a.arms if arm in RIVAL_ARMS):
+    # CAPO (does it beat the critic's?), paired by seed and item like CAPO's own verdicts; the
+    # controls that train (random credit, shuffled outcomes) the same way, beside the rivals
+    for rival in (arm for arm in a.arms if arm in RIVAL_ARMS + ("random-credit", "shuffled")):
         for other in (arm for arm in ("grpo", "capo") if arm in a.arms):
             for metric in METRICS:
                 head = arm_minus_other(a, changes or {}, metric, rival, other)

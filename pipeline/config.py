@@ -388,7 +388,8 @@ class RewardConfig(Strict):
     """The advantage estimator (:data:`pipeline.core.rewards.ADVANTAGE_ESTIMATORS`): capo-token-group
     normalizes token rewards over all tokens of the group (docs/design.md §1.8); grpo is the
     sequence-level group-normalized outcome advantage broadcast to tokens; grpo-lambda is GRPO's with
-    negative values floored (the traced ratio is in ``train.ratio_trace``); vineppo is each step's
+    negative values floored (the traced ratio is in ``train.ratio_trace``); fipo is GRPO's (the
+    future-KL weights are in the loss, ``train.future_kl``); vineppo is each step's
     change of Monte Carlo value (stage ``mc``), whitened over the round's tokens; densr is GRPO's
     advantage reweighted per token by hidden-state divergence from the group's responses with the
     other outcome (stage ``densr``)."""
@@ -746,7 +747,11 @@ class CAPOConfig(Strict):
             raise ValueError("reward.estimator=vineppo divides the overlong penalty by reward.correct_weight (a right "
                              "answer's reward) to put it in units of a right answer, and reward.correct_weight is 0: "
                              "set it above 0 (e.g. 2), or reward.overlong_buffer=0")
-        if r.estimator in ("grpo", "grpo-lambda") and r.process_weight > 0:
+        if r.estimator == "fipo" and self.train.future_kl is None:
+            raise ValueError("reward.estimator=fipo takes its credit over tokens from the future-KL weights in the loss, "
+                             "and train.future_kl is not set (it would train GRPO): use preset fipo, or set "
+                             "train.future_kl, e.g. train.future_kl.half_life=32")
+        if r.estimator in ("grpo", "grpo-lambda", "fipo") and r.process_weight > 0:
             raise ValueError(f"reward.estimator={r.estimator} is sequence-level and would ignore the process reward "
                              f"(reward.process_weight={r.process_weight}); use capo-token-group or set it to 0")
         if r.overlong_buffer >= self.rollout.sampling.max_tokens:

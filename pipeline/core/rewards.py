@@ -349,6 +349,16 @@ def grpo_lambda(r: RoundRewards) -> np.ndarray:
     return np.maximum(grpo_outcome(r), np.float32(GRPO_LAMBDA_ADVANTAGE_FLOOR)).astype(np.float32)
 
 
+def fipo(r: RoundRewards) -> np.ndarray:
+    """FIPO's advantage as the reward stage writes it (Ma et al. 2026, arXiv 2603.19835): GRPO's
+    sequence-level advantage (:func:`grpo_outcome`), unchanged. FIPO's credit over tokens, each
+    token's advantage times the clipped exponential of its discounted future KL, depends on the
+    policy being updated, so it is applied in the loss (``train.future_kl``,
+    :func:`train.loss.future_kl_weights`) and recorded by the train stage in ``token_credit``. The
+    estimator has its own name so that ``token_rewards`` and its manifest name the method. Returns
+    (S,) float32."""
+    return grpo_outcome(r)
+
 
 def trace_credit(advantages: np.ndarray, offsets: np.ndarray, kappa: float, style: str = "recent") -> np.ndarray:
     """Where GRPO-λ's traced ratio puts the credit at the start of an update: each token's weight on
@@ -462,6 +472,7 @@ ADVANTAGE_ESTIMATORS = {
     "capo-token-group": capo_token_group,
     "grpo": grpo_outcome,
     "grpo-lambda": grpo_lambda,
+    "fipo": fipo,
     "vineppo": vineppo,
     "densr": densr,
 }

@@ -328,8 +328,8 @@ def test_rivals_cost_table():
             f"continuations {round(own['vineppo'])} (training: {round(sorted(trains)[len(trains) // 2] / 60)})") in _text("README.md")
 
 
-RIVAL_TITLES = {"grpo": "GRPO", "capo": "CAPO (`capo-readout`)", "grpo-lambda": "GRPO-λ", "fipo": "FIPO",
-                "vineppo": "VinePPO", "densr": "DenseR"}
+RIVAL_TITLES = {"grpo": "GRPO", "capo": "CAPO (`capo-readout`)", "random-credit": "random credit (control)",
+                "grpo-lambda": "GRPO-λ", "fipo": "FIPO", "vineppo": "VinePPO", "densr": "DenseR"}
 
 
 def rivals_table(lines: list[dict]) -> str:
@@ -362,6 +362,14 @@ def rivals_table(lines: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def rivals_noise_sentence(lines: list[dict]) -> str:
+    """The noise floor the rivals' page states: the starting policy's sampled accuracy over sample seeds."""
+    noise = next(r["noise_floor"] for r in lines if "noise_floor" in r)
+    smp = noise["sample"]
+    return (f"the starting policy sampled under engine seeds {_and([str(s) for s in noise['sample_seeds']])} scored "
+            f"{_and([f'{100 * x:.1f}' for x in smp['accuracy']])} % (a spread of {100 * smp['spread']:.1f} points)")
+
+
 def test_rivals_learning_table():
     """The rival credit methods' learning table is the one their evidence renders
     (:func:`rivals_table`); while a rival has not run, the page lists the command that runs it."""
@@ -374,10 +382,11 @@ def test_rivals_learning_table():
     lines = _lines("learning-rivals.jsonl")
     table = rivals_table(lines)
     assert table in raw, table
+    assert rivals_noise_sentence(lines) in " ".join(raw.split())
     assert "learning-rivals.jsonl" in raw.split(table, 1)[0].rsplit("###", 1)[1]  # the evidence named above it
     last = next(r for r in reversed(lines) if "run_ids" in r)
     missing = [arm for arm in last["arms"] if not any(r.get("summary") == arm for r in lines)]
-    assert set(last["arms"]) >= {"grpo", "capo", "grpo-lambda", "fipo", "vineppo", "densr"}
+    assert set(last["arms"]) >= {"grpo", "capo", "random-credit", "grpo-lambda", "fipo", "vineppo", "densr"}
     # a rival still to run keeps its command among the figures awaiting evidence, and only then
     assert (command in raw.split("## The scripts", 1)[0]) == bool(missing), missing
 

@@ -7,6 +7,7 @@ then a round killed in the middle of its critique stage and resumed.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -317,6 +318,40 @@ def test_retraining_a_cached_round_under_another_preset_calls_no_critic(tiny_rou
     con.close()
     assert [r[0] for r in rows] == ["capo-majority", "capo-union"]
     assert rows[0][2] <= rows[1][2]  # majority penalizes no more tokens than union
+
+
+@pytest.mark.parametrize("preset", ["grpo-lambda", "fipo", "vineppo", "densr"])
+def test_each_rival_method_retrains_the_cached_round_through_the_flow(tiny_round, harness, repo, preset):
+    """Each rival credit method, as a variant of the same cached round through the Prefect flow: no
+    rollout, verification or segmentation again and no critic, its own stage where it has one (mc:
+    the policy's continuations through vLLM; densr: the policy's hidden states), the estimator named
+    in ``token_rewards``' key, a checkpoint, and the credit the update put on each token."""
+    from flows.round import capo_round
+    from pipeline import storage
+
+    cfg = tiny_round[0]
+    over = [f"runs_dir={cfg.runs_dir}", f"data_dir={cfg.data_dir}", "eval.enabled=false",
+            "mc.continuations=2", "mc.max_states=2"]
+    res = {r["stage"]: r for r in capo_round(round=1, config=str(repo / "configs" / "tiny.yaml"),
+                                              overrides=over, preset=preset)}
+    assert all(res[s]["skipped"] for s in ("rollout", "verify", "segment", "critique"))
+    own = {"vineppo": "mc", "densr": "densr"}.get(preset)
+    for stage in ("mc", "densr"):
+        assert res[stage]["skipped"] == (stage != own), (stage, res[stage])
+    assert not any(res[s]["skipped"] for s in ("reward", "train"))
+    vcfg = load_config(repo / "configs" / "tiny.yaml", over, preset=preset)
+    p = round_paths(vcfg, 1)
+    man = storage.read_manifest(p["token_rewards"])
+    assert man["key"]["reward"]["estimator"] == {"grpo-lambda": "grpo-lambda", "fipo": "fipo", "vineppo": "vineppo",
+                                                 "densr": "densr"}[preset]
+    assert (p["checkpoint"] / "config.json").is_file()
+    credit = pq.read_table(p["token_credit"]).to_pylist()
+    rewards = {r["rollout_id"]: r for r in pq.read_table(p["token_rewards"]).to_pylist()}
+    assert credit and {r["rollout_id"] for r in credit} <= set(rewards)
+    if own:  # the stage's table feeds the advantages: not the flat GRPO advantage on every token
+        assert storage.read_manifest(p[{"mc": "mc_values", "densr": "token_divergence"}[own]]) is not None
+    summary = json.loads(p["run_summary"].read_text())
+    assert summary["critic_calls"] == 0 and summary["variant"] == preset
 
 
 def test_noise_floor_of_a_real_round(tiny_round, repo):

@@ -312,7 +312,7 @@ def test_fipo_shows_the_credit_its_update_recorded(toy_run, tmp_path):
     from pipeline.schemas import SCHEMAS
     from pipeline.stages.base import input_fp, round_paths
 
-    fipo = toy_config(tmp_path, "critique.enabled=false", "reward.estimator=grpo", "reward.process_weight=0",
+    fipo = toy_config(tmp_path, "critique.enabled=false", "reward.estimator=fipo", "reward.process_weight=0",
                       "variant=fipo", "train.future_kl={half_life: 32}")
     reward_stage(fipo, 1)
     p = round_paths(fipo, 1)

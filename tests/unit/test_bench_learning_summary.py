@@ -518,3 +518,10 @@ def test_each_rival_is_compared_with_grpo_and_with_capo(bench):
     one = bench.parser().parse_args(["--arms", "grpo", "grpo-lambda", "--seeds", "0", "--rounds", "2"])
     out1 = [r for r in bench.summarize(one, rows, {}, changes) if "rival" in r]
     assert [(r["against"], r["verdict"]) for r in out1] == [("grpo", None)]  # no CAPO arm: no row against it
+    # a control that trains is set beside GRPO and CAPO the same way
+    ctl = bench.parser().parse_args(["--arms", "grpo", "capo", "random-credit", "--seeds", "0", "1", "--rounds", "2"])
+    rows_c = [{**r, "arm": "random-credit"} for r in rows if r["arm"] == "grpo-lambda"] + rows
+    changes_c = {**changes, **{("random-credit", s): _changes([10, 0]) for s in (0, 1)}}
+    out_c = [r for r in bench.summarize(ctl, rows_c, {}, changes_c) if "rival" in r]
+    assert [(r["rival"], r["against"], r["verdict"]) for r in out_c] == [("random-credit", "grpo", "no difference shown"),
+                                                                       ("random-credit", "capo", "behind")]

@@ -20,7 +20,7 @@ def test_each_arm_runs_its_method_on_the_sources_settings(bench, repo, tmp_path)
     resolved = load_config(repo / "configs" / "default.yaml", ["run_id=src", "eval.sample_size=4"]).model_dump(mode="json")
     cfgs = {arm: bench.arm_config(resolved, arm, tmp_path) for arm in bench.ARM_STAGES}
     assert {a: c.reward.estimator for a, c in cfgs.items()} == {
-        "grpo": "grpo", "capo": "capo-token-group", "grpo-lambda": "grpo-lambda", "fipo": "grpo",
+        "grpo": "grpo", "capo": "capo-token-group", "grpo-lambda": "grpo-lambda", "fipo": "fipo",
         "vineppo": "vineppo", "densr": "densr"}
     assert cfgs["capo"].critique.enabled and not any(c.critique.enabled for a, c in cfgs.items() if a != "capo")
     assert cfgs["fipo"].train.future_kl is not None and cfgs["grpo-lambda"].train.ratio_trace is not None

@@ -61,6 +61,8 @@ BAD_ESTIMATOR_SETTINGS = [
      ["reward.estimator=grpo-lambda is sequence-level", "would ignore the process reward"]),
     ("vineppo", ["reward.overlong_buffer=64", "reward.correct_weight=0"],
      ["divides the overlong penalty by reward.correct_weight", "reward.correct_weight is 0"]),
+    ("grpo", ["reward.estimator=fipo"], ["train.future_kl is not set", "preset fipo"]),
+    ("fipo", ["reward.process_weight=1", "critique.enabled=true"], ["reward.estimator=fipo is sequence-level"]),
     ("densr", ["critique.enabled=true"], ["reward.estimator=densr weights each token", "set critique.enabled=false"]),
 ]
 

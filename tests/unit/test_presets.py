@@ -39,8 +39,8 @@ def test_preset_names_the_variant_and_is_coherent(name):
         assert (cfg.train.ratio_trace.kappa, cfg.train.ratio_trace.style) == (0.99, "recent")
     if name != "grpo-lambda":
         assert cfg.train.ratio_trace is None
-    if name == "fipo":  # critic-free: GRPO's advantage, weighted per token in the loss
-        assert not cfg.critique.enabled and cfg.reward.estimator == "grpo" and cfg.train.future_kl.half_life == 32
+    if name == "fipo":  # critic-free: GRPO's advantage under its own name, weighted per token in the loss
+        assert not cfg.critique.enabled and cfg.reward.estimator == "fipo" and cfg.train.future_kl.half_life == 32
         assert cfg.train.num_mini_batches >= 2  # inert at one optimizer step per round
     else:
         assert cfg.train.future_kl is None

@@ -253,7 +253,7 @@ def test_estimators_by_hand_on_one_group():
     from pipeline.config import RewardConfig
     from pipeline.core.rewards import ADVANTAGE_ESTIMATORS, RoundRewards
 
-    assert sorted(ADVANTAGE_ESTIMATORS) == ["capo-token-group", "densr", "grpo", "grpo-lambda", "vineppo"]
+    assert sorted(ADVANTAGE_ESTIMATORS) == ["capo-token-group", "densr", "fipo", "grpo", "grpo-lambda", "vineppo"]
     assert set(ADVANTAGE_ESTIMATORS) == set(RewardConfig.model_fields["estimator"].annotation.__args__)
     # token rewards: A's step 1: C = 2; A's step 2: C - P = 1; B: 0
     r = RoundRewards(run_rewards=np.array([2.0, 1.0, 0.0]), run_lengths=np.array([1, 3, 2]),
@@ -269,6 +269,8 @@ def test_estimators_by_hand_on_one_group():
     np.testing.assert_allclose(ADVANTAGE_ESTIMATORS["grpo"](r), [1 / s2, 1 / s2, -1 / s2], rtol=1e-5)
     # grpo-lambda: GRPO's advantage with negative values raised to -0.1
     np.testing.assert_allclose(ADVANTAGE_ESTIMATORS["grpo-lambda"](r), [1 / s2, 1 / s2, -0.1], rtol=1e-5)
+    # fipo: GRPO's (its future-KL weights act in the loss)
+    np.testing.assert_allclose(ADVANTAGE_ESTIMATORS["fipo"](r), [1 / s2, 1 / s2, -1 / s2], rtol=1e-5)
 
 
 def test_trace_credit_is_the_traced_loss_gradient_at_ratio_1():
