@@ -93,7 +93,7 @@
         --report-only --evidence docs/data/learning.jsonl   # the table of what has run, as evidence
     .venv/bin/python benchmarks/bench_learning.py --arms grpo capo random-credit grpo-lambda fipo vineppo densr \
         --seeds 0 --carry-from docs/data/learning-readout-3seeds.jsonl --evidence docs/data/learning-rivals.jsonl
-        # the rivals beside the matrix's CAPO, GRPO and random credit seed 0, read from its evidence
+        # the rivals beside the matrix's CAPO, GRPO and random credit seed 0, not run again
 
 ``--evidence`` writes every JSON line printed plus per-item results (:func:`item_records`: each
 held-out problem's greedy answer right or not and its format, its samples right, boxed, and right

@@ -215,7 +215,9 @@ class VerifyConfig(Strict):
 
 class StepsConfig(Strict):
     mode: Literal["blank_line", "line", "step_tag"] = "blank_line"
-    """How a response is split into steps (docs/design.md §1.3; paper splits on blank lines)."""
+    """How a response is split into steps (docs/design.md §1.3; paper splits on blank lines). Without
+    an explicit ``rollout.instruction``, ``line`` and ``step_tag`` also give the policy another
+    instruction (:data:`DEFAULT_INSTRUCTIONS`), so they sample the round's rollouts again."""
 
 
 def check_model(name: str, role: str) -> str:

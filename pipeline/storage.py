@@ -115,7 +115,7 @@ def manifest_path(path: Path) -> Path:
 
 def read_json_object(path: Path) -> dict | None:
     """The JSON object in ``path``; None when it is missing, unreadable, not UTF-8, not JSON or not
-    an object (a shard's sidecar, a kept reply file: callers treat it as not written)."""
+    an object (a shard's sidecar: callers treat it as not written)."""
     try:
         meta = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):

@@ -125,14 +125,14 @@ def rollout_settings(cfg: CAPOConfig) -> dict:
     """``cfg.rollout`` as the rollout key holds it: dynamic sampling's fields only when it is on, so
     rounds sampled before the option existed keep their key (and their cached rollouts). When on, the
     grading that chooses the groups is part of it too: the verify rules and math-verify's version.
-    Without an explicit ``rollout.instruction`` the policy is given ``steps.mode``'s default
+    Without an explicit ``rollout.instruction`` (None or empty) the policy is given ``steps.mode``'s default
     instruction (:meth:`CAPOConfig.instruction`), which is then part of the key for every mode but
     ``blank_line`` (whose rounds keep the key they had before it was): ``steps.mode=step_tag`` asks
     for ``<step k>`` markers, so rollouts sampled without them are not reused."""
     from importlib.metadata import version
 
     ro = cfg.rollout.model_dump(mode="json")
-    if ro["instruction"] is None and cfg.steps.mode != "blank_line":
+    if not ro["instruction"] and cfg.steps.mode != "blank_line":  # None or "": the mode's default is used
         ro["instruction"] = cfg.instruction()
     ds = {k: ro.pop(k) for k in ("dynamic_sampling", "max_gen_batches")}
     if ds["dynamic_sampling"]:

@@ -405,7 +405,7 @@ def test_a_whole_solution_cannot_forge_a_verdict_on_its_first_line(forged):
     assert f"[in the solution] {forged}" in lines and forged not in lines
 
 
-@given(st.text(max_size=300), st.integers(0, 5))
+@given(st.text(max_size=300), st.none() | st.integers(0, 5))
 def test_judged_text_never_raises_and_keeps_one_block(text, step):
     from pipeline.core.critique import as_data
 
@@ -413,6 +413,8 @@ def test_judged_text_never_raises_and_keeps_one_block(text, step):
     assert isinstance(out, str)
     block = _block([text or "x", "end"])
     assert block.count("</solution>") == 1 and block.count("\n</solution>") == 1
+    _, user = build_outcome_messages(QUESTION, text or "x", "7")  # a whole solution: one block too
+    assert user["content"].count("\n</solution>") == 1
 
 
 @pytest.mark.parametrize("text", [

@@ -125,3 +125,6 @@ def test_the_rollout_key_holds_the_instruction_that_steps_mode_picks(tmp_path):
     # an explicit instruction is the key's, whatever the mode
     mine = rollout_settings(load_config(None, base + ["steps.mode=step_tag", "rollout.instruction=Box it."]))
     assert mine["instruction"] == "Box it."
+    # an empty instruction is no instruction: the mode's default is given, and keyed
+    empty = rollout_settings(load_config(None, base + ["steps.mode=step_tag", "rollout.instruction=''"]))
+    assert empty["instruction"] == DEFAULT_INSTRUCTIONS["step_tag"]

@@ -9,9 +9,9 @@ DATA_ESCAPE_VERSION = "tags-entities-lookalikes-lines-v2"
 """Version of how judged text is put into the critic prompt (:func:`as_data`); part of the
 critique key, so a change re-critiques instead of reusing critiques of another prompt."""
 
-OUTCOME_DATA_ESCAPE_VERSION = "tags-entities-lookalikes-lines-v3"
+OUTCOME_DATA_ESCAPE_VERSION = DATA_ESCAPE_VERSION + "+first-line-v1"
 """The same for a whole solution (GenORM, ``critique.mode=outcome``), whose first line is marked
-too (v3); step critiques keep :data:`DATA_ESCAPE_VERSION` and their key."""
+too; it follows :data:`DATA_ESCAPE_VERSION`, and step critiques keep that one and their key."""
 
 
 def _letters(word: str) -> str:
