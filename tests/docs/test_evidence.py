@@ -242,15 +242,21 @@ def noise_sentence(lines: list[dict]) -> str:
     above it (``sampled_beyond_noise``)."""
     noise = next(r["noise_floor"] for r in lines if "noise_floor" in r)
     summary = {r["summary"]: r for r in lines if "summary" in r}
-    seeds = noise["sample_seeds"]
-    g, smp = noise["greedy"], noise["sample"]
+    seeds, accs, spread = _noise_figures(noise)
     above = [MATRIX_TITLES[arm] for arm in WHOSE if summary[arm]["sampled_beyond_noise"]]
     below = [MATRIX_TITLES[arm] for arm in WHOSE if summary[arm]["sampled_beyond_noise"] is False]
     verdict = (f"the pooled sampled change of {_and(above)} starts above that spread" if above else "") + (
         ("; " if above else "") + f"that of {_and(below)} does not" if below else "")
-    return (f"Sampled under engine seeds {_and([str(s) for s in seeds])}, the starting policy scored "
-            f"{_and([f'{100 * x:.1f}' for x in smp['accuracy']])} % sampled (a spread of {100 * smp['spread']:.1f} "
-            f"points) and {_and([f'{100 * x:.1f}' for x in g['accuracy']])} % greedy; {verdict}")
+    greedy = _and([f"{100 * x:.1f}" for x in noise["greedy"]["accuracy"]])
+    return (f"Sampled under engine seeds {seeds}, the starting policy scored {accs} % sampled (a spread of "
+            f"{spread} points) and {greedy} % greedy; {verdict}")
+
+
+def _noise_figures(noise: dict) -> tuple[str, str, str]:
+    """A ``noise_floor`` line's sample seeds, sampled accuracies (%) and their spread (points), as written."""
+    smp = noise["sample"]
+    return (_and([str(s) for s in noise["sample_seeds"]]), _and([f"{100 * x:.1f}" for x in smp["accuracy"]]),
+            f"{100 * smp['spread']:.1f}")
 
 
 def test_learning_noise_floor_sentence():
@@ -364,10 +370,8 @@ def rivals_table(lines: list[dict]) -> str:
 
 def rivals_noise_sentence(lines: list[dict]) -> str:
     """The noise floor the rivals' page states: the starting policy's sampled accuracy over sample seeds."""
-    noise = next(r["noise_floor"] for r in lines if "noise_floor" in r)
-    smp = noise["sample"]
-    return (f"the starting policy sampled under engine seeds {_and([str(s) for s in noise['sample_seeds']])} scored "
-            f"{_and([f'{100 * x:.1f}' for x in smp['accuracy']])} % (a spread of {100 * smp['spread']:.1f} points)")
+    seeds, accs, spread = _noise_figures(next(r["noise_floor"] for r in lines if "noise_floor" in r))
+    return f"the starting policy sampled under engine seeds {seeds} scored {accs} % (a spread of {spread} points)"
 
 
 def test_rivals_learning_table():

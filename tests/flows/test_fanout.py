@@ -635,8 +635,8 @@ def test_environment_kept_undoes_what_a_cluster_writes(monkeypatch):
 
 
 def test_the_genorm_critiques_key_names_its_own_escaping(tmp_path):
-    """A whole solution's first line is escaped since v3 of the outcome escaping: GenORM critiques
-    of the earlier prompt are not reused, and step critiques keep their key."""
+    """A whole solution's first line is escaped too (the outcome escaping's own version): GenORM
+    critiques of the earlier prompt are not reused, and step critiques keep their key."""
     import pipeline.stages.critique as sg
     from pipeline.core.critique import DATA_ESCAPE_VERSION, OUTCOME_DATA_ESCAPE_VERSION
 

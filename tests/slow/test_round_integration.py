@@ -349,7 +349,7 @@ def test_each_rival_method_retrains_the_cached_round_through_the_flow(tiny_round
     # the method reached the update: its loss settings in the checkpoint's key, its table in the reward's
     train = storage.read_manifest(p["checkpoint"])["key"]["train"]
     assert ("ratio_trace" in train) == (preset == "grpo-lambda") and ("future_kl" in train) == (preset == "fipo")
-    reward_inputs = storage.read_manifest(p["token_rewards"])["key"]
+    reward_inputs = man["key"]
     assert ("mc_values" in reward_inputs) == (preset == "vineppo") and ("token_divergence" in reward_inputs) == (preset == "densr")
     credit = pq.read_table(p["token_credit"]).to_pylist()
     rewards = {r["rollout_id"]: r for r in pq.read_table(p["token_rewards"]).to_pylist()}
