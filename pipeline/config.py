@@ -557,13 +557,6 @@ class TrainConfig(Strict):
     "4"]``; empty runs it with this Python in a subprocess (one process)."""
 
 
-    @model_validator(mode="after")
-    def _future_kl_needs_a_second_step(self) -> "TrainConfig":
-        if self.future_kl is not None and self.num_mini_batches * self.ppo_epochs < 2:
-            raise ValueError(f"train.future_kl (FIPO) does nothing with one optimizer step per round "
-                             f"(train.num_mini_batches={self.num_mini_batches}, train.ppo_epochs={self.ppo_epochs}): "
-                             "every log-ratio is 0 at the first step; take num_mini_batches or ppo_epochs >= 2")
-        return self
 
 class EvalConfig(Strict):
     """Held-out evaluation after every round, and of the starting policy as round 0 (greedy, math-verify)."""
@@ -753,6 +746,27 @@ class CAPOConfig(Strict):
             raise ValueError("reward.estimator=fipo takes its credit over tokens from the future-KL weights in the loss, "
                              "and train.future_kl is not set (it would train GRPO): use preset fipo, or set "
                              "train.future_kl, e.g. train.future_kl.half_life=32")
+        if r.estimator in ("grpo", "fipo") and self.train.ratio_trace is not None:
+            raise ValueError(f"train.ratio_trace (GRPO-λ's traced ratio) with reward.estimator={r.estimator} would train "
+                             f"GRPO-λ while token_rewards and the variant name {r.estimator}: set "
+                             "reward.estimator=grpo-lambda (preset grpo-lambda), or leave train.ratio_trace unset")
+        if r.estimator in ("grpo", "grpo-lambda") and self.train.future_kl is not None:
+            raise ValueError(f"train.future_kl (FIPO's weights) with reward.estimator={r.estimator} would train FIPO "
+                             f"while token_rewards and the variant name {r.estimator}: set reward.estimator=fipo "
+                             "(preset fipo), or leave train.future_kl unset")
+        if self.train.future_kl is not None:
+            t = self.train
+            responses = self.data.prompts_per_round * self.rollout.group_size
+            n_micro = -(-responses // t.micro_batch_size)
+            steps = min(t.num_mini_batches, n_micro) * t.ppo_epochs
+            if steps < 2:
+                raise ValueError(
+                    f"train.future_kl (FIPO) acts from a round's second optimizer step, and this round makes {steps}: "
+                    f"{responses} responses (data.prompts_per_round={self.data.prompts_per_round} x "
+                    f"rollout.group_size={self.rollout.group_size}) in micro-batches of "
+                    f"train.micro_batch_size={t.micro_batch_size} are {n_micro} micro-batch(es), split into "
+                    f"min(train.num_mini_batches={t.num_mini_batches}, {n_micro}) mini-batch(es) x "
+                    f"train.ppo_epochs={t.ppo_epochs}; lower train.micro_batch_size or raise train.ppo_epochs")
         if r.estimator in ("grpo", "grpo-lambda", "fipo") and r.process_weight > 0:
             raise ValueError(f"reward.estimator={r.estimator} is sequence-level and would ignore the process reward "
                              f"(reward.process_weight={r.process_weight}); use capo-token-group or set it to 0")

@@ -106,6 +106,13 @@ TRACE_LOG_RATIO_BOUND = 20.0
 """|z| bound of a traced log-ratio before ``exp`` (a sum of up to ~1/(1-kappa) per-token log-ratios)."""
 
 
+def _first_gap_row(mask: Tensor) -> int:
+    """The first row of a (B, T) mask with a True after a False (not a prefix), or -1."""
+    m = mask.bool()
+    bad = (m[:, 1:] & ~m[:, :-1]).any(dim=-1)
+    return int(bad.nonzero()[0, 0]) if bool(bad.any()) else -1
+
+
 def traced_log_ratio(log_ratio: Tensor, mask: Tensor, kappa: float, style: str = "recent") -> Tensor:
     """GRPO-λ's eligibility-traced log-ratio (Parthasarathi et al. 2025, arXiv 2510.00194, §3.2 eq. 2):
     each response token's log-ratio replaced by a weighted sum over the response's tokens so far,
@@ -130,7 +137,8 @@ def traced_log_ratio(log_ratio: Tensor, mask: Tensor, kappa: float, style: str =
         ``[-TRACE_LOG_RATIO_BOUND, TRACE_LOG_RATIO_BOUND]``.
 
     Raises:
-        ValueError: ``kappa`` outside [0, 1], unknown ``style``, shapes differ.
+        ValueError: ``kappa`` outside [0, 1], unknown ``style``, shapes differ, or (``both``, which
+            counts t by column) a row whose mask is not a prefix.
     """
     if not 0.0 <= kappa <= 1.0:
         raise ValueError(f"kappa={kappa}: the trace decay gamma * lambda must be in [0, 1]")
@@ -138,6 +146,10 @@ def traced_log_ratio(log_ratio: Tensor, mask: Tensor, kappa: float, style: str =
         raise ValueError(f"unknown ratio trace style {style!r}; valid: {RATIO_TRACES}")
     if mask.shape != log_ratio.shape:
         raise ValueError(f"mask has shape {tuple(mask.shape)}; expected {tuple(log_ratio.shape)}")
+    if style == "both" and (gap := _first_gap_row(mask)) >= 0:
+        raise ValueError("ratio trace style 'both' counts a token's position by its column: each row's mask must be "
+                         "a prefix (right-padded responses, as train.examples.collate makes them); row "
+                         f"{gap} has a response token after a padded one")
     T = log_ratio.shape[-1]
     t = torch.arange(T, device=log_ratio.device, dtype=log_ratio.dtype)
     lag = t[:, None] - t[None, :]  # (T, T): l = t - j for the token j summed into position t
@@ -182,9 +194,11 @@ def future_kl_weights(log_ratio: Tensor, mask: Tensor, advantages: Tensor, half_
     Raises:
         ValueError: a parameter out of range, shapes differ.
     """
-    if half_life <= 0 or not 0.0 <= eps < 1.0 or participation_c <= 1.0 or safety <= 0:
-        raise ValueError(f"need half_life > 0, 0 <= eps < 1, participation_c > 1, safety > 0; got {half_life}, {eps}, "
-                         f"{participation_c}, {safety}")
+    bad = [f"{name}={v} (valid: {rule})" for name, v, ok, rule in (
+        ("half_life", half_life, half_life > 0, "> 0"), ("eps", eps, 0.0 <= eps < 1.0, "[0, 1)"),
+        ("participation_c", participation_c, participation_c > 1.0, "> 1"), ("safety", safety, safety > 0, "> 0")) if not ok]
+    if bad:
+        raise ValueError("FIPO's future-KL weights: " + ", ".join(bad))
     if mask.shape != log_ratio.shape or advantages.shape != log_ratio.shape:
         raise ValueError(f"mask {tuple(mask.shape)} and advantages {tuple(advantages.shape)} must have the shape "
                          f"{tuple(log_ratio.shape)}")

@@ -184,6 +184,9 @@ def _plan_micro_batches(examples: list[Example], tc: TrainConfig, pad_id: int, s
         mb["first"] = j * tc.micro_batch_size  # index of its first example
     t_global = max(len(e.response_ids) for e in examples)  # the round's longest response (seq-mean-token-sum-norm)
     steps = plan_steps(len(micro), tc, seed)
+    if tc.future_kl is not None and len(steps) < 2:  # the config's check assumes every response trains
+        log.warning("[train] FIPO's future-KL weights act from the second optimizer step, and this round has %d "
+                    "example(s) in %d micro-batch(es), one step: its update is GRPO's", len(examples), len(micro))
     shares = [sorted({j for _, chunk in steps for j in rank_share(chunk, r, world)}) for r in range(world)]
     return micro, t_global, steps, shares
 

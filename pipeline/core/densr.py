@@ -15,8 +15,8 @@ tokens, ``O_i`` the responses of its group with the other outcome, ``T_j > 0``):
   (aligned by position; past the end of a shorter response, its last token stands in);
 - weight ``w_i[t] = (1 - mix) + mix * d_i[t] / mean_t(d_i)``, so ``mean_t(w_i) = 1``; a response
   with no opposite (its group all right or all wrong, where GRPO's advantage is 0 unless the
-  overlong penalty is on) or whose divergences are all 0 (a mean below :data:`FLAT_BELOW`: the
-  rounding of a cosine of equal states) keeps GRPO's flat weights, ``w = 1``;
+  overlong penalty is on) or whose divergences are all 0 keeps GRPO's flat weights, ``w = 1``; a
+  divergence below :data:`NOISE_BELOW` counts as 0 (the rounding of a cosine of equal states);
 - advantage ``A[i, t] = A_i * w_i[t]``, ``A_i`` GRPO's sequence advantage
   (:func:`pipeline.core.rewards.densr`).
 
@@ -28,13 +28,17 @@ from __future__ import annotations
 
 import numpy as np
 
+NOISE_BELOW = 1e-4
+"""A token's divergence below this counts as 0: two forward passes over one shared prefix. A cosine
+of two bit-identical hidden states rounds to 1 - 1e-16 ... 1e-14 (fp32 or bf16 states, 896 to 4096
+dims), fp32 kernel noise of 1e-6 relative to about 1e-13, and bf16 states of one prefix from two
+forward passes of different lengths differ by 1e-6 to 1e-5; where responses part the divergence is 0.1
+to 1. Without the floor a response that is a prefix of one with the other outcome (it never parts
+from it) would divide that rounding by its own mean and get weights of order 1 from noise; with it,
+its weights are flat."""
+
 FLAT_BELOW = 1e-9
-"""A response whose mean divergence is below this keeps flat weights. A cosine of two bit-identical
-hidden states rounds to 1 - 1e-16 ... 1e-14 (fp32 or bf16 states, 896 to 4096 dims), fp32 kernel noise
-of 1e-6 relative to about 1e-13; dividing that rounding by its own mean would make weights of it.
-bf16 states of one prefix from two forward passes of different lengths can differ by 1e-6 to 1e-5, so
-they are not caught: such a response's shared prefix gets weights of that size, negligible beside the
-0.1 to 1 where responses part."""
+"""A response whose mean divergence (after :data:`NOISE_BELOW`) is below this keeps flat weights."""
 
 
 def _unit_rows(h: np.ndarray) -> np.ndarray:
@@ -100,8 +104,8 @@ def densr_weights(divergence: np.ndarray, offsets: np.ndarray, mix: float = 1.0)
         mix: share of the weight that follows the divergence, in [0, 1]; 0 is GRPO.
 
     Returns:
-        (N,) float32 weights, >= 0; 1 for every token of a response whose divergences are NaN or all 0
-        (mean below :data:`FLAT_BELOW`).
+        (N,) float32 weights, >= 0; 1 for every token of a response whose divergences are NaN or all
+        below :data:`NOISE_BELOW`.
 
     Raises:
         ValueError: bad offsets, ``mix`` outside [0, 1], or a negative divergence.
@@ -117,6 +121,7 @@ def densr_weights(divergence: np.ndarray, offsets: np.ndarray, mix: float = 1.0)
     lengths = np.diff(off)
     resp = np.repeat(np.arange(len(lengths)), lengths)
     valid = ~np.isnan(d)
+    d = np.where(valid & (d < NOISE_BELOW), 0.0, d)  # one shared prefix, two forward passes: rounding, not parting
     total = np.bincount(resp, weights=np.where(valid, d, 0.0), minlength=len(lengths))
     has_nan = np.bincount(resp, weights=~valid, minlength=len(lengths)) > 0
     mean = total / np.maximum(lengths, 1)

@@ -121,9 +121,14 @@ def whiten_runs(values: np.ndarray, lengths: np.ndarray, eps: float = 1e-8) -> n
 
     Returns:
         (S,) float32. All zeros when the batch has fewer than 2 tokens.
+
+    Raises:
+        ValueError: ``values`` and ``lengths`` are not 1-D of one length.
     """
     values = np.asarray(values, np.float64)
     lengths = np.asarray(lengths, np.float64)
+    if values.ndim != 1 or values.shape != lengths.shape:
+        raise ValueError(f"values {values.shape} and lengths {lengths.shape} must be 1-D, one length per run value")
     n = lengths.sum()
     if n < 2:
         return np.zeros(len(values), np.float32)

@@ -31,6 +31,10 @@ from pipeline.stages.base import (
     run_table_stage,
 )
 
+DENSR_WEIGHTS_VERSION = "noise-floor-1e-4"
+"""In a DenseR reward key: divergences below :data:`pipeline.core.densr.NOISE_BELOW` count as 0
+(token rewards written before the floor are recomputed)."""
+
 
 def reward_key(cfg: CAPOConfig, round_idx: int) -> dict:
     """What the token rewards depend on: rollouts, outcomes, the step verdicts
@@ -44,7 +48,8 @@ def reward_key(cfg: CAPOConfig, round_idx: int) -> dict:
     if cfg.reward.estimator == "vineppo":
         ins.update(steps=input_fp(p["steps"]), mc_values=input_fp(p["mc_values"]), mc=cfg.mc.model_dump(mode="json"))
     if cfg.reward.estimator == "densr":
-        ins.update(token_divergence=input_fp(p["token_divergence"]), densr=cfg.densr.model_dump(mode="json"))
+        ins.update(token_divergence=input_fp(p["token_divergence"]), densr=cfg.densr.model_dump(mode="json"),
+                   densr_weights=DENSR_WEIGHTS_VERSION)
     if mode.type == "outcome":
         ins.update(critiques=input_fp(p["critiques"]))
     reward = dict(c["reward"])

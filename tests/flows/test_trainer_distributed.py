@@ -151,6 +151,28 @@ def test_schedule_is_the_same_for_any_number_of_processes(n_micro, mini, epochs)
             assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
+def test_a_fipo_round_with_one_optimizer_step_says_its_update_is_grpos(caplog):
+    """The config's step count assumes every response trains; a round left with one micro-batch
+    (responses dropped) has one optimizer step, where FIPO's weights are all 1: the log says so."""
+    import logging
+
+    import numpy as np
+
+    from pipeline.config import FutureKLConfig, TrainConfig
+    from train.examples import Example
+    from train.trainer import _plan_micro_batches
+
+    fipo = TrainConfig(num_mini_batches=2, micro_batch_size=2, future_kl=FutureKLConfig())
+    ex = [Example([1, 2], [3, 4, 5], np.ones(3, np.float32)) for _ in range(2)]
+    with caplog.at_level(logging.WARNING, logger="capo.train"):
+        _, _, steps, _ = _plan_micro_batches(ex, fipo, 0, seed=0, world=1)
+    assert len(steps) == 1 and "its update is GRPO's" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="capo.train"):  # two micro-batches: two steps, no warning
+        _, _, steps, _ = _plan_micro_batches(ex * 2, fipo, 0, seed=0, world=1)
+    assert len(steps) == 2 and "GRPO's" not in caplog.text
+
+
 def test_saving_a_gathered_state_dict_equals_saving_the_model(tmp_path, tiny_model):
     """The FSDP / ZeRO-3 save path (unwrapped model + a full state dict of separate tensors, as
     ``accelerator.get_state_dict`` returns) writes the same checkpoint as the plain one."""

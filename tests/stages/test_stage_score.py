@@ -297,6 +297,20 @@ def test_shuffled_outcome_control_deals_each_groups_outcomes_out_again(tmp_path)
                                                  "reward.estimator=grpo", "variant=grpo"), 1)["reward"]
 
 
+def test_densr_token_rewards_are_keyed_to_the_weights_noise_floor(tmp_path, monkeypatch):
+    """Divergences below the noise floor count as 0 since the floor came in: the DenseR reward key
+    names it, so token rewards written before it are recomputed; other estimators' keys hold nothing new."""
+    import pipeline.stages.reward as reward
+    from pipeline.stages.reward import DENSR_WEIGHTS_VERSION
+
+    monkeypatch.setattr(reward, "input_fp", lambda path: path.name)  # the inputs' fingerprints are not under test
+
+    densr = _cfg(tmp_path, "critique.enabled=false", "reward.process_weight=0", "reward.estimator=densr", "variant=densr")
+    assert reward_key(densr, 1)["densr_weights"] == DENSR_WEIGHTS_VERSION == "noise-floor-1e-4"
+    grpo = _cfg(tmp_path, "critique.enabled=false", "reward.process_weight=0", "reward.estimator=grpo", "variant=grpo")
+    assert "densr_weights" not in reward_key(grpo, 1)
+
+
 def test_an_overlong_buffer_as_long_as_the_budget_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"reward.overlong_buffer=12 must be below rollout.sampling.max_tokens=12"):
         _cfg(tmp_path, "rollout.sampling.max_tokens=12", "reward.overlong_buffer=12")

@@ -64,6 +64,13 @@ BAD_ESTIMATOR_SETTINGS = [
     ("grpo", ["reward.estimator=fipo"], ["train.future_kl is not set", "preset fipo"]),
     ("fipo", ["reward.process_weight=1", "critique.enabled=true"], ["reward.estimator=fipo is sequence-level"]),
     ("densr", ["critique.enabled=true"], ["reward.estimator=densr weights each token", "set critique.enabled=false"]),
+    # a rival's loss term under another method's name
+    ("grpo", ["train.ratio_trace.kappa=0.99"], ["would train GRPO-λ while token_rewards and the variant name grpo",
+                                                "reward.estimator=grpo-lambda"]),
+    ("fipo", ["train.ratio_trace.kappa=0.99"], ["would train GRPO-λ", "name fipo"]),
+    ("grpo", ["train.future_kl.half_life=32"], ["would train FIPO while token_rewards and the variant name grpo",
+                                               "reward.estimator=fipo"]),
+    ("grpo-lambda", ["train.future_kl.half_life=32"], ["would train FIPO", "name grpo-lambda"]),
 ]
 
 

@@ -77,6 +77,13 @@ def test_weights_average_one_per_response_and_mix_toward_flat():
     # (2.2e-16 / 9.2e-17 = 2.4 would be); the mean, 5.5e-16 / 6, is below FLAT_BELOW, so flat
     rounding = np.array([0.0, 0.0, 2.2e-16, 2.2e-16, 1.1e-16, 0.0])
     np.testing.assert_allclose(densr_weights(rounding, np.array([0, 6])), np.ones(6))
+    # a response that never parts from its opposite (a prefix of it) in bf16: two forward passes over
+    # one prefix differ by 1e-6 ... 1e-5, which divided by its own mean would be weights 0.5, 1.5, 1.0;
+    # below NOISE_BELOW they count as 0, so flat
+    np.testing.assert_allclose(densr_weights(np.array([1e-6, 3e-6, 2e-6]), np.array([0, 3])), np.ones(3))
+    # a response that parts: its shared prefix's rounding counts as 0, the parting tokens take the weight
+    # d = 2e-6, 0.3, 0.1 -> 0, 0.3, 0.1 (mean 0.4 / 3) -> 0, 2.25, 0.75
+    np.testing.assert_allclose(densr_weights(np.array([2e-6, 0.3, 0.1]), np.array([0, 3])), [0.0, 2.25, 0.75], rtol=1e-6)
     with pytest.raises(ValueError, match="mix=1.5 must lie in"):
         densr_weights(d, off, mix=1.5)
     with pytest.raises(ValueError, match="divergences must be >= 0"):

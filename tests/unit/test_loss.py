@@ -253,6 +253,11 @@ def test_traced_log_ratio_by_hand():
         traced_log_ratio(lr, mask, 1.5)
     with pytest.raises(ValueError, match="unknown ratio trace style 'old'"):
         traced_log_ratio(lr, mask, 0.5, "old")
+    # 'both' counts t by column: a left-padded row would weigh its first token as if it were the second
+    left = torch.tensor([[True, True, True, True], [False, True, True, True]])
+    with pytest.raises(ValueError, match="row 1 has a response token after a padded one"):
+        traced_log_ratio(torch.zeros(2, 4), left, 0.5, "both")
+    traced_log_ratio(torch.zeros(2, 4), left, 0.5, "recent")  # 'recent' depends on lags only
 
 
 def test_traced_log_ratio_matches_the_recursion_on_random_rows():
@@ -317,8 +322,10 @@ def test_future_kl_weights_by_hand():
     # participation: a ratio above c = 1.2 (log 0.182 < 0.3) adds nothing: F2 = 0, F1 = -0.2, F0 = 0.1 - 0.1 = 0
     f = future_kl_weights(lr, mask, pos, half_life=1.0, clip_high_only=False, participation_c=1.2)
     torch.testing.assert_close(f, torch.tensor([[1.0, 0.8187307530779818, 1.0, 1.0]], dtype=torch.float64))
-    with pytest.raises(ValueError, match="half_life > 0"):
+    with pytest.raises(ValueError, match=r"half_life=0.0 \(valid: > 0\)"):
         future_kl_weights(lr, mask, pos, half_life=0.0)
+    with pytest.raises(ValueError, match=r"participation_c=0.5 \(valid: > 1\)$"):  # only the bad one named
+        future_kl_weights(lr, mask, pos, participation_c=0.5)
 
 
 def test_future_kl_weights_match_the_naive_sum_and_leave_the_first_update_alone():

@@ -65,6 +65,8 @@ def test_whitening_is_over_tokens():
     # values [1, -1] over 1 and 3 tokens: mean (1 - 3) / 4 = -0.5; unbiased var (1.5^2 + 3 * 0.5^2) / 3 = 1
     np.testing.assert_allclose(whiten_runs(np.array([1.0, -1.0]), np.array([1, 3]), eps=0.0), [1.5, -0.5])
     assert whiten_runs(np.array([2.0]), np.array([1])).tolist() == [0.0]
+    with pytest.raises(ValueError, match=r"values \(3,\) and lengths \(1,\) must be 1-D"):
+        whiten_runs(np.array([1.0, 2.0, 3.0]), np.array([2]))  # broadcast silently before
 
 
 def test_vineppo_refuses_a_process_penalty_and_an_outcome_other_than_the_rule():

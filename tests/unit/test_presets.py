@@ -76,6 +76,14 @@ def test_step_tag_mode_asks_the_policy_for_markers():
     assert "blank lines" in load_config("configs/default.yaml").instruction()
 
 
-def test_fipo_with_one_optimizer_step_per_round_fails_early():
-    with pytest.raises(pydantic.ValidationError, match=r"does nothing with one optimizer step per round \(train.num_mini_batches=1"):
-        load_config("configs/default.yaml", ["train.num_mini_batches=1"], preset="fipo")
+@pytest.mark.parametrize("overrides,words", [
+    (["train.num_mini_batches=1"], ["this round makes 1", "min(train.num_mini_batches=1, 16)", "train.ppo_epochs=1"]),
+    # 8 x 4 = 32 responses in one micro-batch of 32: two mini-batches asked, one made
+    (["train.micro_batch_size=32"], ["this round makes 1", "32 responses", "train.micro_batch_size=32 are 1 micro-batch"]),
+])
+def test_fipo_with_one_optimizer_step_per_round_fails_early(overrides, words):
+    with pytest.raises(pydantic.ValidationError) as err:
+        load_config("configs/default.yaml", overrides, preset="fipo")
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+    load_config("configs/default.yaml", ["train.micro_batch_size=16"], preset="fipo")  # 2 micro-batches: 2 steps
