@@ -202,8 +202,9 @@ def train_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageRe
 
 def commit_round(cfg: CAPOConfig, round_idx: int, key: dict, job, out, seconds: float) -> None:
     """Commit what :func:`train.trainer.update_policy` wrote (main process), in an order a crash
-    cannot confuse: the old checkpoint and token credit (with their manifests) go to ``superseded/``
-    and the old state is uncommitted before anything new is in place; the state and the checkpoint are placed
+    cannot confuse: the old checkpoint, token credit and training state (with their manifests) go to
+    ``superseded/`` before anything new is in place, so a re-trained round loses nothing (the old
+    checkpoint and the state it continued from can be put back together); the state and the checkpoint are placed
     (:func:`pipeline.storage.place_dir`); the token-credit and metrics tables and the two manifests
     come last; then states older than ``train.keep_states`` rounds are pruned. ``token_credit`` is not
     one of the stage's outputs for :func:`train_key`: a round trained before the table existed stays
@@ -213,10 +214,7 @@ def commit_round(cfg: CAPOConfig, round_idx: int, key: dict, job, out, seconds: 
     if ckpt.exists() or storage.manifest_path(ckpt).exists():
         storage.supersede(ckpt)
     storage.supersede(p["token_credit"])  # the old update's credit goes with its checkpoint
-    storage.uncommit(state_dir)
-    if state_dir.exists():  # a re-trained round: its old state belonged to the superseded checkpoint
-        log.warning("[train] replacing round %d's earlier training state %s", round_idx, state_dir)
-        shutil.rmtree(state_dir)
+    storage.supersede(state_dir)  # a re-trained round: its old state goes with the old checkpoint, manifest and all
     storage.place_dir(job.state_out, state_dir, "state")
     storage.place_dir(job.checkpoint_out, ckpt, "checkpoint")
     rows = [{"run_id": cfg.run_id, "round": round_idx, "variant": cfg.variant, "step": i, "name": k, "value": float(v)}

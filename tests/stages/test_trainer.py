@@ -439,3 +439,40 @@ def test_grpo_lambda_and_fipo_reach_the_update(tmp_path, tiny_model):
     fipo = out["fipo"]
     assert fipo[1] == pytest.approx(plain[1], abs=1e-4)
     assert any(not torch.equal(plain[0][k], fipo[0][k]) for k in plain[0]), "FIPO's weights changed no update"
+
+
+def test_retraining_a_round_moves_its_earlier_state_and_checkpoint_to_superseded(tmp_path):
+    """A round trained again (same variant, other settings) keeps what the first training wrote: its
+    checkpoint and its training state, each with its manifest, move to ``superseded/``; the new ones
+    are committed in their place. (The trainer's output is written by hand: the commit is under test.)"""
+    import json
+    from types import SimpleNamespace
+
+    from pipeline import storage
+    from pipeline.stages.base import round_paths
+    from pipeline.stages.train import commit_round
+    from tests.toy_round import toy_config
+
+    cfg = toy_config(tmp_path, "critique.enabled=false", "reward.process_weight=0", "reward.estimator=grpo", "variant=grpo")
+    p = round_paths(cfg, 1)
+
+    p["train_state"].parent.mkdir(parents=True)
+
+    def train_once(tag: str) -> None:
+        job = SimpleNamespace(state_out=tmp_path / f"state-{tag}", checkpoint_out=tmp_path / f"ckpt-{tag}",
+                              policy="start", examples=[])
+        for d, name in ((job.state_out, "optimizer.bin"), (job.checkpoint_out, "config.json")):
+            d.mkdir()
+            (d / name).write_text(json.dumps({"tag": tag}))
+        out = SimpleNamespace(metrics=[{"loss": 0.5}], layout={}, credit=None, optimizer_steps=1)
+        commit_round(cfg, 1, {"train": tag}, job, out, 1.0)
+
+    train_once("first")
+    train_once("second")
+    assert json.loads((p["train_state"] / "optimizer.bin").read_text())["tag"] == "second"
+    assert json.loads((p["checkpoint"] / "config.json").read_text())["tag"] == "second"
+    assert storage.read_manifest(p["train_state"])["key"] == {"train": "second"}
+    for path, name in ((p["train_state"], "optimizer.bin"), (p["checkpoint"], "config.json")):
+        (old,) = [d for d in (path.parent / "superseded").iterdir() if d.name.startswith(path.name) and d.is_dir()]
+        assert json.loads((old / name).read_text())["tag"] == "first", path  # kept, not deleted
+        assert storage.read_manifest(old)["key"] == {"train": "first"}, path  # with its manifest
