@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -28,7 +29,9 @@ import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="CAPO: LLM-as-GenPRM credit assignment for RL on math.")
 
-DEFAULT_CONFIG = "configs/default.yaml"
+DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.yaml")
+"""The repository's default config, wherever the command is started (a relative ``--config`` given
+by the user is read from the current directory)."""
 
 
 def _setup_logging() -> None:
@@ -40,9 +43,17 @@ def _setup_logging() -> None:
 
 
 def _cfg(config: Optional[str], overrides: Optional[list[str]], preset: Optional[str] = None):
+    """:func:`pipeline.config.load_config`; a missing file, an unknown preset or key, a malformed
+    override or a bad value is a usage error (exit status 2) with the loader's message, which names
+    the bad value and the valid ones, instead of a traceback."""
+    from pydantic import ValidationError
+
     from pipeline.config import load_config
 
-    return load_config(config, overrides or [], preset)
+    try:
+        return load_config(config, overrides or [], preset)
+    except (ValueError, FileNotFoundError, ValidationError) as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 @app.command()
@@ -54,8 +65,13 @@ def setup(
 ) -> None:
     """Convert the config's embedded models to HF checkpoints and ingest its prompt tables."""
     _setup_logging()
+    from pipeline.assets.models import EMBEDDED_MODELS
     from pipeline.stages.base import prompts_path, resolve_model
 
+    unknown = [m for m in models or [] if m not in EMBEDDED_MODELS and not Path(m).expanduser().is_dir()]
+    if unknown:  # resolve_model would return such a name unchanged: nothing converted
+        raise typer.BadParameter(f"{', '.join(map(repr, unknown))}: not an embedded model nor an existing checkpoint "
+                                 f"folder; embedded: {', '.join(sorted(EMBEDDED_MODELS))}", param_hint="--model")
     cfg = _cfg(config, overrides, preset)
     out = {"policy": resolve_model(cfg.rollout.policy, cfg)}
     if cfg.critique.enabled:
@@ -68,7 +84,7 @@ def setup(
 
 @app.command("round")
 def round_cmd(
-    round: int = typer.Option(1, "--round", "-r", help="round number (1 samples from the starting policy)"),
+    round: int = typer.Option(1, "--round", "-r", min=1, help="round number (1 samples from the starting policy)"),
     config: str = typer.Option(DEFAULT_CONFIG, help="YAML config"),
     preset: Optional[str] = typer.Option(None, help="a preset of configs/presets/, e.g. capo-majority, capo-intersection, capo-readout, grpo (an unknown name lists them all)"),
     force: Optional[list[str]] = typer.Option(None, help="stage(s) to recompute even when current"),
@@ -91,8 +107,8 @@ def round_cmd(
 
 @app.command("run")
 def run_cmd(
-    rounds: int = typer.Option(2, "--rounds", "-k", help="number of on-policy rounds"),
-    start_round: int = typer.Option(1, help="first round (earlier rounds must be finished)"),
+    rounds: int = typer.Option(2, "--rounds", "-k", min=1, help="number of on-policy rounds"),
+    start_round: int = typer.Option(1, min=1, help="first round (earlier rounds must be finished)"),
     config: str = typer.Option(DEFAULT_CONFIG, help="YAML config"),
     preset: Optional[str] = typer.Option(None, help="a name from configs/presets/"),
     overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value overrides"),
@@ -141,13 +157,15 @@ def _run_round(cfg, round_idx: int, force: list[str]) -> None:
 @app.command()
 def stage(
     name: str = typer.Argument(..., help="rollout | verify | segment | mc | densr | critique | vote | reward | train | eval"),
-    round: int = typer.Option(1, "--round", "-r"),
+    round: int = typer.Option(1, "--round", "-r", min=0, help="round number (0, the starting policy: eval only)"),
     config: str = typer.Option(DEFAULT_CONFIG),
     preset: Optional[str] = typer.Option(None),
     force: bool = typer.Option(False, help="recompute even when current"),
     shards: Optional[str] = typer.Option(
         None, help="critique only: compute and commit just these shards of the round's plan (comma-separated "
-                   "ids, e.g. 0,3,5), not the table: what a fan-out worker runs (flows/fanout.py)"),
+                   "ids, e.g. 0,3,5), not the table: what a fan-out worker runs (flows/fanout.py); it takes "
+                   "no run lock (the chunks of one fan-out run at once), so run it by hand only on a run "
+                   "nothing else writes"),
     overrides: Optional[list[str]] = typer.Argument(None),
 ) -> None:
     """Run a single stage in this process (the critique stage with scale.critique.runner=dask|ray
@@ -166,7 +184,12 @@ def stage(
         st = get_stage(name)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="NAME") from None
+    if round == 0 and 0 not in st.rounds(1):  # before the lock: round 0 is the starting policy, evaluated only
+        raise typer.BadParameter(f"--round 0 is the starting policy, which only the eval stage takes; {name} "
+                                 "needs a round >= 1", param_hint="--round")
     if shards is not None:
+        # no run lock here: a fan-out's chunks run at once as workers of one stage, each committing only its
+        # own shards' part files, on cluster workers that need not inherit the holder's lock (docs/resume.md)
         if st.shard_function is None:
             raise typer.BadParameter(f"--shards applies to a stage with shards (the critique stage), not {name!r}")
         try:
@@ -225,9 +248,13 @@ def report(
 ) -> None:
     """Write a run's report: PNG plots over rounds, report.md and report.html (paper-style table)."""
     _setup_logging()
-    from pipeline.report import write_report
+    from pipeline.report import report_run_dir, write_report
 
     cfg = _cfg(config, overrides, preset)
+    try:
+        report_run_dir(Path(cfg.runs_dir), cfg.run_id)
+    except FileNotFoundError as e:
+        raise typer.BadParameter(str(e)) from None
     out = write_report(Path(cfg.runs_dir), cfg.run_id, Path(out_dir) if out_dir else None)
     typer.echo(json.dumps({k: str(v) for k, v in out.items()}, indent=1))
 
@@ -238,8 +265,10 @@ def sql(
     runs_dir: str = typer.Option("runs", help="directory holding catalog.duckdb"),
     max_rows: int = typer.Option(50, help="rows to print"),
 ) -> None:
-    """Run SQL on the DuckDB catalog, opened read-only (safe while a round is running); files outside
-    the runs and prompt folders can be neither read nor written."""
+    """Run SQL on the DuckDB catalog, opened read-only (safe while a round is running): only statements
+    that read (SELECT, and DESCRIBE, SHOW, SUMMARIZE, WITH, FROM, VALUES, which parse as one; EXPLAIN
+    [ANALYZE] of one) are run, and files outside the runs and prompt folders can be neither read nor
+    written. A syntax error or an unknown view exits with status 2 and DuckDB's message."""
     import duckdb
 
     path = Path(runs_dir) / "catalog.duckdb"
@@ -250,9 +279,53 @@ def sql(
     con = duckdb.connect(str(path), read_only=True)
     try:
         _lock_down(con, path)
-        con.sql(query).show(max_rows=max_rows, max_width=200)
+        try:
+            _refuse_writes(con, query)
+            con.sql(query).show(max_rows=max_rows, max_width=200)
+        except duckdb.Error as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
     finally:
         con.close()
+
+
+_EXPLAIN = re.compile(r"\s*(?:(?:--[^\n]*(?:\n|$)|/\*.*?\*/)\s*)*EXPLAIN\s*(?:ANALY[SZ]E\b|\([^)]*\))?",
+                      re.IGNORECASE | re.DOTALL)
+"""The head of an EXPLAIN statement (leading comments, ``EXPLAIN``, ``ANALYZE`` or an option list)."""
+
+
+def _refuse_writes(con, query: str) -> None:
+    """Refuse ``query`` unless each of its statements only reads: DuckDB parses it
+    (``extract_statements``) and every statement must be a SELECT (DESCRIBE, SHOW, SUMMARIZE, WITH,
+    FROM and VALUES parse as one) or an EXPLAIN of a SELECT (EXPLAIN ANALYZE runs its statement, so
+    ``EXPLAIN ANALYZE COPY ...`` is refused too). PRAGMA is refused (some write or change settings).
+
+    Raises:
+        typer.BadParameter: no statement, or a statement of another type (named).
+        duckdb.Error: the query does not parse.
+    """
+    import duckdb
+
+    statements = con.extract_statements(query)
+    if not statements:
+        raise typer.BadParameter("no SQL statement given", param_hint="QUERY")
+    for st in statements:
+        kind = st.type.name
+        if kind == "EXPLAIN":
+            head = _EXPLAIN.match(st.query)
+            try:
+                inner = con.extract_statements(st.query[head.end():]) if head else []
+            except duckdb.Error:
+                inner = []
+            if len(inner) == 1 and inner[0].type == duckdb.StatementType.SELECT:
+                continue
+            kind = f"EXPLAIN {' '.join(i.type.name for i in inner) or '(whose statement could not be read)'}"
+        elif kind == "SELECT":
+            continue
+        raise typer.BadParameter(
+            f"capo sql is read-only: {kind} statements are refused. Allowed: SELECT (also WITH, FROM, VALUES, "
+            "DESCRIBE, SHOW, SUMMARIZE) and EXPLAIN [ANALYZE] SELECT; for PRAGMA table_info('v') use "
+            "SELECT * FROM pragma_table_info('v')", param_hint="QUERY")
 
 
 @app.command()
@@ -396,8 +469,12 @@ def _lock_down(con, catalog_path: Path) -> None:
 
 @app.command()
 def catalog(runs_dir: str = "runs", data_dir: str = "data") -> None:
-    """Rebuild the DuckDB catalog views over every run's tables."""
+    """Rebuild the DuckDB catalog views over every run's tables (``runs_dir`` must exist)."""
     from pipeline.storage import refresh_catalog
+
+    if not Path(runs_dir).is_dir():
+        raise typer.BadParameter(f"no folder {runs_dir}; give the folder that holds the runs (their config's "
+                                 "runs_dir)", param_hint="--runs-dir")
 
     typer.echo(str(refresh_catalog(Path(runs_dir), Path(data_dir))))
 

@@ -101,6 +101,17 @@ def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr, force=True)  # prefect's import set WARNING
 
 
+def _config(config: str, overrides: list[str]) -> ces.CriticEvalConfig:
+    """:func:`critic_eval.stages.load_eval_config`; a missing file, an unknown key or a bad value is
+    a usage error (exit status 2) with the loader's message (it names them), not a traceback."""
+    from pydantic import ValidationError
+
+    try:
+        return ces.load_eval_config(config, overrides)
+    except (ValueError, FileNotFoundError, ValidationError) as e:
+        raise typer.BadParameter(str(e)) from None
+
+
 @app.command()
 def run(
     config: str = typer.Option(DEFAULT_CONFIG, help="critic-eval YAML config"),
@@ -111,7 +122,7 @@ def run(
 ) -> None:
     """Run the whole evaluation here, without Prefect (critics still in child processes)."""
     _setup_logging()
-    cfg = ces.load_eval_config(config, _overrides(benchmark, name, overrides))
+    cfg = _config(config, _overrides(benchmark, name, overrides))
     out = run_all(cfg, logging.getLogger("capo.critic_eval"), force=force)
     typer.echo(json.dumps({k: v for k, v in out.items() if k != "stages"}, indent=1))
 
@@ -125,19 +136,21 @@ def critique(
 ) -> None:
     """Sample one setup's critiques in this process (what the flow runs as a child)."""
     _setup_logging()
-    res = ces.critique_stage(ces.load_eval_config(config, overrides), setup, force=force)
+    res = ces.critique_stage(_config(config, overrides), setup, force=force)
     print(RESULT_TAG + json.dumps(dataclasses.asdict(res)), flush=True)  # what flows.runner reads
 
 
 @app.command()
 def bench(
     config: str = typer.Option(DEFAULT_CONFIG),
-    out: Optional[str] = typer.Option(None, help="also write the items here as ProcessBench JSONL"),
+    out: Optional[str] = typer.Option(None, help="also write the items here as ProcessBench JSONL (must not exist)"),
     overrides: Optional[list[str]] = typer.Argument(None),
 ) -> None:
-    """Build (or load) the benchmark table; optionally export it as JSONL."""
+    """Build (or load) the benchmark table; optionally export it as JSONL (to a new file)."""
     _setup_logging()
-    cfg = ces.load_eval_config(config, overrides)
+    if out and Path(out).exists():
+        raise typer.BadParameter(f"{out} exists; give a new file (nothing is overwritten)", param_hint="--out")
+    cfg = _config(config, overrides)
     res = ces.benchmark_stage(cfg)
     if out:
         with open(out, "w") as f:

@@ -565,6 +565,19 @@ def _report_markdown(run_id: str, table_md: str, browsers: list[tuple[str, str]]
     return "\n".join(md) + "\n"
 
 
+def report_run_dir(runs_dir: Path, run_id: str) -> Path:
+    """The folder of run ``run_id`` under ``runs_dir``.
+
+    Raises:
+        FileNotFoundError: no such folder (the message lists the runs there).
+    """
+    run_dir = Path(runs_dir).resolve() / run_id
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"no run {run_id!r} under {Path(runs_dir).resolve()}; runs: "
+                                f"{sorted(p.name for p in Path(runs_dir).glob('*') if p.is_dir())}")
+    return run_dir
+
+
 def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> dict[str, Path]:
     """Write the plots, ``report.md``, ``report.html``, ``table.md`` and ``accuracy.json`` of a run.
 
@@ -573,10 +586,7 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
     Raises:
         FileNotFoundError: no run directory ``<runs_dir>/<run_id>``.
     """
-    run_dir = Path(runs_dir).resolve() / run_id
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"no run {run_id!r} under {Path(runs_dir).resolve()}; runs: "
-                                f"{sorted(p.name for p in Path(runs_dir).glob('*') if p.is_dir())}")
+    run_dir = report_run_dir(runs_dir, run_id)
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     data, read_notes = collect(run_dir)

@@ -11,7 +11,9 @@ the operating system releases it when the holding process exits, however it exit
 included), so a stale lock cannot outlive its holder; ``.capo.lock.json`` beside it records who
 holds it (pid, host, start time, command) for the error message. Stage child processes and
 fan-out workers started by the holder inherit ``CAPO_RUN_LOCK`` and do not lock again; inside one
-process the lock is re-entrant (``capo-run`` calls ``capo-round``).
+process the lock is re-entrant (``capo-run`` calls ``capo-round``). ``capo stage critique --shards``
+(a fan-out chunk) takes no lock at all: the chunks run at once, on workers of a cluster at an
+address that do not inherit ``CAPO_RUN_LOCK``, and each commits only its own shards.
 """
 
 from __future__ import annotations

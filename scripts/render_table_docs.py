@@ -75,9 +75,12 @@ round runs:
 .venv/bin/capo sql --runs-dir /other/runs --max-rows 200 "SELECT * FROM variant_summary"
 ```
 
-`capo sql` opens the catalog read-only. It can read files only in the folders the views read (the
-runs folder and the prompt tables' folder). Reading any other file, writing outside those
-folders, extensions and settings are refused. The DuckDB shell opens the file too
+`capo sql` opens the catalog read-only and runs only statements that read: SELECT (DESCRIBE,
+SHOW and SUMMARIZE are SELECTs too) and EXPLAIN [ANALYZE] of a SELECT; `COPY`, `PRAGMA`, `SET`,
+`CREATE` and every other statement type are refused, naming the type (for `PRAGMA
+table_info('v')` use `SELECT * FROM pragma_table_info('v')`). It can read files only in the
+folders the views read (the runs folder and the prompt tables' folder). Reading any other file,
+extensions and settings are refused. The DuckDB shell opens the file too
 (`duckdb -readonly runs/catalog.duckdb`): the file is written with DuckDB's storage version
 `v1.2.0`, which the PyPI `duckdb-cli` 1.5.x reads.
 

@@ -1,0 +1,174 @@
+"""The ``capo`` command on bad input: a short usage error (exit status 2) that keeps the message
+naming the bad value and the valid ones, before any lock or folder is made; ``capo sql`` runs only
+statements that read; nothing is overwritten or made up silently. No model is loaded here."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import typer
+from typer.testing import CliRunner
+
+import flows.cli as cli
+
+
+def _invoke(args, app=None):
+    return CliRunner().invoke(app or cli.app, args)
+
+
+def _text(res) -> str:
+    """The command's output as one line of words (the error box wraps and frames the message)."""
+    return " ".join(res.output.replace("│", " ").split())
+
+
+def _usage_error(res) -> str:
+    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+    assert isinstance(res.exception, SystemExit), res.exception  # not an uncaught exception's traceback
+    return _text(res)
+
+
+@pytest.fixture
+def catalog(tmp_path):
+    """A runs folder with one committed table and its catalog: ``(runs, table path)``."""
+    from pipeline import storage
+
+    runs = tmp_path / "runs"
+    table = runs / "default" / "round_001" / "rollouts.parquet"
+    table.parent.mkdir(parents=True)
+    pq.write_table(pa.table({"rollout_id": ["a", "b"], "n": [1, 2]}), table)
+    storage.refresh_catalog(runs)
+    return runs, table
+
+
+def test_capo_sql_refuses_a_copy_over_a_committed_table(catalog):
+    runs, table = catalog
+    before = table.read_bytes()
+    for q in (f"COPY (SELECT 42 AS a) TO '{table}' (FORMAT parquet)",
+              f"EXPLAIN ANALYZE COPY (SELECT 42 AS a) TO '{table}' (FORMAT parquet)",
+              "SELECT 1; COPY rollouts TO '" + str(table.parent / "x.csv") + "'",
+              "PRAGMA table_info('rollouts')", "CREATE TABLE t AS SELECT 1", "SET threads = 1"):
+        out = _usage_error(_invoke(["sql", q, "--runs-dir", str(runs)]))
+        assert "capo sql is read-only" in out and "statements are refused" in out, (q, out)
+        assert "Allowed: SELECT" in out
+    assert "COPY statements are refused" in _text(_invoke(["sql", f"COPY rollouts TO '{table}'", "--runs-dir", str(runs)]))
+    assert table.read_bytes() == before and not (table.parent / "x.csv").exists()
+    # what reads still runs
+    for q in ("SELECT count(*) AS n FROM rollouts", "DESCRIBE rollouts", "SHOW TABLES", "SUMMARIZE rollouts",
+              "EXPLAIN ANALYZE SELECT * FROM rollouts", "SELECT name FROM pragma_table_info('rollouts')",
+              "WITH x AS (SELECT 1 AS a) SELECT * FROM x"):
+        res = _invoke(["sql", q, "--runs-dir", str(runs)])
+        assert res.exit_code == 0, (q, res.output)
+    assert "rollout_id" in _invoke(["sql", "DESCRIBE rollouts", "--runs-dir", str(runs)]).output
+
+
+@pytest.mark.parametrize("query, message", [("SELEC 1", "Parser Error"),
+                                            ("SELECT * FROM no_such_view", "Catalog Error")])
+def test_capo_sql_errors_are_one_short_message(catalog, query, message):
+    runs, _ = catalog
+    res = _invoke(["sql", query, "--runs-dir", str(runs)])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert res.stderr.startswith(f"error: {message}") and len(res.stderr.splitlines()) < 8, res.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "nope"], "unknown preset 'nope'; valid: ['capo-arithmetic',"),
+    (["a.b"], "override 'a.b' must look like section.key=value"),
+    (["bogus_key=1"], "bogus_key Extra inputs are not permitted"),
+    (["vote.rule=bogus"], "vote.rule Input should be 'intersection', 'union', 'majority' or 'average'"),
+    (["--config", "no/such/config.yaml"], "config file 'no/such/config.yaml' not found"),
+])
+def test_a_bad_config_is_a_usage_error_naming_it(tmp_path, args, message):
+    res = _invoke(["round", "--config", "configs/tiny.yaml", *args, f"runs_dir={tmp_path}"])
+    assert message in _usage_error(res)
+    assert not any(tmp_path.iterdir())  # nothing written, no lock taken
+
+
+def test_bad_config_of_check_and_critic_eval_is_a_usage_error(tmp_path):
+    from flows.critic_eval import app as critic_eval_app
+
+    assert "unknown preset 'bogus'" in _usage_error(_invoke(["check", "default", "--preset", "bogus",
+                                                             f"runs_dir={tmp_path}"]))
+    out = _usage_error(_invoke(["run", "bogus_key=1"], critic_eval_app))
+    assert "bogus_key Extra inputs are not permitted" in out
+
+
+def test_report_of_an_unknown_run_names_the_runs_there(catalog):
+    runs, _ = catalog
+    out = _usage_error(_invoke(["report", f"runs_dir={runs}", "run_id=nope"]))
+    assert "no run 'nope' under" in out and "runs: ['default']" in out
+
+
+def test_an_internal_error_still_shows_its_traceback(tmp_path, monkeypatch):
+    import pipeline.config
+
+    def broken(*a, **kw):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(pipeline.config, "load_config", broken)
+    res = _invoke(["round", f"runs_dir={tmp_path}"])
+    assert res.exit_code == 1 and isinstance(res.exception, KeyError)
+
+
+@pytest.mark.parametrize("args", [["round", "--round", "0"], ["round", "--round", "-1"], ["run", "--rounds", "0"],
+                                  ["run", "--start-round", "0"], ["stage", "eval", "--round", "-1"],
+                                  ["stage", "rollout", "--round", "0"]])
+def test_round_numbers_out_of_range_fail_before_the_lock(tmp_path, args):
+    out = _usage_error(_invoke([*args, "--config", "configs/tiny.yaml", f"runs_dir={tmp_path}"]))
+    assert "--round" in out or "--rounds" in out or "--start-round" in out
+    assert not any(tmp_path.iterdir())
+
+
+def test_stage_eval_takes_round_0(tmp_path, monkeypatch):
+    def lock(cfg):
+        raise typer.Exit(7)  # reached the run lock: the arguments were accepted
+
+    monkeypatch.setattr(cli, "_writing", lock)
+    assert _invoke(["stage", "eval", "--round", "0", "--config", "configs/tiny.yaml", f"runs_dir={tmp_path}"]).exit_code == 7
+
+
+def test_the_default_config_is_found_from_another_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = _usage_error(_invoke(["report", f"runs_dir={tmp_path}", "run_id=nope"]))
+    assert "no run 'nope'" in out and "config file" not in out  # configs/default.yaml was read
+    # a relative --config the user gives is still read from the current directory
+    assert "config file 'configs/tiny.yaml' not found" in _usage_error(_invoke(["report", "--config", "configs/tiny.yaml"]))
+
+
+def test_setup_refuses_an_unknown_model_before_converting_anything(tmp_path, monkeypatch):
+    import pipeline.stages.base as base
+
+    resolved = []
+    monkeypatch.setattr(base, "resolve_model", lambda name, cfg: resolved.append(name) or f"/models/{name}")
+    monkeypatch.setattr(base, "prompts_path", lambda cfg: tmp_path / "prompts.parquet")
+    out = _usage_error(_invoke(["setup", "--config", "configs/tiny.yaml", "--model", "qwen-typo",
+                                f"data_dir={tmp_path}"]))
+    assert "'qwen-typo': not an embedded model" in out
+    assert "qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct, smollm2-135m-instruct" in out
+    assert resolved == []
+    ckpt = tmp_path / "my-checkpoint"  # a local checkpoint folder is still accepted
+    ckpt.mkdir()
+    res = _invoke(["setup", "--config", "configs/tiny.yaml", "--model", str(ckpt), f"data_dir={tmp_path}"])
+    assert res.exit_code == 0, res.output
+    assert str(ckpt) in resolved
+
+
+def test_critic_eval_bench_refuses_to_overwrite_its_out_file(tmp_path, monkeypatch):
+    from critic_eval import stages as ces
+    from flows.critic_eval import app as critic_eval_app
+
+    def no_build(*a, **kw):
+        raise AssertionError("the benchmark must not be built when --out exists")
+
+    monkeypatch.setattr(ces, "benchmark_stage", no_build)
+    out = tmp_path / "items.jsonl"
+    out.write_text("keep\n")
+    msg = _usage_error(_invoke(["bench", "--out", str(out), f"runs_dir={tmp_path}"], critic_eval_app))
+    assert "exists; give a new file (nothing is overwritten)" in msg
+    assert out.read_text() == "keep\n"
+
+
+def test_catalog_refuses_a_runs_dir_that_does_not_exist(tmp_path):
+    out = _usage_error(_invoke(["catalog", "--runs-dir", str(tmp_path / "typo"), "--data-dir", str(tmp_path)]))
+    assert "--runs-dir" in out and "no folder" in out
+    assert not (tmp_path / "typo").exists()
