@@ -330,7 +330,7 @@ def _refuse_writes(con, query: str) -> None:
 
 @app.command()
 def check(
-    run: str = typer.Argument(..., help="run id (a folder of runs_dir)"),
+    run: str = typer.Argument(..., help="run id (a folder of runs_dir) or the path of a run folder"),
     config: str = typer.Option(DEFAULT_CONFIG, help="the run's config (its variant's keys are checked)"),
     preset: Optional[str] = typer.Option(None),
     all_rows: bool = typer.Option(False, "--all", help="list the intact outputs too"),
@@ -346,7 +346,12 @@ def check(
 
     import shlex
 
-    cfg = _cfg(config, [*(overrides or []), f"run_id={run}"], preset)
+    path = Path(run)
+    if (path.is_absolute() or len(path.parts) > 1) and path.is_dir():  # a run folder's path: its parent holds the runs
+        where = [f"runs_dir={path.resolve().parent}", f"run_id={path.resolve().name}"]
+    else:
+        where = [f"run_id={run}"]
+    cfg = _cfg(config, [*(overrides or []), *where], preset)
     args = " ".join(shlex.quote(o) for o in overrides or [] if not o.startswith(("run_id=", "runs_dir=")))
     try:
         findings = check_run(cfg, config, (f"--preset {preset} " if preset else "") + args)

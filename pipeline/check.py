@@ -43,15 +43,26 @@ class Finding:
 
 
 def _round_cmd(cfg: CAPOConfig, k: int, config: str, variant: str | None) -> str:
-    preset = "" if variant in (None, cfg.variant) else f" --preset {variant}"
-    return f"capo round --round {max(k, 1)} --config {config}{preset} run_id={cfg.run_id} runs_dir={cfg.runs_dir}"
+    """The command that recomputes round ``k``'s output of ``variant``: the checked config's own
+    variant (or a shared table) with the user's arguments (:func:`_with_args`); another variant by
+    its preset where one has its name, else by ``variant=`` with the settings it was run with."""
+    from pipeline.config import list_presets
+
+    head = f"capo round --round {max(k, 1)} --config {config}"
+    tail = f"run_id={cfg.run_id} runs_dir={cfg.runs_dir}"
+    if variant in (None, cfg.variant):
+        return f"{head} {tail}"
+    if variant in list_presets():
+        return f"{head} --preset {variant} {tail}"
+    return f"{head} variant={variant} {tail}  (with the settings variant {variant} was run with)"
 
 
-def _with_args(findings: list[Finding], args: str) -> list[Finding]:
-    """The fix commands with the user's other arguments (overrides, preset) appended."""
+def _with_args(findings: list[Finding], args: str, own_variant: str) -> list[Finding]:
+    """The fix commands of the checked variant's outputs and the shared tables with the user's other
+    arguments (overrides, preset) appended; another variant's command keeps its own."""
     if not args:
         return findings
-    return [f if not f.fix.startswith("capo ") else
+    return [f if not f.fix.startswith("capo ") or f.variant not in (None, own_variant) else
             Finding(f.round, f.variant, f.output, f.status, f.detail, f"{f.fix} {args}") for f in findings]
 
 
@@ -117,7 +128,7 @@ def check_run(cfg: CAPOConfig, config: str = "configs/default.yaml", args: str =
                 variant = p.parent.name if p.parent.parent.name == "variants" else None
                 out.append(Finding(k, variant, rel, "uncommitted", "no manifest (its write was interrupted before "
                                    "the commit)", _round_cmd(cfg, k, config, variant)))
-    return _with_args(out, args)
+    return _with_args(out, args, cfg.variant)
 
 
 def _rel(path: Path, run_dir: Path) -> str:

@@ -1,7 +1,8 @@
 """Configuration of a CAPO run: pydantic v2 models, validated when built.
 
 One :class:`CAPOConfig` describes a run (a sequence of on-policy rounds). It is loaded from a YAML
-file (``configs/default.yaml`` holds the embedded defaults), optionally overridden with dotted
+file (``configs/default.yaml``, the shipped run: these defaults under the ``capo-readout``
+preset; an empty config is the paper's method, variant ``capo-majority``), optionally overridden with dotted
 ``key=value`` pairs, and resolved (every default filled in) before any work starts. Each stage
 hashes only the sections it depends on (:func:`section_hash`), so changing the voting rule does
 not invalidate the cached critiques.
@@ -132,6 +133,13 @@ class DataConfig(Strict):
     prompts_per_round: int = Field(8, ge=1)
     """Distinct problems per round; drawn without repetition across rounds from a seeded order (one
     permutation per epoch; ``rollout.dynamic_sampling``'s extra prompts come from another one)."""
+
+    @model_validator(mode="after")
+    def _embedded_split(self) -> "DataConfig":
+        if self.train_prompts in ("gsm8k", "math") and self.train_split not in ("train", "test"):
+            raise ValueError(f"data.train_split={self.train_split!r}: the embedded {self.train_prompts} has the "
+                             "splits 'train' and 'test'")
+        return self
 
 
 class RolloutConfig(Strict):
@@ -657,7 +665,8 @@ class DenseRConfig(Strict):
 
 
 class CAPOConfig(Strict):
-    """A whole run. ``configs/default.yaml`` is the embedded default."""
+    """A whole run. The field defaults are the paper's method (variant ``capo-majority``);
+    ``configs/default.yaml``, the shipped run, sets the ``capo-readout`` variant on top of them."""
 
     run_id: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     """Directory name of the run under ``runs_dir``."""

@@ -89,3 +89,45 @@ def test_check_of_an_unknown_run_names_the_runs_there(tmp_path):
         assert "no run 'nope'" in str(e) and "toy" in str(e)
     else:
         raise AssertionError("an unknown run must raise")
+
+
+def test_another_variants_fix_names_that_variant_not_the_users_preset(tmp_path, data_dir):
+    """A damaged output of a variant other than the checked one: its fix re-runs that variant (by its
+    preset where one has its name, else ``variant=`` with its settings) without the user's own
+    ``--preset`` and overrides, which would select another variant (typer keeps the last --preset)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "models").symlink_to(data_dir / "models")
+    cfg = toy_config(tmp_path, f"critique.critic={TINY}")
+    write_round(cfg)
+    vote_stage(cfg, 1)
+    reward_stage(cfg, 1)
+    grpo = toy_config(tmp_path, f"critique.critic={TINY}", "critique.enabled=false", "reward.process_weight=0",
+                      "reward.estimator=grpo", "variant=grpo")
+    hand = toy_config(tmp_path, f"critique.critic={TINY}", "vote.rule=intersection", "variant=t07-p05")
+    reward_stage(grpo, 1)
+    vote_stage(hand, 1)
+    reward_stage(hand, 1)
+    for c in (grpo, hand):  # damage each other variant's token rewards
+        tr = round_paths(c, 1)["token_rewards"]
+        raw = bytearray(tr.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        tr.write_bytes(bytes(raw))
+    found = _by_output(check_run(cfg, "my.yaml", "--preset capo-majority reward.correct_weight=2"))
+    own = found["round_001/rollouts.parquet"]  # a shared table: the user's arguments repeated
+    assert own.fix.endswith("--preset capo-majority reward.correct_weight=2")
+    g = found["round_001/variants/grpo/token_rewards.parquet"]
+    assert g.status == "modified"
+    assert g.fix == f"capo round --round 1 --config my.yaml --preset grpo run_id=toy runs_dir={cfg.runs_dir}"
+    h = found["round_001/variants/t07-p05/token_rewards.parquet"]
+    assert h.fix.startswith(f"capo round --round 1 --config my.yaml variant=t07-p05 run_id=toy runs_dir={cfg.runs_dir}")
+    assert "--preset" not in h.fix and "with the settings variant t07-p05 was run with" in h.fix
+    # the run given as a folder's path (as `capo browse` takes it): the same findings
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    res = CliRunner().invoke(app, ["check", str(cfg.run_dir()), f"data_dir={cfg.data_dir}",
+                                   f"data.train_prompts={cfg.data.train_prompts}", f"critique.critic={TINY}"])
+    assert res.exit_code == 1, res.output
+    assert "variants/grpo/token_rewards.parquet" in res.output and "MODIFIED" in res.output

@@ -38,6 +38,8 @@ BAD_OVERRIDES = [
     (["scale.child_silence_s=.inf"], ["child_silence_s", "finite"]),
     (["scale.child_silence_s=true"], ["child_silence_s=True", "a number is expected"]),
     (["scale.child_silence_s=soon"], ["child_silence_s", "valid number"]),
+    (["data.train_split=validation"], ["data.train_split='validation'", "embedded gsm8k has the splits 'train' and 'test'"]),
+    (["data.train_prompts=math", "data.train_split=dev"], ["data.train_split='dev'", "embedded math"]),
     (["critique.structured_output=true", "critique.engine.type=transformers"],
      ["critique.structured_output=true needs an engine", "vllm, or openai", "'transformers'"]),
 ]
