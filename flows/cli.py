@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -289,9 +288,18 @@ def sql(
         con.close()
 
 
-_EXPLAIN = re.compile(r"\s*(?:(?:--[^\n]*(?:\n|$)|/\*.*?\*/)\s*)*EXPLAIN\s*(?:ANALY[SZ]E\b|\([^)]*\))?",
-                      re.IGNORECASE | re.DOTALL)
-"""The head of an EXPLAIN statement (leading comments, ``EXPLAIN``, ``ANALYZE`` or an option list)."""
+def _explained_statement(query: str) -> str | None:
+    """The text of the statement an ``EXPLAIN [ANALYZE]`` statement explains, found with DuckDB's own
+    tokenizer (so comments, nested ones included, are skipped as the parser skips them); None for
+    an option list (``EXPLAIN (FORMAT ...)``) or anything else this does not read."""
+    import duckdb
+
+    starts = [pos for pos, kind in duckdb.tokenize(query) if kind != duckdb.token_type.comment]
+    words = [query[a:b].strip().upper() for a, b in zip(starts, [*starts[1:], len(query)])]
+    if len(words) < 2 or words[0] != "EXPLAIN" or words[1].startswith("("):
+        return None
+    at = 2 if words[1] in ("ANALYZE", "ANALYSE") else 1
+    return query[starts[at]:] if at < len(starts) else None
 
 
 def _refuse_writes(con, query: str) -> None:
@@ -312,9 +320,9 @@ def _refuse_writes(con, query: str) -> None:
     for st in statements:
         kind = st.type.name
         if kind == "EXPLAIN":
-            head = _EXPLAIN.match(st.query)
+            text = _explained_statement(st.query)
             try:
-                inner = con.extract_statements(st.query[head.end():]) if head else []
+                inner = con.extract_statements(text) if text is not None else []
             except duckdb.Error:
                 inner = []
             if len(inner) == 1 and inner[0].type == duckdb.StatementType.SELECT:
@@ -347,7 +355,7 @@ def check(
     import shlex
 
     path = Path(run)
-    if (path.is_absolute() or len(path.parts) > 1) and path.is_dir():  # a run folder's path: its parent holds the runs
+    if ("/" in run or path.is_absolute()) and path.is_dir():  # a run folder's path (./r, r/, a/r): its parent holds the runs
         where = [f"runs_dir={path.resolve().parent}", f"run_id={path.resolve().name}"]
     else:
         where = [f"run_id={run}"]

@@ -44,8 +44,8 @@ class Finding:
 
 def _round_cmd(cfg: CAPOConfig, k: int, config: str, variant: str | None) -> str:
     """The command that recomputes round ``k``'s output of ``variant``: the checked config's own
-    variant (or a shared table) with the user's arguments (:func:`_with_args`); another variant by
-    its preset where one has its name, else by ``variant=`` with the settings it was run with."""
+    variant (or a shared table) as checked; another variant by its preset where one has its name,
+    else by ``variant=`` (:func:`_with_args` adds the user's other arguments to both)."""
     from pipeline.config import list_presets
 
     head = f"capo round --round {max(k, 1)} --config {config}"
@@ -54,16 +54,41 @@ def _round_cmd(cfg: CAPOConfig, k: int, config: str, variant: str | None) -> str
         return f"{head} {tail}"
     if variant in list_presets():
         return f"{head} --preset {variant} {tail}"
-    return f"{head} variant={variant} {tail}  (with the settings variant {variant} was run with)"
+    return f"{head} variant={variant} {tail}"
 
 
 def _with_args(findings: list[Finding], args: str, own_variant: str) -> list[Finding]:
-    """The fix commands of the checked variant's outputs and the shared tables with the user's other
-    arguments (overrides, preset) appended; another variant's command keeps its own."""
-    if not args:
-        return findings
-    return [f if not f.fix.startswith("capo ") or f.variant not in (None, own_variant) else
-            Finding(f.round, f.variant, f.output, f.status, f.detail, f"{f.fix} {args}") for f in findings]
+    """The fix commands with the user's other arguments (overrides, preset) appended: all of them for
+    the checked variant's outputs and the shared tables; for another variant's, all but the user's
+    ``--preset`` and ``variant=`` (its own command names it), so the shared settings (data, rollout,
+    seed, ...) that keep the round's shared tables current stay. Another variant without a preset of
+    its name gets a note in its detail: its own settings are not known here."""
+    import shlex
+
+    from pipeline.config import list_presets
+
+    words = shlex.split(args)
+    shared, i = [], 0
+    while i < len(words):  # drop --preset X / --preset=X and variant=...
+        if words[i] == "--preset":
+            i += 2
+            continue
+        if not words[i].startswith(("--preset=", "variant=")):
+            shared.append(words[i])
+        i += 1
+    shared_args = " ".join(shlex.quote(w) for w in shared)
+    out = []
+    for f in findings:
+        if not f.fix.startswith("capo "):
+            out.append(f)
+            continue
+        own = f.variant in (None, own_variant)
+        extra = args if own else shared_args
+        detail = f.detail
+        if not own and f.variant not in list_presets():
+            detail += f" (variant {f.variant} is no preset: add the settings it was run with)"
+        out.append(Finding(f.round, f.variant, f.output, f.status, detail, f"{f.fix} {extra}".rstrip()))
+    return out
 
 
 def check_run(cfg: CAPOConfig, config: str = "configs/default.yaml", args: str = "") -> list[Finding]:

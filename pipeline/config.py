@@ -534,7 +534,8 @@ class TrainConfig(Strict):
     ``save_state``) kept per variant: the newest K rounds'. Round k+1 continues from round k's; K >= 2
     lets the newest round be re-trained. Older states are deleted (their manifests stay);
     checkpoints are always kept. Disk per state: about 12 bytes per trained parameter (7.6 GB for
-    the 0.5B policy, whose embeddings are untied; 1.6 GB for SmolLM2-135M)."""
+    the 0.5B policy, whose embeddings are untied; 1.6 GB for SmolLM2-135M). A re-trained round's
+    earlier state moves to ``superseded/`` and is not pruned: delete it there to reclaim the space."""
     ratio_trace: RatioTraceConfig | None = None
     """GRPO-λ's traced ratio in the PPO loss (preset ``grpo-lambda``); None (the default): the
     per-token ratio. Part of the train stage's key only when set."""
@@ -775,7 +776,8 @@ class CAPOConfig(Strict):
                     f"rollout.group_size={self.rollout.group_size}) in micro-batches of "
                     f"train.micro_batch_size={t.micro_batch_size} are {n_micro} micro-batch(es), split into "
                     f"min(train.num_mini_batches={t.num_mini_batches}, {n_micro}) mini-batch(es) x "
-                    f"train.ppo_epochs={t.ppo_epochs}; lower train.micro_batch_size or raise train.ppo_epochs")
+                    f"train.ppo_epochs={t.ppo_epochs}; lower train.micro_batch_size, or raise "
+                    "train.num_mini_batches or train.ppo_epochs")
         if r.estimator in ("grpo", "grpo-lambda", "fipo") and r.process_weight > 0:
             raise ValueError(f"reward.estimator={r.estimator} is sequence-level and would ignore the process reward "
                              f"(reward.process_weight={r.process_weight}); use capo-token-group or set it to 0")

@@ -113,15 +113,19 @@ def test_another_variants_fix_names_that_variant_not_the_users_preset(tmp_path, 
         raw = bytearray(tr.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
         tr.write_bytes(bytes(raw))
-    found = _by_output(check_run(cfg, "my.yaml", "--preset capo-majority reward.correct_weight=2"))
+    args = f"--preset capo-majority data.train_prompts={cfg.data.train_prompts} variant=capo-majority"
+    found = _by_output(check_run(cfg, "my.yaml", args))
     own = found["round_001/rollouts.parquet"]  # a shared table: the user's arguments repeated
-    assert own.fix.endswith("--preset capo-majority reward.correct_weight=2")
+    assert own.fix.endswith(args)
     g = found["round_001/variants/grpo/token_rewards.parquet"]
     assert g.status == "modified"
-    assert g.fix == f"capo round --round 1 --config my.yaml --preset grpo run_id=toy runs_dir={cfg.runs_dir}"
+    # the shared settings stay (without them the rollouts' key differs and the round would sample again)
+    assert g.fix == (f"capo round --round 1 --config my.yaml --preset grpo run_id=toy runs_dir={cfg.runs_dir} "
+                     f"data.train_prompts={cfg.data.train_prompts}")
     h = found["round_001/variants/t07-p05/token_rewards.parquet"]
-    assert h.fix.startswith(f"capo round --round 1 --config my.yaml variant=t07-p05 run_id=toy runs_dir={cfg.runs_dir}")
-    assert "--preset" not in h.fix and "with the settings variant t07-p05 was run with" in h.fix
+    assert h.fix == (f"capo round --round 1 --config my.yaml variant=t07-p05 run_id=toy runs_dir={cfg.runs_dir} "
+                     f"data.train_prompts={cfg.data.train_prompts}")
+    assert "variant t07-p05 is no preset: add the settings it was run with" in h.detail
     # the run given as a folder's path (as `capo browse` takes it): the same findings
     from typer.testing import CliRunner
 

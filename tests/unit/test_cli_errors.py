@@ -46,6 +46,9 @@ def test_capo_sql_refuses_a_copy_over_a_committed_table(catalog):
     before = table.read_bytes()
     for q in (f"COPY (SELECT 42 AS a) TO '{table}' (FORMAT parquet)",
               f"EXPLAIN ANALYZE COPY (SELECT 42 AS a) TO '{table}' (FORMAT parquet)",
+              # a nested comment hiding the real statement behind an EXPLAIN SELECT a regex would find
+              f"/* /* */ EXPLAIN SELECT 1 -- */ EXPLAIN ANALYZE COPY (SELECT 42 AS a) TO '{table}' (FORMAT parquet)",
+              f"\n-- EXPLAIN SELECT 1\nEXPLAIN ANALYSE COPY (SELECT 42 AS a) TO '{table}' (FORMAT parquet)",
               "SELECT 1; COPY rollouts TO '" + str(table.parent / "x.csv") + "'",
               "PRAGMA table_info('rollouts')", "CREATE TABLE t AS SELECT 1", "SET threads = 1"):
         out = _usage_error(_invoke(["sql", q, "--runs-dir", str(runs)]))
@@ -55,7 +58,8 @@ def test_capo_sql_refuses_a_copy_over_a_committed_table(catalog):
     assert table.read_bytes() == before and not (table.parent / "x.csv").exists()
     # what reads still runs
     for q in ("SELECT count(*) AS n FROM rollouts", "DESCRIBE rollouts", "SHOW TABLES", "SUMMARIZE rollouts",
-              "EXPLAIN ANALYZE SELECT * FROM rollouts", "SELECT name FROM pragma_table_info('rollouts')",
+              "EXPLAIN ANALYZE SELECT * FROM rollouts", "/* a /* nested */ comment */ EXPLAIN SELECT 1",
+              "SELECT name FROM pragma_table_info('rollouts')",
               "WITH x AS (SELECT 1 AS a) SELECT * FROM x"):
         res = _invoke(["sql", q, "--runs-dir", str(runs)])
         assert res.exit_code == 0, (q, res.output)
