@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline import storage
-from pipeline.config import CAPOConfig
+from pipeline.config import CAPOConfig, list_presets
 from pipeline.stages import STAGES, get_stage, stage_key
 from pipeline.stages.base import round_paths
 
@@ -46,8 +46,6 @@ def _round_cmd(cfg: CAPOConfig, k: int, config: str, variant: str | None) -> str
     """The command that recomputes round ``k``'s output of ``variant``: the checked config's own
     variant (or a shared table) as checked; another variant by its preset where one has its name,
     else by ``variant=`` (:func:`_with_args` adds the user's other arguments to both)."""
-    from pipeline.config import list_presets
-
     head = f"capo round --round {max(k, 1)} --config {config}"
     tail = f"run_id={cfg.run_id} runs_dir={cfg.runs_dir}"
     if variant in (None, cfg.variant):
@@ -63,10 +61,7 @@ def _with_args(findings: list[Finding], args: str, own_variant: str) -> list[Fin
     ``--preset`` and ``variant=`` (its own command names it), so the shared settings (data, rollout,
     seed, ...) that keep the round's shared tables current stay. Another variant without a preset of
     its name gets a note in its detail: its own settings are not known here."""
-    import shlex
-
-    from pipeline.config import list_presets
-
+    presets = set(list_presets())
     words = shlex.split(args)
     shared, i = [], 0
     while i < len(words):  # drop --preset X / --preset=X and variant=...
@@ -85,7 +80,7 @@ def _with_args(findings: list[Finding], args: str, own_variant: str) -> list[Fin
         own = f.variant in (None, own_variant)
         extra = args if own else shared_args
         detail = f.detail
-        if not own and f.variant not in list_presets():
+        if not own and f.variant not in presets:
             detail += f" (variant {f.variant} is no preset: add the settings it was run with)"
         out.append(Finding(f.round, f.variant, f.output, f.status, detail, f"{f.fix} {extra}".rstrip()))
     return out
