@@ -55,6 +55,18 @@ def _cfg(config: Optional[str], overrides: Optional[list[str]], preset: Optional
         raise typer.BadParameter(str(e)) from None
 
 
+def _require_round_start(cfg, round_idx: int, param_hint: str) -> None:
+    """Round k > 1 samples from round k-1's checkpoint: a round whose checkpoint is missing is a
+    usage error before the run lock is taken (:func:`pipeline.stages.base.policy_for_round`), not
+    after the lock in its first stage."""
+    from pipeline.stages.base import policy_for_round
+
+    try:
+        policy_for_round(cfg, round_idx)
+    except FileNotFoundError as e:
+        raise typer.BadParameter(str(e), param_hint=param_hint) from None
+
+
 @app.command()
 def setup(
     config: str = typer.Option(DEFAULT_CONFIG, help="config whose models and prompts to prepare"),
@@ -100,6 +112,7 @@ def round_cmd(
                                  param_hint="--force")
 
     cfg = _cfg(config, overrides, preset)
+    _require_round_start(cfg, round, "--round")
     with _writing(cfg), policy_engine_session(cfg):
         _run_round(cfg, round, force or [])
 
@@ -118,6 +131,7 @@ def run_cmd(
     from pipeline.engines.host import policy_engine_session
 
     cfg = _cfg(config, overrides, preset)
+    _require_round_start(cfg, start_round, "--start-round")
     with _writing(cfg), policy_engine_session(cfg):  # scale.policy_engine=persistent: one engine for all rounds
         for k in range(start_round, start_round + rounds):
             _run_round(cfg, k, [])

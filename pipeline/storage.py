@@ -316,9 +316,13 @@ def mark_pruned(path: Path) -> None:
 
 
 def supersede(path: Path) -> Path | None:
-    """Move an existing output (and its manifest) to ``superseded/`` beside it; return where."""
+    """Move an existing output (and its manifest) to ``superseded/`` beside it; return where.
+
+    The manifest moves first: a kill between the two moves leaves the output in place without a
+    manifest (uncommitted, so recomputed, and the superseded copy's manifest names its folder),
+    never a manifest in place naming an output that has gone."""
+    mp = manifest_path(path)
     if not path.exists():
-        mp = manifest_path(path)
         if mp.exists():
             mp.unlink()
         return None
@@ -326,10 +330,9 @@ def supersede(path: Path) -> Path | None:
     dest_dir = path.parent / "superseded"
     dest_dir.mkdir(exist_ok=True)
     dest = dest_dir / f"{path.stem}-{stamp}{path.suffix}"
-    shutil.move(str(path), dest)
-    mp = manifest_path(path)
     if mp.exists():
         shutil.move(str(mp), manifest_path(dest))
+    shutil.move(str(path), dest)
     log.warning("moved the earlier %s to %s (it was produced under another key)", path.name, dest)
     return dest
 

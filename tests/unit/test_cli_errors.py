@@ -123,6 +123,24 @@ def test_round_numbers_out_of_range_fail_before_the_lock(tmp_path, args):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("args", [["round", "--round", "2"], ["run", "--start-round", "3", "--rounds", "1"]])
+def test_a_round_without_the_previous_checkpoint_fails_before_the_lock(tmp_path, args):
+    """Round k samples from round k-1's checkpoint: when it is missing the command says which round
+    to run first, before the run lock or any folder is made."""
+    k = int(args[2]) - 1
+    out = _usage_error(_invoke([*args, "--config", "configs/tiny.yaml", f"runs_dir={tmp_path}"]))
+    assert f"run round {k} first (capo round --round {k})" in out, out
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_round_flow_checks_the_previous_checkpoint_before_the_lock(tmp_path):
+    from flows.round import capo_round
+
+    with pytest.raises(FileNotFoundError, match="run round 1 first"):
+        capo_round.fn(round=2, config="configs/tiny.yaml", overrides=[f"runs_dir={tmp_path}"])
+    assert not any(tmp_path.iterdir())
+
+
 def test_stage_eval_takes_round_0(tmp_path, monkeypatch):
     def lock(cfg):
         raise typer.Exit(7)  # reached the run lock: the arguments were accepted

@@ -119,6 +119,30 @@ def test_rewrite_moves_old_output_to_superseded(tmp_path):
     assert len(list(sup.glob(f"*{storage.MANIFEST_SUFFIX}"))) == 1
 
 
+def test_a_kill_inside_supersede_never_leaves_a_manifest_without_its_output(tmp_path, monkeypatch):
+    """supersede moves the manifest before the output: a kill between the two moves leaves the
+    output in place uncommitted (recomputed) and nothing naming an output that has gone."""
+    out = tmp_path / "round_001" / "outcomes.parquet"
+    storage.write_table(_outcomes(answer="5"), out, "outcomes", stage="verify", key={"v": 1})
+    real_move, calls = storage.shutil.move, []
+
+    def move_then_die(src, dst):
+        calls.append(src)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed between the two moves")
+        return real_move(src, dst)
+
+    monkeypatch.setattr(storage.shutil, "move", move_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        storage.supersede(out)
+    monkeypatch.undo()
+    assert out.exists() and not storage.manifest_path(out).exists()  # uncommitted, not a dangling manifest
+    assert not storage.is_current(out, {"v": 1}).current
+    storage.write_table(_outcomes(answer="7"), out, "outcomes", stage="verify", key={"v": 1})
+    assert pq.read_table(out).column("extracted_answer").to_pylist() == ["7"] * 3
+    assert len(list((out.parent / "superseded").glob("outcomes-*.parquet"))) == 1  # the old table kept
+
+
 def test_schema_mismatch_names_the_column(tmp_path):
     t = _outcomes()
     bad_type = t.set_column(t.schema.get_field_index("round"), "round", pa.array([1, 1, 1], pa.int64()))
