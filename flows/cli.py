@@ -350,6 +350,26 @@ def _refuse_writes(con, query: str) -> None:
             "SELECT * FROM pragma_table_info('v')", param_hint="QUERY")
 
 
+def _run_folder(run: str, runs_dir: str | Path) -> Path:
+    """The run folder ``capo check``, ``browse`` and ``signal`` read: ``<runs_dir>/<run>`` when that
+    folder exists, else ``run`` itself when it is the path of a folder (``runs/x``, ``./x``, an
+    absolute path, or a folder in the working directory).
+
+    Raises:
+        typer.BadParameter: neither is a folder; the message lists the runs in ``runs_dir``.
+    """
+    under, path = Path(runs_dir) / run, Path(run)
+    if under.is_dir():
+        return under
+    if path.is_dir():
+        return path
+    root = Path(runs_dir)
+    runs = sorted(p.name for p in root.glob("*") if (p / "round_000").is_dir() or (p / "round_001").is_dir()) \
+        if root.is_dir() else []
+    raise typer.BadParameter(f"no run {run!r} in {runs_dir}/ and no such folder; runs there: {runs or 'none'}",
+                             param_hint="RUN")
+
+
 @app.command()
 def check(
     run: str = typer.Argument(..., help="run id (a folder of runs_dir) or the path of a run folder"),
@@ -368,11 +388,12 @@ def check(
 
     import shlex
 
-    path = Path(run)
-    if ("/" in run or path.is_absolute()) and path.is_dir():  # a run folder's path (./r, r/, a/r): its parent holds the runs
-        where = [f"runs_dir={path.resolve().parent}", f"run_id={path.resolve().name}"]
-    else:
-        where = [f"run_id={run}"]
+    runs_dir = _cfg(config, overrides, preset).runs_dir
+    folder = _run_folder(run, runs_dir)
+    if folder.resolve() == (Path(runs_dir) / folder.name).resolve():  # a run of runs_dir, by name or path
+        where = [f"run_id={folder.name}"]
+    else:  # a run folder's path: its parent holds the runs
+        where = [f"runs_dir={folder.resolve().parent}", f"run_id={folder.resolve().name}"]
     cfg = _cfg(config, [*(overrides or []), *where], preset)
     args = " ".join(shlex.quote(o) for o in overrides or [] if not o.startswith(("run_id=", "runs_dir=")))
     try:
@@ -400,10 +421,7 @@ def browse(
     from pipeline.browse import build_browser
     from pipeline.browse import serve as serve_folder
 
-    run_dir = Path(run) if Path(run).is_dir() and not (Path(runs_dir) / run).is_dir() else Path(runs_dir) / run
-    if not run_dir.is_dir():
-        runs = sorted(p.name for p in Path(runs_dir).glob("*") if (p / "round_001").is_dir()) if Path(runs_dir).is_dir() else []
-        raise typer.BadParameter(f"no run {run!r} in {runs_dir}/; runs there: {runs or 'none'}")
+    run_dir = _run_folder(run, runs_dir)
     if round_idx < 1:
         raise typer.BadParameter(f"--round {round_idx}: round 0 is the starting policy (no rollouts); give a round >= 1")
     try:
@@ -439,7 +457,7 @@ def signal_cmd(
     signal alone. Reads the tables only."""
     from pipeline.process_signal import format_rows, measure_run
 
-    run_dir = Path(run) if Path(run).is_dir() and not (Path(runs_dir) / run).is_dir() else Path(runs_dir) / run
+    run_dir = _run_folder(run, runs_dir)
     try:
         rows = measure_run(run_dir, rounds or None, n_boot=n_boot)
     except FileNotFoundError as e:

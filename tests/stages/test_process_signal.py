@@ -155,7 +155,7 @@ def test_capo_signal_command(toy_run, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "flows.cli", "signal", "nope", "--runs-dir", toy_run.runs_dir],
                          capture_output=True, text=True, timeout=120)
     said = " ".join(bad.stderr.replace("│", " ").split())  # typer boxes and wraps the message
-    assert bad.returncode == 2 and "no round with an outcomes table" in said and "nope" in said
+    assert bad.returncode == 2 and "no run 'nope' in" in said and "runs there: ['toy']" in said, said
     assert round_paths(toy_run, 1)["token_rewards"].exists()
 
 

@@ -4,6 +4,8 @@ statements that read; nothing is overwritten or made up silently. No model is lo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -194,3 +196,21 @@ def test_catalog_refuses_a_runs_dir_that_does_not_exist(tmp_path):
     out = _usage_error(_invoke(["catalog", "--runs-dir", str(tmp_path / "typo"), "--data-dir", str(tmp_path)]))
     assert "--runs-dir" in out and "no folder" in out
     assert not (tmp_path / "typo").exists()
+
+
+def test_check_browse_and_signal_find_a_run_by_one_rule(tmp_path, monkeypatch):
+    """A run is ``<runs_dir>/<run>`` when that folder exists, else the folder ``run`` names; a run
+    that is neither is one usage error listing the runs there, the same in the three commands."""
+    runs = tmp_path / "runs"
+    (runs / "r" / "round_001").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "round_000").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert cli._run_folder("r", runs) == runs / "r"
+    assert cli._run_folder("elsewhere", runs) == Path("elsewhere")  # a folder in the working directory
+    assert cli._run_folder(str(runs / "r"), "other-runs") == runs / "r"
+    (tmp_path / "r").mkdir()  # a folder of the same name in the working directory: the run under runs_dir wins
+    assert cli._run_folder("r", runs) == runs / "r"
+    for args in (["check", "nope", f"runs_dir={runs}"], ["browse", "nope", "--runs-dir", str(runs)],
+                 ["signal", "nope", "--runs-dir", str(runs)]):
+        out = _usage_error(_invoke(args))
+        assert "no run 'nope' in" in out and "runs there: ['r']" in out, (args, out)
