@@ -61,6 +61,8 @@ def _require_round_start(cfg, round_idx: int, param_hint: str) -> None:
     after the lock in its first stage."""
     from pipeline.stages.base import policy_for_round
 
+    if round_idx < 2:  # round 1 samples from rollout.policy (converted, if embedded, in its rollout stage)
+        return
     try:
         policy_for_round(cfg, round_idx)
     except FileNotFoundError as e:

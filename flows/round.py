@@ -66,7 +66,8 @@ def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional
     from pipeline.precision import describe, precision_record
     from pipeline.stages.base import policy_for_round
 
-    policy_for_round(cfg, round)  # round k-1's checkpoint must exist: fail before taking the run lock
+    if round > 1:
+        policy_for_round(cfg, round)  # round k-1's checkpoint must exist: fail before taking the run lock
 
     get_run_logger().info(describe(precision_record(cfg)))
     t0 = time.perf_counter()
