@@ -319,8 +319,8 @@ def supersede(path: Path) -> Path | None:
     """Move an existing output (and its manifest) to ``superseded/`` beside it; return where.
 
     The manifest moves first: a kill between the two moves leaves the output in place without a
-    manifest (uncommitted, so recomputed, and the superseded copy's manifest names its folder),
-    never a manifest in place naming an output that has gone."""
+    manifest (uncommitted: recomputed, the leftover itself kept in ``superseded/``), never a
+    manifest in place naming an output that has gone."""
     mp = manifest_path(path)
     if not path.exists():
         if mp.exists():
