@@ -10,7 +10,7 @@ larger budget ``--max-tokens`` (default 512), and reports per run and pooled ove
 
 - the change from round 0 at the training budget (the run's own eval tables) and at the larger
   one, on the items all four evals share (paired: bootstrap interval and McNemar's p,
-  :func:`pipeline.core.significance.compare`; pooled over seeds with the crossed seeds x items
+  :func:`pipeline.core.significance.compare`; pooled over seeds with the seeds x items
   interval, :func:`pipeline.core.significance.pooled_over_seeds`);
 - the share of answers cut at each budget, and the accuracy among the answers that finished.
 
@@ -165,7 +165,7 @@ def budget_change(before: Items, after: Items) -> dict:
 
 def pooled(changes: list[dict[str, float]]) -> dict | None:
     """The seeds' item changes (``budget_change(...)["item_change"]``) pooled on the items all share,
-    with the crossed seeds x items interval; None for no seed or no shared item."""
+    with the seeds x items interval; None for no seed or no shared item."""
     from pipeline.core.significance import pooled_over_seeds
 
     if not changes:
@@ -295,7 +295,7 @@ def verdicts(per_arm: dict[str, dict], max_tokens: int) -> list[dict]:
     """CAPO against GRPO, random credit and the critic-free rivals (GRPO-λ, FIPO) at the larger
     budget, for every CAPO label (``capo <settings>``) whose other arm ran under the same settings
     (the CAPO signal apart): the difference of their
-    greedy changes from round 0, paired by seed and item, with the crossed seeds x items interval
+    greedy changes from round 0, paired by seed and item, with the seeds x items interval
     (:func:`pooled`), over all answers and within answers boxed at both ends; ``capo_beat_<other>``
     true only where that interval lies above 0, None below 2 shared seeds.
 

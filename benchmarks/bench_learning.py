@@ -73,8 +73,8 @@
    seeds; greedy, and sampled with ``--eval-samples``), its gain over the control and whether that
    gain exceeds twice the spreads, the paired (same items) change from round 0 with its bootstrap
    interval and the items that changed by verify status, the change pooled over seeds with an
-   interval that counts both seed and item noise (``pooled_change_from_round0``: seeds and items
-   resampled independently, :func:`pipeline.core.significance.pooled_over_seeds`), and whether
+   interval that counts both seed and item noise (``pooled_change_from_round0``: the t interval of
+   seeds and items as crossed random factors, :func:`pipeline.core.significance.pooled_over_seeds`), and whether
    CAPO beat GRPO: ``capo_minus_grpo`` (the difference of their means over each arm's own seeds,
    unpaired; ``capo_ahead_of_grpo`` when it is above 0), ``capo_minus_grpo_pooled`` (paired by seed
    and item over the seeds both arms finished, with the same interval) and ``capo_beat_grpo``, true
@@ -829,7 +829,7 @@ def changes_from_records(records: list[dict]) -> dict[str, dict]:
 
 def pooled_changes(a: argparse.Namespace, arm: str, changes: dict[tuple[str, int], dict | None]) -> dict[str, dict]:
     """Over the arm's seeds evaluated at round K, on the items all of them share: the mean change from
-    round 0 with its crossed (seeds x items) bootstrap interval
+    round 0 with its seeds x items interval
     (:func:`pipeline.core.significance.pooled_over_seeds`), per metric of :data:`METRICS`."""
     from pipeline.core.significance import pooled_over_seeds
 
@@ -857,7 +857,7 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
               changes: dict[tuple[str, int], dict | None] | None = None, noise: dict | None = None) -> list[dict]:
     """Per arm at round K: mean/spread over seeds, gain over control, significance against 2 x spread,
     and with ``changes`` (:func:`changes_from_records` per arm and seed) the change from round 0 pooled over
-    seeds with its crossed bootstrap interval (``pooled_change_from_round0``); with ``noise``
+    seeds with its seeds x items interval (``pooled_change_from_round0``); with ``noise``
     (:func:`noise_floor`) whether that interval's lower end lies above the sampled accuracy's spread
     over sample seeds (``sampled_beyond_noise``: None without the noise floor, without the pooled
     change or with fewer than 2 seeds)."""
@@ -963,7 +963,7 @@ def arm_minus_other(a: argparse.Namespace, changes: dict[tuple[str, int], dict |
     """``arm``'s round-K result minus ``other``'s (CAPO minus GRPO by default), paired by seed and
     held-out item (both arms start from the same round-0 eval, so the difference of their changes is
     the difference of their round-K results), over the seeds both arms finished, on the items all of
-    them share, with the crossed bootstrap interval of
+    them share, with the seeds x items interval of
     :func:`pipeline.core.significance.pooled_over_seeds`; None without such seeds."""
     from pipeline.core.significance import pooled_over_seeds
 
@@ -1302,12 +1302,15 @@ def main() -> None:
         items = {(arm, seed): carried[(arm, seed)]["items"] if (arm, seed) in carried
                  else item_records(a, arm, seed, train_file) for arm in a.arms for seed in a.seeds}
         changes = {run: changes_from_records(recs) if recs else None for run, recs in items.items()}
-        noise = noise_floor(a, round0[0], compute=final and not a.report_only) if round0 else None
-        noise = noise or carried_noise
+        # a figure computed from runs that all ran on one machine names that machine, not this one
+        machines = {tuple((k, r.get(k, v)) for k, v in ctx.items()) for r in rows}
+        measured_on = dict(next(iter(machines))) if len(machines) == 1 else ctx
+        here = noise_floor(a, round0[0], compute=final and not a.report_only) if round0 else None
+        noise = here or carried_noise
         if noise:
-            put({"bench": "learning", "noise_floor": noise, **ctx})
+            put({"bench": "learning", "noise_floor": noise, **(ctx if here else measured_on)})
         for s in summarize(a, rows, paired, changes, noise):
-            put({**s, **ctx})
+            put({**s, **measured_on})
         plot_path = Path(a.plot) if a.plot else Path(a.runs_dir) / "learning.png"
         if final:
             plot_path.parent.mkdir(parents=True, exist_ok=True)

@@ -60,13 +60,13 @@ def test_arm_labels_separate_the_configurations(bench):
 
 
 def test_pooled_over_seeds_on_shared_items(bench):
-    # two seeds, identical changes on the two shared items (+1, 0): mean +0.5; the crossed bootstrap
-    # resamples items only in effect, so the interval is the item bootstrap's [0, 1]
+    # two seeds, identical changes on the two shared items (+1, 0): mean +0.5; MS_item = 2 * (0.25 +
+    # 0.25) / 1 = 1, no seed or residual part: V = 1 / 4, t(1) * 0.5 = 6.35 -> the whole range [-1, 1]
     s0 = {"a": 1.0, "b": 0.0, "only0": 1.0}
     s1 = {"a": 1.0, "b": 0.0}
     p = bench.pooled([s0, s1])
     assert p["n"] == 2 and p["diff"] == pytest.approx(0.5)
-    assert p["lo"] == pytest.approx(0.0) and p["hi"] == pytest.approx(1.0)
+    assert (p["lo"], p["hi"], p["significant"]) == (-1.0, 1.0, False)
     assert bench.pooled([]) is None and bench.pooled([{"a": 1.0}, {"b": 1.0}]) is None
 
 
@@ -215,7 +215,7 @@ def test_verdicts_pair_capo_with_its_rivals_by_seed_and_item(bench):
         return {"big": {"item_change": change, "boxed_item_change": boxed}}
 
     # two seeds, 4 items: CAPO gains 2 items per seed, GRPO 0 -> a paired difference of +0.5 per item
-    # mean; every resample of seeds and items keeps it >= 0 (items 0/1 gain 1, items 2/3 gain 0)
+    # mean; MS_item = 2 * 4 * 0.25 / 3 = 2/3, V = (2/3) / 8, t(1) * 0.289 = 3.67: [-1, 1], no win
     up = {"a": 1.0, "b": 1.0, "c": 0.0, "d": 0.0}
     flat = {"a": 0.0, "b": 0.0, "c": 0.0, "d": 0.0}
     per_arm = {"capo lr=2e-06 ds": {"seeds": {0: seed(up, {"a": 1.0}), 1: seed(up, {"a": 1.0})}},
@@ -223,7 +223,7 @@ def test_verdicts_pair_capo_with_its_rivals_by_seed_and_item(bench):
     v = {r["verdict"]: r for r in bench.verdicts(per_arm, 512)}
     g = v["capo_vs_grpo"]
     assert g["seeds"] == [0, 1] and g["capo_minus_grpo"]["diff"] == pytest.approx(0.5)
-    assert g["capo_minus_grpo"]["lo"] >= 0.0 and g["capo_beat_grpo"] is False  # lo = 0: not above 0
+    assert g["capo_minus_grpo"]["lo"] == -1.0 and g["capo_beat_grpo"] is False
     assert g["boxed_capo_minus_grpo"]["diff"] == pytest.approx(0.5)  # item a: +1 - 0 and +1 - 1
     assert v["capo_vs_random_credit"]["capo_beat_random_credit"] == "not run"
     # one shared seed: a difference, no verdict

@@ -2,7 +2,8 @@
 
 The rounds themselves are real in the benchmark; here only its arithmetic over finished runs: the
 mean and max - min spread over seeds, the gain over the control against twice the spread, and the
-change pooled over seeds with its crossed bootstrap interval.
+change pooled over seeds with its interval for seeds and items (t on S - 1 degrees of freedom; the
+arithmetic of the interval itself is worked by hand in test_significance.py).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def test_summary_by_hand(bench):
     pooled = grpo["pooled_change_from_round0"]["greedy"]
     assert pooled["seeds"] == 2 and pooled["n"] == 200
     assert pooled["diff"] == pytest.approx(0.09) and pooled["per_seed"] == pytest.approx([0.12, 0.06])
-    # the worse seed (+6 points, item se ~ sqrt(28 / 200) / sqrt(200) = 0.026) keeps the interval above 0
-    assert 0 < pooled["lo"] < 0.06 < 0.12 < pooled["hi"] and pooled["significant"] is True
+    # two seeds 6 points apart: t(1) = 12.7 times the pooled se (>= the seeds' 0.03) spans 0
+    assert pooled["lo"] < 0 < 0.12 < pooled["hi"] and pooled["significant"] is False
     assert "sampled" not in grpo["pooled_change_from_round0"]  # no --eval-samples: no sampled rates
     assert control["pooled_change_from_round0"]["greedy"]["diff"] == pytest.approx(0.005)
     assert control["pooled_change_from_round0"]["greedy"]["significant"] is False
@@ -62,24 +63,22 @@ def test_pooling_uses_the_items_every_seed_has_and_skips_unfinished_runs(bench):
 
 
 def test_capo_minus_grpo_is_paired_by_seed_and_item(bench):
-    a = bench.parser().parse_args(["--arms", "grpo", "capo", "--seeds", "0", "1", "--rounds", "2"])
+    a = bench.parser().parse_args(["--arms", "grpo", "capo", "--seeds", "0", "1", "2", "--rounds", "2"])
     rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": acc}
-            for arm, s, acc in [("grpo", 0, 0.55), ("grpo", 1, 0.55), ("capo", 0, 0.60), ("capo", 1, 0.60)]]
-    # on 200 items: GRPO gained items 0-9 in both seeds; CAPO gained items 0-19 in both: CAPO - GRPO
-    # is +1 on items 10-19 and 0 elsewhere, in both seeds -> +5 points, and no seed variation
-    changes = {("grpo", 0): _changes([10, 0]), ("grpo", 1): _changes([10, 0]),
-               ("capo", 0): _changes([20, 0]), ("capo", 1): _changes([20, 0])}
+            for arm, acc in [("grpo", 0.55), ("capo", 0.70)] for s in (0, 1, 2)]
+    # on 200 items: GRPO gained items 0-9 in each seed; CAPO gained items 0-39: CAPO - GRPO is +1 on
+    # items 10-39 and 0 elsewhere, in every seed -> +15 points, and no seed variation: MS_seed = 0 =
+    # MS_res, MS_item = 3 * (30 * 0.85^2 + 170 * 0.15^2) / 199 = 3 * 25.5 / 199, V = MS_item / 600,
+    # se 0.025312; t(2) = 4.3027 -> 0.15 +- 0.10891
+    changes = {(arm, s): _changes([up, 0]) for arm, up in [("grpo", 10), ("capo", 40)] for s in (0, 1, 2)}
     (head,) = [r for r in bench.summarize(a, rows, {}, changes) if "capo_minus_grpo" in r]
-    assert head["metric"] == "heldout_accuracy" and head["capo_minus_grpo"] == pytest.approx(0.05)
+    assert head["metric"] == "heldout_accuracy" and head["capo_minus_grpo"] == pytest.approx(0.15)
     pooled = head["capo_minus_grpo_pooled"]
-    assert pooled["seeds"] == 2 and pooled["diff"] == pytest.approx(0.05) and pooled["per_seed"] == pytest.approx([0.05, 0.05])
-    # only the item factor varies: 10 of 200 items at +1, se = sqrt(0.05 * 0.95 / 200) = 0.0154, so about
-    # 0.05 +- 0.03 (the replicate means are multiples of 1/200)
-    assert 0.015 < pooled["lo"] < 0.03 and 0.07 < pooled["hi"] <= 0.09 and pooled["significant"]
-    assert head["capo_ahead_of_grpo"] is True and head["capo_beat_grpo"] is True
-    # ahead by half a point on the means, inside the interval (the fp32 two-seed sampled result): no win
-    near = {("grpo", 0): _changes([10, 0]), ("grpo", 1): _changes([10, 0]),
-            ("capo", 0): _changes([11, 0]), ("capo", 1): _changes([11, 0])}
+    assert pooled["seeds"] == 3 and pooled["diff"] == pytest.approx(0.15) and pooled["per_seed"] == pytest.approx([0.15] * 3)
+    assert pooled["lo"] == pytest.approx(0.15 - 0.10891, abs=1e-4) and pooled["hi"] == pytest.approx(0.15 + 0.10891, abs=1e-4)
+    assert pooled["significant"] and head["capo_ahead_of_grpo"] is True and head["capo_beat_grpo"] is True
+    # ahead by half a point on the means, inside the interval: no win
+    near = {(arm, s): _changes([up, 0]) for arm, up in [("grpo", 10), ("capo", 11)] for s in (0, 1, 2)}
     rows_near = [{**r, "heldout_accuracy": 0.555 if r["arm"] == "capo" else 0.55} for r in rows]
     (tie,) = [r for r in bench.summarize(a, rows_near, {}, near) if "capo_minus_grpo" in r]
     assert tie["capo_minus_grpo"] == pytest.approx(0.005) and tie["capo_ahead_of_grpo"] is True
@@ -87,26 +86,27 @@ def test_capo_minus_grpo_is_paired_by_seed_and_item(bench):
     (bare,) = [r for r in bench.summarize(a, rows, {}, {}) if "capo_minus_grpo" in r]  # no eval tables: no verdict
     assert bare["capo_ahead_of_grpo"] is True and bare["capo_beat_grpo"] is None
     # a seed only one arm finished is left out; no seed both finished: no pooled comparison
-    assert bench.arm_minus_other(a, {**changes, ("grpo", 1): None}, "greedy")["seeds"] == 1
+    assert bench.arm_minus_other(a, {**changes, ("grpo", 1): None}, "greedy")["seeds"] == 2
     assert bench.arm_minus_other(a, {("capo", 0): changes[("capo", 0)], ("grpo", 1): changes[("grpo", 1)]}, "greedy") is None
 
 
 
 def test_capo_beat_grpo_needs_the_paired_interval_above_zero_on_each_metric(bench):
-    """Greedy: CAPO gained items 0-19 and GRPO 0-9 (+5 points, interval above 0: a win). Sampled: the
-    other way round (-5 points, interval below 0: not a win, not ahead). One seed: no verdict."""
+    """Greedy: CAPO gained items 0-39 and GRPO 0-9 in each of three seeds (+15 points, interval
+    above 0: a win). Sampled: the other way round (-15 points, interval below 0: not a win, not
+    ahead). One seed: no verdict."""
     def run(greedy_up: int, sampled_up: int) -> dict:
         return {"greedy": _changes([greedy_up, 0])["greedy"], "sampled": _changes([sampled_up, 0])["greedy"]}
 
     rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": g, "heldout_sampled_accuracy": smp}
-            for arm, g, smp in [("grpo", 0.55, 0.60), ("capo", 0.60, 0.55)] for s in (0, 1)]
-    changes = {(arm, s): run(*ups) for arm, ups in [("grpo", (10, 20)), ("capo", (20, 10))] for s in (0, 1)}
-    a = bench.parser().parse_args(["--arms", "grpo", "capo", "--seeds", "0", "1", "--rounds", "2"])
+            for arm, g, smp in [("grpo", 0.55, 0.70), ("capo", 0.70, 0.55)] for s in (0, 1, 2)]
+    changes = {(arm, s): run(*ups) for arm, ups in [("grpo", (10, 40)), ("capo", (40, 10))] for s in (0, 1, 2)}
+    a = bench.parser().parse_args(["--arms", "grpo", "capo", "--seeds", "0", "1", "2", "--rounds", "2"])
     out = bench.summarize(a, rows, {}, changes)
     (greedy,) = [r for r in out if "capo_minus_grpo" in r]
     (sampled,) = [r for r in out if "sampled_capo_minus_grpo" in r]
     assert greedy["capo_minus_grpo_pooled"]["lo"] > 0 and greedy["capo_beat_grpo"] is True
-    assert sampled["sampled_capo_minus_grpo"] == pytest.approx(-0.05)
+    assert sampled["sampled_capo_minus_grpo"] == pytest.approx(-0.15)
     assert sampled["sampled_capo_minus_grpo_pooled"]["hi"] < 0
     assert sampled["sampled_capo_ahead_of_grpo"] is False and sampled["sampled_capo_beat_grpo"] is False
     one = bench.parser().parse_args(["--arms", "grpo", "capo", "--seeds", "0", "--rounds", "2"])
@@ -115,34 +115,33 @@ def test_capo_beat_grpo_needs_the_paired_interval_above_zero_on_each_metric(benc
     assert greedy1["capo_minus_grpo_pooled"]["seeds"] == 1 and greedy1["capo_beat_grpo"] is None
 
 def test_each_training_arm_is_compared_with_the_shuffled_outcome_control(bench):
-    a = bench.parser().parse_args(["--arms", "grpo", "shuffled", "--seeds", "0", "1", "--rounds", "2"])
+    a = bench.parser().parse_args(["--arms", "grpo", "shuffled", "--seeds", "0", "1", "2", "--rounds", "2"])
     assert bench.parser().parse_args([]).arms == ["grpo", "capo", "control"]  # the control is asked for by name
     rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": acc}
-            for arm, s, acc in [("grpo", 0, 0.60), ("grpo", 1, 0.60), ("shuffled", 0, 0.55), ("shuffled", 1, 0.55)]]
-    # as above: GRPO gained items 0-19 in both seeds, the shuffled control items 0-9 -> +5 points
-    changes = {("grpo", 0): _changes([20, 0]), ("grpo", 1): _changes([20, 0]),
-               ("shuffled", 0): _changes([10, 0]), ("shuffled", 1): _changes([10, 0])}
+            for arm, acc in [("grpo", 0.70), ("shuffled", 0.55)] for s in (0, 1, 2)]
+    # as above: GRPO gained items 0-39 in each seed, the shuffled control items 0-9 -> +15 points
+    changes = {(arm, s): _changes([up, 0]) for arm, up in [("grpo", 40), ("shuffled", 10)] for s in (0, 1, 2)}
     out = bench.summarize(a, rows, {}, changes)
     assert [r.get("summary") for r in out[:2]] == ["grpo", "shuffled"]
     (head,) = [r for r in out if "grpo_minus_shuffled" in r]
-    assert head["grpo_minus_shuffled"] == pytest.approx(0.05)
+    assert head["grpo_minus_shuffled"] == pytest.approx(0.15)
     pooled = head["grpo_minus_shuffled_pooled"]
-    assert pooled["seeds"] == 2 and pooled["per_seed"] == pytest.approx([0.05, 0.05]) and pooled["significant"]
+    assert pooled["seeds"] == 3 and pooled["per_seed"] == pytest.approx([0.15] * 3) and pooled["significant"]
     assert not [r for r in out if "capo_minus_shuffled" in r]  # no CAPO runs, no CAPO row
     cfg = bench.arm_config(a, "shuffled", 0, Path("train.jsonl"))
     assert cfg.reward.outcome == "shuffled" and cfg.reward.estimator == "grpo" and not cfg.critique.enabled
 
 
 def test_capo_is_compared_with_its_own_signal_on_random_steps(bench):
-    """CAPO gained items 0-19 in both seeds, the random-credit control items 0-9: +5 points, paired
-    interval above 0 over 2 seeds, so CAPO beat random credit; without that arm the row says so."""
-    a = bench.parser().parse_args(["--arms", "capo", "random-credit", "--seeds", "0", "1", "--rounds", "2"])
+    """CAPO gained items 0-39 in each of three seeds, the random-credit control items 0-9: +15 points,
+    paired interval above 0, so CAPO beat random credit; without that arm the row says so."""
+    a = bench.parser().parse_args(["--arms", "capo", "random-credit", "--seeds", "0", "1", "2", "--rounds", "2"])
     rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": acc}
-            for arm, acc in [("capo", 0.60), ("random-credit", 0.55)] for s in (0, 1)]
-    changes = {(arm, s): _changes([up, 0]) for arm, up in [("capo", 20), ("random-credit", 10)] for s in (0, 1)}
+            for arm, acc in [("capo", 0.70), ("random-credit", 0.55)] for s in (0, 1, 2)]
+    changes = {(arm, s): _changes([up, 0]) for arm, up in [("capo", 40), ("random-credit", 10)] for s in (0, 1, 2)}
     out = bench.summarize(a, rows, {}, changes)
     (head,) = [r for r in out if "capo_minus_random_credit" in r]
-    assert head["capo_minus_random_credit"] == pytest.approx(0.05)
+    assert head["capo_minus_random_credit"] == pytest.approx(0.15)
     assert head["capo_minus_random_credit_pooled"]["lo"] > 0 and head["capo_beat_random_credit"] is True
     alone = bench.summarize(a, [r for r in rows if r["arm"] == "capo"], {}, {k: v for k, v in changes.items()
                                                                             if k[0] == "capo"})
@@ -178,16 +177,17 @@ def test_format_breakdown_by_hand(bench):
 def test_verdicts_within_boxed_answers_say_not_run_without_the_other_arm(bench):
     """A run that learned to box its answers: sampled accuracy up, accuracy within boxed answers
     unchanged. The boxed verdicts come out per metric, "not run" where random credit is missing."""
-    a = bench.parser().parse_args(["--arms", "grpo", "capo", "--seeds", "0", "1", "--rounds", "2"])
+    a = bench.parser().parse_args(["--arms", "grpo", "capo", "--seeds", "0", "1", "2", "--rounds", "2"])
     rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": 0.6, "heldout_sampled_accuracy": 0.5}
-            for arm in ("grpo", "capo") for s in (0, 1)]
+            for arm in ("grpo", "capo") for s in (0, 1, 2)]
     items = [("mawps", f"p{i}") for i in range(100)]
     same = {i: 0.0 for i in items}
-    # CAPO: +1 on 20 items within boxed answers in both seeds; GRPO: nothing
+    # CAPO: +1 on 20 items within boxed answers in each seed; GRPO: nothing (MS_item = 3 * 16 / 99,
+    # se 0.0402, t(2) * se = 0.173: [0.027, 0.373])
     capo = {"greedy": same, "sampled": same, "greedy_boxed": {i: float(n < 20) for n, i in enumerate(items)},
             "sampled_boxed": same}
     grpo = {"greedy": same, "sampled": same, "greedy_boxed": same, "sampled_boxed": same}
-    changes = {("capo", 0): capo, ("capo", 1): capo, ("grpo", 0): grpo, ("grpo", 1): grpo}
+    changes = {(arm, s): run for arm, run in [("capo", capo), ("grpo", grpo)] for s in (0, 1, 2)}
     out = [r for r in bench.summarize(a, rows, {}, changes) if r.get("metric", "").endswith("_boxed")]
     by = {k: v for r in out for k, v in r.items() if "_capo_beat_" in k}
     assert by == {"greedy_boxed_capo_beat_grpo": True, "greedy_boxed_capo_beat_random_credit": "not run",
@@ -203,20 +203,21 @@ def test_verdicts_within_boxed_answers_say_not_run_without_the_other_arm(bench):
 def test_sampled_gain_is_held_to_the_noise_floor_of_sample_seeds(bench):
     """The start sampled again under other seeds moved 3 points (spread 0.03): a pooled sampled
     change whose interval starts above 0.03 is beyond the noise, one that starts below is not."""
-    a = bench.parser().parse_args(["--arms", "grpo", "capo", "--seeds", "0", "1", "--rounds", "2"])
-    rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": 0.6} for arm in ("grpo", "capo") for s in (0, 1)]
+    a = bench.parser().parse_args(["--arms", "grpo", "capo", "--seeds", "0", "1", "2", "--rounds", "2"])
+    rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": 0.6} for arm in ("grpo", "capo") for s in (0, 1, 2)]
     items = [("mawps", f"p{i}") for i in range(200)]
 
     def run(up: int) -> dict:  # the first `up` items gained a whole sample share, the rest nothing
         d = {i: float(n < up) for n, i in enumerate(items)}
         return {"greedy": {i: 0.0 for i in items}, "sampled": d}
 
-    changes = {("grpo", s): run(10) for s in (0, 1)} | {("capo", s): run(40) for s in (0, 1)}
+    changes = {("grpo", s): run(10) for s in (0, 1, 2)} | {("capo", s): run(40) for s in (0, 1, 2)}
     noise = {"sample": {"accuracy": [0.45, 0.47, 0.48], "spread": 0.03, "sd": 0.0153}}
     by = {r["summary"]: r for r in bench.summarize(a, rows, {}, changes, noise) if "summary" in r}
-    # capo: +20 points, se ~ sqrt(0.2 * 0.8 / 200) = 0.028 -> lower end about 0.145 > 0.03
+    # capo: +20 points, the same in each seed: MS_item = 3 * 32 / 199, se 0.0284, t(2) * se = 0.122
+    # -> lower end 0.078 > 0.03
     assert by["capo"]["sampled_beyond_noise"] is True
-    # grpo: +5 points, lower end about 0.02 < 0.03
+    # grpo: +5 points, se 0.0155, lower end 0.05 - 0.0665 < 0.03
     assert by["grpo"]["pooled_change_from_round0"]["sampled"]["lo"] < 0.03
     assert by["grpo"]["sampled_beyond_noise"] is False
     assert {r["summary"]: r for r in bench.summarize(a, rows, {}, changes) if "summary" in r}["capo"]["sampled_beyond_noise"] is None
@@ -501,27 +502,27 @@ def test_a_finished_run_is_rechecked_at_the_larger_budget_once(bench, tmp_path, 
 
 
 def test_each_rival_is_compared_with_grpo_and_with_capo(bench):
-    """GRPO-λ gained items 0-29 in both seeds, GRPO items 0-9, CAPO items 0-29: GRPO-λ minus GRPO is
-    +1 on items 10-29 (+10 points, interval above 0: ahead); minus CAPO 0 on every item (no difference
-    shown). One seed gives no verdict; an arm not run gives no row."""
-    a = bench.parser().parse_args(["--arms", "grpo", "capo", "grpo-lambda", "--seeds", "0", "1", "--rounds", "2"])
+    """GRPO-λ gained items 0-39 in each of three seeds, GRPO items 0-9, CAPO items 0-39: GRPO-λ minus
+    GRPO is +1 on items 10-39 (+15 points, interval above 0: ahead); minus CAPO 0 on every item (no
+    difference shown). One seed gives no verdict; an arm not run gives no row."""
+    a = bench.parser().parse_args(["--arms", "grpo", "capo", "grpo-lambda", "--seeds", "0", "1", "2", "--rounds", "2"])
     rows = [{"arm": arm, "seed": s, "round": 2, "heldout_accuracy": 0.6} for arm in ("grpo", "capo", "grpo-lambda")
-            for s in (0, 1)]
-    changes = {(arm, s): _changes([up, 0]) for arm, up in [("grpo", 10), ("capo", 30), ("grpo-lambda", 30)]
-               for s in (0, 1)}
+            for s in (0, 1, 2)]
+    changes = {(arm, s): _changes([up, 0]) for arm, up in [("grpo", 10), ("capo", 40), ("grpo-lambda", 40)]
+               for s in (0, 1, 2)}
     rival = [r for r in bench.summarize(a, rows, {}, changes) if "rival" in r]
     assert [(r["rival"], r["against"], r["metric"]) for r in rival] == [("grpo-lambda", "grpo", "greedy"),
                                                                      ("grpo-lambda", "capo", "greedy")]
     vs_grpo, vs_capo = rival
-    assert vs_grpo["rival_minus_other_pooled"]["diff"] == pytest.approx(0.10) and vs_grpo["verdict"] == "ahead"
+    assert vs_grpo["rival_minus_other_pooled"]["diff"] == pytest.approx(0.15) and vs_grpo["verdict"] == "ahead"
     assert vs_capo["rival_minus_other_pooled"]["diff"] == 0.0 and vs_capo["verdict"] == "no difference shown"
     one = bench.parser().parse_args(["--arms", "grpo", "grpo-lambda", "--seeds", "0", "--rounds", "2"])
     out1 = [r for r in bench.summarize(one, rows, {}, changes) if "rival" in r]
     assert [(r["against"], r["verdict"]) for r in out1] == [("grpo", None)]  # no CAPO arm: no row against it
     # a control that trains is set beside GRPO and CAPO the same way
-    ctl = bench.parser().parse_args(["--arms", "grpo", "capo", "random-credit", "--seeds", "0", "1", "--rounds", "2"])
+    ctl = bench.parser().parse_args(["--arms", "grpo", "capo", "random-credit", "--seeds", "0", "1", "2", "--rounds", "2"])
     rows_c = [{**r, "arm": "random-credit"} for r in rows if r["arm"] == "grpo-lambda"] + rows
-    changes_c = {**changes, **{("random-credit", s): _changes([10, 0]) for s in (0, 1)}}
+    changes_c = {**changes, **{("random-credit", s): _changes([10, 0]) for s in (0, 1, 2)}}
     out_c = [r for r in bench.summarize(ctl, rows_c, {}, changes_c) if "rival" in r]
     assert [(r["rival"], r["against"], r["verdict"]) for r in out_c] == [("random-credit", "grpo", "no difference shown"),
                                                                        ("random-credit", "capo", "behind")]

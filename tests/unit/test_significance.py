@@ -104,14 +104,24 @@ def test_compare_rates_by_hand_and_errors():
 
 
 def test_pooled_over_seeds_by_hand():
-    from pipeline.core.significance import pooled_over_seeds
+    from pipeline.core.significance import pooled_over_seeds, seeds_by_items_variance
 
-    # two runs, two identical items: resampling items changes nothing; the runs are drawn
-    # (a, a), (a, b), (b, a), (b, b) with p 1/4 each -> replicate means 1, 0.5, 0.5, 0:
-    # the 2.5 % / 97.5 % quantiles are the extremes
+    # three runs, two items: mean 0.2, run means (0.3, 0.1, 0.2), item means (0.1, 0.3);
+    # MS_seed = 2 * (0.01 + 0.01 + 0) / 2 = 0.02, MS_item = 3 * (0.01 + 0.01) / 1 = 0.06, every
+    # residual d - run - item + mean is 0 -> V = (0.02 + 0.06) / 6 = 0.013333, sd 0.11547;
+    # t(2) at 97.5 % = 4.3027 -> half-width 0.49683
+    d = [[0.2, 0.4], [0.0, 0.2], [0.1, 0.3]]
+    assert seeds_by_items_variance(np.asarray(d)) == pytest.approx(0.08 / 6)
+    r = pooled_over_seeds(d)
+    assert (r.seeds, r.n) == (3, 2) and r.diff == pytest.approx(0.2)
+    assert r.per_seed == pytest.approx((0.3, 0.1, 0.2))
+    assert r.lo == pytest.approx(0.2 - 0.49683, abs=1e-5) and r.hi == pytest.approx(0.2 + 0.49683, abs=1e-5)
+    assert not r.significant
+    # two runs, two identical items: MS_seed = 2 * (0.25 + 0.25) / 1 = 1, no item or residual part:
+    # V = 1 / 4, half-width t(1) * 0.5 = 12.706 * 0.5 -> clipped to the whole range of a change
     r = pooled_over_seeds([[1, 1], [0, 0]])
     assert (r.seeds, r.n, r.diff, r.per_seed) == (2, 2, 0.5, (1.0, 0.0))
-    assert (r.lo, r.hi, r.significant) == (0.0, 1.0, False)
+    assert (r.lo, r.hi, r.significant) == (-1.0, 1.0, False)
     # one run is the paired item bootstrap: 4 items, one gained; the replicate mean is X/4 with
     # X ~ Binomial(4, 1/4): P(X = 0) = 0.32 > 2.5 %, P(X >= 3) = 13/256 = 5.1 % > 2.5 %, P(X = 4) = 0.4 %
     r = pooled_over_seeds([[1, 0, 0, 0]])
@@ -123,19 +133,44 @@ def test_pooled_over_seeds_by_hand():
     assert pooled_over_seeds([[0.25, -0.5], [0.75, 0.0]]).diff == pytest.approx(0.125)
 
 
-def test_pooled_over_seeds_reaches_the_worse_run_with_few_seeds():
-    from pipeline.core.significance import pooled_over_seeds
+def test_pooled_over_seeds_with_a_residual_and_an_item_component():
+    from pipeline.core.significance import pooled_over_seeds, seeds_by_items_variance
 
-    # runs gaining 30 and 10 points on 200 items: a quarter of the replicates hold only the second
-    # run (mean 0.10, item sd sqrt(0.1 * 0.9 / 200) = 0.021), so the 2.5 % quantile is that
-    # component's 10 % quantile, about 0.10 - 1.28 * 0.021 = 0.073; the top likewise 0.30 + 0.04
+    # runs gaining 30 and 10 points on 200 items (items 0-19 gained in both, 20-59 in the first):
+    # item means 1 (20 items), 0.5 (40), 0 (140); SS_item = 20 * 0.64 + 40 * 0.09 + 140 * 0.04 = 22,
+    # MS_item = 2 * 22 / 199; MS_seed = 200 * (0.01 + 0.01) / 1 = 4; residuals +-0.1 (160 items) and
+    # +-0.4 (40 items): SS_res = 320 * 0.01 + 80 * 0.16 = 16, MS_res = 16 / 199
     d = np.zeros((2, 200))
     d[0, :60] = 1
     d[1, :20] = 1
+    v = (4 + 2 * 22 / 199 - 16 / 199) / 400
+    assert seeds_by_items_variance(d) == pytest.approx(v)
     r = pooled_over_seeds(d)
     assert r.diff == pytest.approx(0.2) and r.per_seed == pytest.approx((0.3, 0.1))
-    assert 0.06 < r.lo < 0.09 and 0.32 < r.hi < 0.35 and r.significant
-    # a max - min rule would call this noise: gain 0.2 < 2 x spread 0.4
+    # two runs that disagree by 20 points tell nothing at 95 %: t(1) * sqrt(v) = 12.706 * 0.1017 > 1
+    assert (r.lo, r.hi, r.significant) == (-1.0, 1.0, False)
+    # three such runs (30, 10, 20 points) narrow it: MS_seed = 200 * 0.02 / 2 = 2, still wide
+    d3 = np.vstack([d, np.r_[np.ones(40), np.zeros(160)]])
+    r3 = pooled_over_seeds(d3)
+    assert r3.lo < 0 < r3.hi and r3.hi - r3.lo < 1.2
+
+
+def test_pooled_over_seeds_keeps_its_level_when_runs_differ():
+    """Under no true change, runs that differ by a seed effect of sd 7 points on 200 items: the
+    interval excludes 0 in about 5 % of tables (the crossed bootstrap used before: about 15 %)."""
+    from pipeline.core.significance import pooled_over_seeds
+
+    rng = np.random.default_rng(0)
+    hits = 0
+    sims = 400
+    for _ in range(sims):
+        a = rng.normal(0, 0.07, 3)  # (S,) each run's shift
+        up = np.clip(0.1 + a[:, None] / 2, 0, 1)
+        down = np.clip(0.1 - a[:, None] / 2, 0, 1)
+        u = rng.random((3, 200))
+        d = np.where(u < up, 1.0, np.where(u < up + down, -1.0, 0.0))
+        hits += pooled_over_seeds(d).significant
+    assert hits / sims < 0.09, hits / sims
 
 
 def test_pooled_over_seeds_bad_input_names_the_problem():
