@@ -26,6 +26,7 @@ its outputs are stale under today's keys; ``--rekey-stale`` then re-commits thos
 today's key in the copy only (the outputs are not touched), so the all-skipped path can be timed.
 
     .venv/bin/python benchmarks/bench_round.py --runs-dir runs --run default --round 1
+    .venv/bin/python benchmarks/bench_round.py --run majority --round 1 --preset capo-majority
     .venv/bin/python benchmarks/bench_round.py --run tiny --config configs/tiny.yaml
 """
 
@@ -98,10 +99,10 @@ def link_copy(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, copy_function=os.link, symlinks=True)
 
 
-def cfg_for(config: str, runs_dir: Path, data_dir: Path, overrides: list[str]):
+def cfg_for(config: str, runs_dir: Path, data_dir: Path, overrides: list[str], preset: str | None = None):
     from pipeline.config import load_config
 
-    return load_config(config, [f"runs_dir={runs_dir}", f"data_dir={data_dir}", *overrides])
+    return load_config(config, [f"runs_dir={runs_dir}", f"data_dir={data_dir}", *overrides], preset)
 
 
 def not_current(cfg, round_idx: int) -> list[str]:
@@ -146,7 +147,7 @@ def rekey(cfg, round_idx: int, todo: list[str]) -> list[str]:
 
 
 def time_resume(a, runs_dir: Path, data_dir: Path, may_rekey: bool = False) -> dict:
-    cfg = cfg_for(a.config, runs_dir, data_dir, a.overrides)
+    cfg = cfg_for(a.config, runs_dir, data_dir, a.overrides, a.preset)
     todo = not_current(cfg, a.round)
     rekeyed = rekey(cfg, a.round, todo) if (todo and may_rekey and a.rekey_stale) else []
     if rekeyed:
@@ -154,7 +155,7 @@ def time_resume(a, runs_dir: Path, data_dir: Path, may_rekey: bool = False) -> d
     if todo:
         return {"resume_timed": False, "would_run": todo, "rekeyed_in_copy": rekeyed}
     capo = str(Path(os.environ.get("VIRTUAL_ENV", ROOT / ".venv")) / "bin" / "capo")
-    cmd = [capo, "round", "--round", str(a.round), "--config", a.config,
+    cmd = [capo, "round", "--round", str(a.round), "--config", a.config, *(["--preset", a.preset] if a.preset else []),
            f"runs_dir={runs_dir}", f"data_dir={data_dir}", *a.overrides]
     best, out = float("inf"), ""
     for _ in range(a.repeats):  # best of N: the machine is shared and noisy
@@ -178,8 +179,10 @@ def main() -> None:
     ap.add_argument("--data-dir", default=str(ROOT / "data"))
     ap.add_argument("--run", default="default")
     ap.add_argument("--round", type=int, default=1)
-    ap.add_argument("--variant", default="capo-majority")
+    ap.add_argument("--variant", default=None, help="the variant whose round_summary.json to read (default: the "
+                    "config's, with --preset and the overrides)")
     ap.add_argument("--config", default="configs/default.yaml", help="the config the round was run with")
+    ap.add_argument("--preset", default=None, help="the preset the round was run with (capo round --preset)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--in-place", action="store_true", help="time the resume in the real runs dir (rewrites "
                                                             "its round_summary.json and catalog)")
@@ -189,6 +192,9 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="section.key=value, as given to the round")
     a = ap.parse_args()
     runs_dir, data_dir = Path(a.runs_dir).resolve(), Path(a.data_dir).resolve()
+    if not any(o.startswith("run_id=") for o in a.overrides):  # the round timed is --run's, not the config's run_id
+        a.overrides = [f"run_id={a.run}", *a.overrides]
+    a.variant = a.variant or cfg_for(a.config, runs_dir, data_dir, a.overrides, a.preset).variant
     round_dir = runs_dir / a.run / f"round_{a.round:03d}"
     from pipeline.precision import bench_context
 
