@@ -166,9 +166,26 @@ def paired_changes(items: list[dict]) -> list[dict]:
     """
     from pipeline.core.significance import compare
 
-    return [{"variant": v, "benchmark": b, "round": k, "vs_round": base,
-             **compare([bool(x) for x in before], [bool(x) for x in after]).as_dict()}
-            for v, b, k, base, before, after in _round_pairs(items, "correct")]
+    return _holm_per_variant([{"variant": v, "benchmark": b, "round": k, "vs_round": base,
+                               **compare([bool(x) for x in before], [bool(x) for x in after]).as_dict()}
+                              for v, b, k, base, before, after in _round_pairs(items, "correct")], "p_mcnemar")
+
+
+def _holm_per_variant(rows: list[dict], p_key: str, alpha: float = 0.05) -> list[dict]:
+    """Each variant's rows are one family of tests (every benchmark, round, and baseline round):
+    ``p_holm`` is the row's p-value under Holm's adjustment (:func:`pipeline.core.significance.holm_adjust`)
+    within the family, ``tests`` the family's size; ``significant`` now also needs ``p_holm < alpha``
+    (``significant_unadjusted`` keeps the single test's verdict: interval excluding 0 and p < alpha)."""
+    from pipeline.core.significance import holm_adjust
+
+    out = [dict(r) for r in rows]
+    for v in {r["variant"] for r in out}:
+        family = [r for r in out if r["variant"] == v]
+        for r, adj in zip(family, holm_adjust([r[p_key] for r in family])):
+            r["significant_unadjusted"] = r["significant"]
+            r["p_holm"], r["tests"] = float(adj), len(family)
+            r["significant"] = bool(r["significant_unadjusted"] and adj < alpha)
+    return out
 
 
 def paired_rate_changes(items: list[dict]) -> list[dict]:
@@ -178,8 +195,9 @@ def paired_rate_changes(items: list[dict]) -> list[dict]:
     ``vs_round``."""
     from pipeline.core.significance import compare_rates
 
-    return [{"variant": v, "benchmark": b, "round": k, "vs_round": base, **compare_rates(before, after).as_dict()}
-            for v, b, k, base, before, after in _round_pairs(items, "rate")]
+    return _holm_per_variant([{"variant": v, "benchmark": b, "round": k, "vs_round": base,
+                               **compare_rates(before, after).as_dict()}
+                              for v, b, k, base, before, after in _round_pairs(items, "rate")], "p_sign_flip")
 
 
 def noise_floor_rows(run_dir: Path) -> tuple[list[str], list[list[str]]]:
@@ -269,11 +287,29 @@ def _change_rows(changes: list[dict]) -> tuple[list[str], list[list[str]]]:
     sampled = bool(changes) and "p_sign_flip" in changes[0]
     p_head, p_key, moved, down, up = (("sign-flip p", "p_sign_flip", "problems down / up", "n_down", "n_up") if sampled
                                       else ("McNemar p", "p_mcnemar", "right->wrong / wrong->right", "n10", "n01"))
-    headers = ["Variant", "Benchmark", "Round", "vs. round", "n", "change (pts)", "95% CI (pts)", p_head, moved, "verdict"]
+    headers = ["Variant", "Benchmark", "Round", "vs. round", "n", "change (pts)", "95% CI (pts)", p_head,
+               "Holm p", moved, "verdict"]
+
+    def verdict(c: dict) -> str:
+        if c["significant"]:
+            return "significant"
+        return "not after Holm" if c.get("significant_unadjusted") else "within noise"
+
     rows = [[c["variant"], _title(c["benchmark"]), str(c["round"]), str(c["vs_round"]), str(c["n"]),
              f"{100 * c['diff']:+.1f}", f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]", f"{c[p_key]:.3f}",
-             f"{c[down]} / {c[up]}", "significant" if c["significant"] else "within noise"] for c in changes]
+             f"{c['p_holm']:.3f}" if "p_holm" in c else "", f"{c[down]} / {c[up]}", verdict(c)] for c in changes]
     return headers, rows
+
+
+def _family_note(changes: list[dict]) -> str:
+    """How many tests each variant's rows are adjusted over (Holm)."""
+    sizes = {c["variant"]: c["tests"] for c in changes if "tests" in c}
+    if not sizes:
+        return ""
+    return ("Holm p: the p-value adjusted over the variant's rows in this table ("
+            + ", ".join(f"{v}: {n}" for v, n in sorted(sizes.items())) + " tests), so that the chance of any "
+            "row being called significant by chance stays below 0.05; \"not after Holm\": significant "
+            "alone, not among its variant's rows. ")
 
 
 # ---------------------------------------------------------------------------------------- plots
@@ -497,8 +533,8 @@ def _accuracy_sections(data: dict, run_dir: Path, notes: list[str]) -> tuple[lis
         sections.append(("Changes between rounds (paired, greedy)",
                          "Same problems in both rounds. CI: percentile bootstrap of the per-problem change "
                          "(10,000 resamples); McNemar: exact test on the problems that changed. A change is "
-                         "significant when the CI excludes 0 and p < 0.05; otherwise it is within the eval's "
-                         "noise. " + batch_invariance_note(run_dir), h3, rows3))
+                         "significant when the CI excludes 0 and its Holm p < 0.05; otherwise it is within the "
+                         "eval's noise. " + _family_note(data["changes"]) + batch_invariance_note(run_dir), h3, rows3))
     if any(r.get("sampled_accuracy") is not None for r in data["accuracy"]):
         h5, rows5, _ = accuracy_rows(data["accuracy"], "sampled_accuracy")
         sections.append(("Sampled accuracy (T = 1, %)",
@@ -510,7 +546,8 @@ def _accuracy_sections(data: dict, run_dir: Path, notes: list[str]) -> tuple[lis
         sections.append(("Changes between rounds (paired, sampled)",
                          "Same problems in both rounds; per problem the share of right samples. CI: percentile "
                          "bootstrap of the per-problem change; p: sign-flip permutation test (McNemar's test "
-                         "for one sample). Significant when the CI excludes 0 and p < 0.05.", h6, rows6))
+                         "for one sample). Significant when the CI excludes 0 and its Holm p < 0.05. "
+                         + _family_note(data["sampled_changes"]), h6, rows6))
     h4, rows4 = noise_floor_rows(run_dir)
     if rows4:
         sections.append(("Noise floor of the eval (paired, greedy)",

@@ -13,6 +13,8 @@ round, wrong in the other) carry information.
   bootstrap interval excludes 0 and McNemar's p < alpha; otherwise "within noise".
 - :func:`compare_rates`: the same for per-item *rates* (right samples / k samples at T = 1): a
   bootstrap interval and :func:`sign_flip_p`, the paired permutation test (McNemar's for 0/1).
+- :func:`holm_adjust`: Holm's step-down adjustment of a family of p-values (a report's many
+  round-over-round rows, each tested at alpha, would call some change significant by chance).
 - :func:`pooled_over_seeds`: the mean change over several runs (seeds) evaluated on the same items,
   with an interval that counts both the seed-to-seed and the item-to-item variation (the t interval
   of the two-way crossed random-effects model, from the seeds x items table's mean squares).
@@ -234,6 +236,34 @@ def compare_rates(a, b, alpha: float = 0.05, n_boot: int = 10_000, seed: int = 0
     return PairedRateChange(n=int(a.size), rate_a=float(a.mean()), rate_b=float(b.mean()), diff=diff, lo=lo, hi=hi,
                             p_sign_flip=p, n_up=int((d > 0).sum()), n_down=int((d < 0).sum()),
                             significant=bool((lo > 0 or hi < 0) and p < alpha))
+
+
+def holm_adjust(p_values) -> np.ndarray:
+    """Holm's step-down adjusted p-values of a family of m tests (Holm 1979, "A simple sequentially
+    rejective multiple test procedure", Scand. J. Statist. 6(2)).
+
+    With the p-values sorted ascending, ``p_(1) <= ... <= p_(m)``, the adjusted value of the j-th is
+    ``max_{i <= j} min(1, (m - i + 1) p_(i))``; rejecting where it is below alpha keeps the chance of
+    any false rejection in the family at most alpha, whatever the tests' dependence.
+
+    Args:
+        p_values: (m,) p-values in [0, 1], in any order.
+    Returns:
+        (m,) adjusted p-values in the input's order.
+    Raises:
+        ValueError: not 1-D, or a value outside [0, 1] or not finite.
+    """
+    p = np.asarray(p_values, dtype=np.float64)
+    if p.ndim != 1:
+        raise ValueError(f"p_values must be a 1-D vector, got shape {p.shape}")
+    if p.size and (not np.isfinite(p).all() or (p < 0).any() or (p > 1).any()):
+        raise ValueError(f"p_values must lie in [0, 1], got {p[~(np.isfinite(p) & (p >= 0) & (p <= 1))][:5].tolist()}")
+    m = p.size
+    order = np.argsort(p, kind="stable")
+    stepped = np.minimum(1.0, (m - np.arange(m)) * p[order])
+    out = np.empty(m)
+    out[order] = np.maximum.accumulate(stepped)
+    return out
 
 
 # ------------------------------------------------------------------ several seeds on the same items

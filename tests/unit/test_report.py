@@ -241,3 +241,26 @@ def test_report_shows_each_rounds_process_signal(runs):
     assert "### Process signal (does the penalty land on wrong responses?)" in md
     assert f"| 1 | {CAPO} | vote+arithmetic * | before answer | 25 % | 50 % | 0.62 [0.55, 0.70] | 3 / 4 / 1 |" in md
     assert f"| 1 | {CAPO} | arithmetic | before answer | 25 % | 50 % | – | 3 / 4 / 1 |" in md
+
+
+def test_a_variants_rows_are_one_family_under_holm():
+    """Two benchmarks, rounds 0-2: six rows for the variant (round 1 vs 0, round 2 vs 1 and vs 0, per
+    benchmark). On GSM8K round 1 gains 7 of 20 problems and loses none: McNemar p = 2 / 2^7 = 0.0156
+    and the interval excludes 0, significant alone. Holm over the six rows: SVAMP's two rows against
+    round 0 (40 of 40 gained, p = 2 / 2^40) come first, GSM8K's two against round 0 third and fourth:
+    (6 - 3 + 1) x 0.0156 = 0.0625 > 0.05, so the row reads "not after Holm"; SVAMP stays significant."""
+    from pipeline.report import paired_changes
+
+    def rows(rnd, variant, bench, correct):
+        return [{"variant": variant, "round": rnd, "benchmark": bench, "prompt_id": f"{bench}-{i}", "correct": c}
+                for i, c in enumerate(correct)]
+
+    items = (rows(0, None, "gsm8k", [0] * 20) + rows(1, CAPO, "gsm8k", [1] * 7 + [0] * 13)
+             + rows(2, CAPO, "gsm8k", [1] * 7 + [0] * 13) + rows(0, None, "svamp", [0] * 40)
+             + rows(1, CAPO, "svamp", [1] * 40) + rows(2, CAPO, "svamp", [1] * 40))
+    out = {(r["benchmark"], r["round"], r["vs_round"]): r for r in paired_changes(items)}
+    assert len(out) == 6 and {r["tests"] for r in out.values()} == {6}
+    g = out[("gsm8k", 1, 0)]
+    assert g["p_mcnemar"] == pytest.approx(2 / 2**7) and g["lo"] > 0 and g["significant_unadjusted"]
+    assert g["p_holm"] == pytest.approx(4 * 2 / 2**7) and not g["significant"]
+    assert out[("svamp", 1, 0)]["significant"] and out[("svamp", 2, 1)]["p_holm"] == pytest.approx(1.0)

@@ -186,3 +186,15 @@ def test_pooled_over_seeds_bad_input_names_the_problem():
         pooled_over_seeds([[0, float("nan")]])
     with pytest.raises(ValueError, match="level must be in"):
         pooled_over_seeds([[0, 1]], level=1.5)
+
+
+def test_holm_adjust_by_hand():
+    from pipeline.core.significance import holm_adjust
+
+    # sorted 0.01, 0.03, 0.04 (m = 3): 3 * 0.01 = 0.03, 2 * 0.03 = 0.06, 1 * 0.04 = 0.04 -> running
+    # max 0.03, 0.06, 0.06, back in the input's order
+    assert holm_adjust([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm_adjust([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1
+    assert holm_adjust([0.02]) == pytest.approx([0.02]) and holm_adjust([]).size == 0
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        holm_adjust([0.1, 1.5])
