@@ -1029,6 +1029,10 @@ def noise_floor(a: argparse.Namespace, round0: Path, compute: bool = True) -> di
         return None
     rc = storage.read_manifest(round0)["resolved_config"]
     seeds = [s for s in dict.fromkeys(a.noise_seeds) if s != rc["eval"]["seed"]]
+    if not seeds:  # the eval's own seed again measures nothing: a floor needs another sample seed
+        log.info("--noise-seeds %s holds no seed other than the eval's (%d): no noise floor", a.noise_seeds,
+                 rc["eval"]["seed"])
+        return None
     rows0 = pq.read_table(round0).to_pylist()
     policy = rows0[0]["policy"]
     tables = [rows0]

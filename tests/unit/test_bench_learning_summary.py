@@ -526,3 +526,15 @@ def test_each_rival_is_compared_with_grpo_and_with_capo(bench):
     out_c = [r for r in bench.summarize(ctl, rows_c, {}, changes_c) if "rival" in r]
     assert [(r["rival"], r["against"], r["verdict"]) for r in out_c] == [("random-credit", "grpo", "no difference shown"),
                                                                        ("random-credit", "capo", "behind")]
+
+
+def test_no_noise_floor_without_a_sample_seed_other_than_the_evals(bench, tmp_path, monkeypatch):
+    """``--noise-seeds 0`` with the eval's seed 0: the start sampled again under the same seed
+    measures nothing (spread 0, and a one-value sd that is NaN, not JSON): no floor, no verdict."""
+    from pipeline import storage
+
+    round0 = tmp_path / "eval.parquet"
+    round0.write_bytes(b"")
+    monkeypatch.setattr(storage, "read_manifest", lambda p: {"resolved_config": {"eval": {"seed": 0}}})
+    a = bench.parser().parse_args(["--noise-seeds", "0", "--eval-samples", "4", "--runs-dir", str(tmp_path)])
+    assert bench.noise_floor(a, round0) is None
