@@ -778,6 +778,17 @@ def carried_runs(a: argparse.Namespace, path: Path, train_file: Path, local: set
     return out, noise
 
 
+def noise_machine(path: Path, ctx: dict) -> dict:
+    """The machine fields (the keys of ``ctx``, :func:`pipeline.precision.bench_context`) of the
+    ``noise_floor`` line of evidence file ``path``: where a carried noise floor was measured. A
+    field the line lacks keeps ``ctx``'s value."""
+    for raw in path.read_text().splitlines():
+        line = json.loads(raw) if raw.strip() else {}
+        if "noise_floor" in line:
+            return {k: line.get(k, v) for k, v in ctx.items()}
+    return ctx
+
+
 def format_breakdown(rows: list[dict], decoding: str) -> dict | None:
     """Reasoning apart from format, over an eval table's rows of one ``decoding`` (greedy, sample):
     ``n``; the shares of answers ``cut`` at the budget, ``boxed`` (finished with a box),
@@ -902,7 +913,7 @@ def summarize(a: argparse.Namespace, rows: list[dict], paired: dict[tuple[str, i
             row = {"bench": "learning", "metric": metric, f"{tag}capo_minus_grpo": float(np.mean(c) - np.mean(g)),
                    f"{tag}capo_ahead_of_grpo": bool(np.mean(c) > np.mean(g)), f"{tag}capo_beat_grpo": None}
             if changes and (head := arm_minus_other(a, changes, "sampled" if tag else "greedy")):
-                # paired per seed and item, seeds and items resampled: is the difference more than noise?
+                # paired per seed and item, seeds and items both random (t interval): more than noise?
                 # CAPO beat GRPO only where that interval lies above 0 (ahead by less is not a win), over
                 # >= 2 seeds both arms finished (one seed's interval holds item noise only: no verdict,
                 # as beats_control gives none below 2 seeds)
@@ -1265,6 +1276,7 @@ def main() -> None:
     finished_here = {(arm, seed) for arm in a.arms for seed in a.seeds if eval_tables(a, arm, seed, train_file)}
     try:
         carried, carried_noise = (carried_runs(a, Path(a.evidence), train_file, finished_here) if a.evidence else ({}, None))
+        noise_from = Path(a.evidence) if carried_noise else None
     except ValueError as e:
         raise SystemExit(f"--evidence: {e}") from None
     for arm, seed in carried:
@@ -1279,7 +1291,8 @@ def main() -> None:
         for arm, seed in more:
             log.info("%s seed %d: finished elsewhere; its lines in %s count", arm, seed, extra)
         carried.update(more)
-        carried_noise = carried_noise or more_noise
+        if more_noise and not carried_noise:
+            carried_noise, noise_from = more_noise, Path(extra)
     # the training arms of every seed first, the control (no update) last
     order = [(arm, seed) for seed in a.seeds for arm in a.arms if arm != "control"]
     order += [("control", seed) for seed in a.seeds if "control" in a.arms]
@@ -1312,7 +1325,7 @@ def main() -> None:
         here = noise_floor(a, round0[0], compute=final and not a.report_only) if round0 else None
         noise = here or carried_noise
         if noise:
-            put({"bench": "learning", "noise_floor": noise, **(ctx if here else measured_on)})
+            put({"bench": "learning", "noise_floor": noise, **(ctx if here else noise_machine(noise_from, ctx))})
         for s in summarize(a, rows, paired, changes, noise):
             put({**s, **measured_on})
         plot_path = Path(a.plot) if a.plot else Path(a.runs_dir) / "learning.png"

@@ -361,7 +361,7 @@ def _run_folder(run: str, runs_dir: str | Path) -> Path:
         typer.BadParameter: neither is a folder; the message lists the runs in ``runs_dir``.
     """
     under, path = Path(runs_dir) / run, Path(run)
-    if under.is_dir():
+    if len(path.parts) == 1 and run not in (".", "..") and under.is_dir():  # a run id: one name
         return under
     if path.is_dir():
         return path

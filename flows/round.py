@@ -90,6 +90,10 @@ def capo_run(rounds: int = 2, start_round: int = 1, config: str = DEFAULT_CONFIG
     and eval stages, loading each new checkpoint in place (:mod:`pipeline.engines.host`).
     """
     cfg = load_config(config, list(overrides or []), preset)
+    if start_round > 1:
+        from pipeline.stages.base import policy_for_round
+
+        policy_for_round(cfg, start_round)  # round start_round - 1's checkpoint: fail before taking the run lock
     with run_lock(cfg.run_dir()), policy_engine_session(cfg, get_run_logger()):
         for k in range(start_round, start_round + rounds):
             capo_round(round=k, config=config, overrides=overrides, preset=preset)

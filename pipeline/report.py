@@ -338,7 +338,7 @@ def _plot(path: Path, title: str, panels: list[tuple[str, str, dict]]) -> Path:
         for lab, (xs, ys, *extra) in sorted(series.items()):
             line = ax.plot(xs, ys, marker="o", label=lab)[0]
             if extra:  # (spans, significant): the change from the previous round with its interval;
-                # a hollow marker = within noise, a filled one = significant
+                # a hollow marker = not significant after Holm, a filled one = significant
                 spans, sig = extra
                 for x, y, sp, sg in zip(xs, ys, spans, sig):
                     if sp is None:
@@ -360,7 +360,7 @@ def _plot(path: Path, title: str, panels: list[tuple[str, str, dict]]) -> Path:
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(title + ("\nbars: paired 95% interval of the change from the previous round; "
-                          "hollow = within noise, filled = significant" if annotated else ""))
+                          "hollow = not significant after Holm, filled = significant" if annotated else ""))
     fig.savefig(path, dpi=100)
     return path
 
@@ -533,8 +533,9 @@ def _accuracy_sections(data: dict, run_dir: Path, notes: list[str]) -> tuple[lis
         sections.append(("Changes between rounds (paired, greedy)",
                          "Same problems in both rounds. CI: percentile bootstrap of the per-problem change "
                          "(10,000 resamples); McNemar: exact test on the problems that changed. A change is "
-                         "significant when the CI excludes 0 and its Holm p < 0.05; otherwise it is within the "
-                         "eval's noise. " + _family_note(data["changes"]) + batch_invariance_note(run_dir), h3, rows3))
+                         "significant when the CI excludes 0 and its Holm p < 0.05; \"not after Holm\" when only "
+                         "its own test says so; otherwise it is within the eval's noise. "
+                         + _family_note(data["changes"]) + batch_invariance_note(run_dir), h3, rows3))
     if any(r.get("sampled_accuracy") is not None for r in data["accuracy"]):
         h5, rows5, _ = accuracy_rows(data["accuracy"], "sampled_accuracy")
         sections.append(("Sampled accuracy (T = 1, %)",

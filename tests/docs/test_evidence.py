@@ -218,10 +218,12 @@ def matrix_sentences(lines: list[dict]) -> dict[str, str]:
     out["readme pooled"] = (f"CAPO's held-out accuracy changed by {_pts(c['greedy']['diff'])} points greedy and "
                             f"{_pts(c['sampled']['diff'])} sampled over {_seeds(c['greedy']['seeds'])}, GRPO's by "
                             f"{_pts(r['greedy']['diff'])} and {_pts(r['sampled']['diff'])} over {WORDS[r['greedy']['seeds']]}")
-    sb = heads["sampled_boxed_capo_minus_grpo_pooled"]
-    out["readme boxed grpo"] = f"within boxed answers CAPO minus GRPO was {_pts(sb['diff'])} sampled points {_iv(sb)}"
-    out["readme boxed"] = (f"within boxed answers they rose by {_pts(c['sampled_boxed']['diff'])} and "
-                           f"{_pts(r['sampled_boxed']['diff'])} points")
+    cb, rb = c["sampled_boxed"], r["sampled_boxed"]
+    out["readme boxed"] = (f"within boxed answers they changed by {_pts(cb['diff'])} {_iv(cb)} and "
+                           f"{_pts(rb['diff'])} {_iv(rb)} points, "
+                           + ("intervals that include 0" if cb["lo"] <= 0 and rb["lo"] <= 0 else
+                              "both intervals above 0" if cb["lo"] > 0 and rb["lo"] > 0 else
+                              "one interval above 0"))
     rose = [MATRIX_TITLES[a] for a in WHOSE if pooled[a]["sampled"]["lo"] > 0]
     flat = [MATRIX_TITLES[a] for a in WHOSE if pooled[a]["sampled"]["lo"] <= 0]
     boxed = [MATRIX_TITLES[a] for a in WHOSE if pooled[a]["sampled_boxed"]["lo"] > 0]

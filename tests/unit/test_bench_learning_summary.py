@@ -8,6 +8,7 @@ arithmetic of the interval itself is worked by hand in test_significance.py).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -538,3 +539,11 @@ def test_no_noise_floor_without_a_sample_seed_other_than_the_evals(bench, tmp_pa
     monkeypatch.setattr(storage, "read_manifest", lambda p: {"resolved_config": {"eval": {"seed": 0}}})
     a = bench.parser().parse_args(["--noise-seeds", "0", "--eval-samples", "4", "--runs-dir", str(tmp_path)])
     assert bench.noise_floor(a, round0) is None
+
+
+def test_a_carried_noise_floor_keeps_the_machine_it_was_measured_on(bench, tmp_path):
+    ev = tmp_path / "ev.jsonl"
+    ev.write_text(json.dumps({"bench": "learning", "hygiene": {}}) + "\n"
+                  + json.dumps({"bench": "learning", "noise_floor": {}, "cpu_model": "AMD EPYC", "cores": 2}) + "\n")
+    here = {"cpu_model": "Intel(R) Xeon(R) Processor", "cores": 2, "gpu": None}
+    assert bench.noise_machine(ev, here) == {"cpu_model": "AMD EPYC", "cores": 2, "gpu": None}

@@ -138,8 +138,12 @@ def test_a_round_without_the_previous_checkpoint_fails_before_the_lock(tmp_path,
 def test_the_round_flow_checks_the_previous_checkpoint_before_the_lock(tmp_path):
     from flows.round import capo_round
 
+    from flows.round import capo_run
+
     with pytest.raises(FileNotFoundError, match="run round 1 first"):
         capo_round.fn(round=2, config="configs/tiny.yaml", overrides=[f"runs_dir={tmp_path}"])
+    with pytest.raises(FileNotFoundError, match="run round 2 first"):
+        capo_run.fn(rounds=1, start_round=3, config="configs/tiny.yaml", overrides=[f"runs_dir={tmp_path}"])
     assert not any(tmp_path.iterdir())
 
 
@@ -210,6 +214,7 @@ def test_check_browse_and_signal_find_a_run_by_one_rule(tmp_path, monkeypatch):
     assert cli._run_folder(str(runs / "r"), "other-runs") == runs / "r"
     (tmp_path / "r").mkdir()  # a folder of the same name in the working directory: the run under runs_dir wins
     assert cli._run_folder("r", runs) == runs / "r"
+    assert cli._run_folder(".", runs) == Path(".")  # a path, never <runs_dir>/. (the runs folder itself)
     for args in (["check", "nope", f"runs_dir={runs}"], ["browse", "nope", "--runs-dir", str(runs)],
                  ["signal", "nope", "--runs-dir", str(runs)]):
         out = _usage_error(_invoke(args))

@@ -155,6 +155,23 @@ def test_pooled_over_seeds_with_a_residual_and_an_item_component():
     assert r3.lo < 0 < r3.hi and r3.hi - r3.lo < 1.2
 
 
+def test_pooled_over_seeds_never_below_the_residual_noise():
+    """Two runs each gaining 10 different problems of 200: equal run means (MS_seed = 0). Item means
+    0.5 (20 problems) and 0 (180): MS_item = 2 * (20 * 0.45^2 + 180 * 0.05^2) / 199 = 9 / 199;
+    residuals +-0.5 on those 20 problems: MS_res = 20 * 2 * 0.25 / 199 = 10 / 199 > MS_item. The
+    seed component is floored at 0, so V = max(MS_seed, MS_res) / 400 = 10 / 199 / 400 (without the
+    floor V = 0: a zero-width interval at +5 points); t(1) * sqrt(V) = 12.706 * 0.011208 = 0.14241."""
+    from pipeline.core.significance import pooled_over_seeds, seeds_by_items_variance
+
+    d = np.zeros((2, 200))
+    d[0, :10] = 1
+    d[1, 10:20] = 1
+    assert seeds_by_items_variance(d) == pytest.approx(10 / 199 / 400)
+    r = pooled_over_seeds(d)
+    assert r.lo == pytest.approx(0.05 - 0.14241, abs=1e-4) and r.hi == pytest.approx(0.05 + 0.14241, abs=1e-4)
+    assert not r.significant
+
+
 def test_pooled_over_seeds_keeps_its_level_when_runs_differ():
     """Under no true change, runs that differ by a seed effect of sd 7 points on 200 items: the
     interval excludes 0 in about 5 % of tables (the crossed bootstrap used before: about 15 %)."""
