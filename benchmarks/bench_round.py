@@ -166,7 +166,10 @@ def time_resume(a, runs_dir: Path, data_dir: Path, may_rekey: bool = False) -> d
             raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         best, out = min(best, secs), proc.stderr
         print(f"resume: {secs:.2f}s (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
-    summary = json.loads((runs_dir / cfg.run_id / f"round_{a.round:03d}" / "variants" / cfg.variant / "round_summary.json").read_text())
+    # an all-skipped round keeps the real run's round_summary.json and writes round_summary.resume.json
+    vdir = runs_dir / cfg.run_id / f"round_{a.round:03d}" / "variants" / cfg.variant
+    resumed = vdir / "round_summary.resume.json"
+    summary = json.loads((resumed if resumed.exists() else vdir / "round_summary.json").read_text())
     ran = [s["stage"] for s in summary["stages"] if not s["skipped"]]
     return {"resume_timed": True, "rekeyed_in_copy": rekeyed, "resume_seconds": round(best, 3), "resume_stages_ran": ran,
             "resume_summary_wall_seconds": summary["wall_seconds"], "goal": 15.0, "goal_met": best < 15.0 and not ran,
