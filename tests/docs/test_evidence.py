@@ -507,3 +507,45 @@ def test_arithmetic_check_alone_against_the_default_in_critic_eval():
     assert [round(f1(union, k), 2) for k in kinds] == [0.15, 0.18, 0.0, 0.0]
     assert all(f1(alone, k) == 0 for k in kinds)
     assert "F1 0.15 on missing steps and 0.18 on wrong operations, 0 on the other" in page
+
+
+def amx_round_table() -> str:
+    """The table of docs/benchmarks.md that sets the `capo-majority` round with the policy in fp32
+    beside the same round on `auto`, on the AMX Xeon: each stage's seconds and peak RSS from the
+    two rounds' ``round_summary.json``, the round's wall time, and the share of the update the
+    exported checkpoint carries (``export_update_share`` of the rounds' train metrics)."""
+    runs = {k: json.loads((DATA / f"round-capo-majority-amx-{k}.json").read_text()) for k in ("fp32", "auto")}
+    share = {r["run_id"].split("-")[1]: r["value"] for r in _lines("round-capo-majority-amx-export.jsonl")
+             if r["name"] == "export_update_share"}
+
+    def cell(k: str, stage: str, i: int = 0) -> str:
+        st = [x for x in runs[k]["stages"] if x["stage"] == stage][i]
+        return f"{round(st['seconds'])} s, {st['peak_rss_mb'] / 1000:.1f} GB"
+
+    rows = ["| stage | policy in fp32 | policy on `auto` (bf16) |", "| --- | --- | --- |"]
+    for label, stage in (("rollout (32 responses, vLLM 0.5B)", "rollout"), ("critique (128 critiques, vLLM 1.5B, bf16 in both)", "critique"),
+                         ("train (2 PPO steps)", "train")):
+        rows.append(f"| {label} | {cell('fp32', stage)} | {cell('auto', stage)} |")
+    rows.append("| eval, round 0 and round 1 | " + " | ".join(
+        f"{round([x for x in runs[k]['stages'] if x['stage'] == 'eval'][0]['seconds'])} s + "
+        f"{round([x for x in runs[k]['stages'] if x['stage'] == 'eval'][1]['seconds'])} s" for k in ("fp32", "auto")) + " |")
+    rows.append("| **round** | " + " | ".join(f"**{runs[k]['wall_seconds']:,.0f} s ({runs[k]['wall_seconds'] / 60:.1f} min)**"
+                                            for k in ("fp32", "auto")) + " |")
+    rows.append("| share of round 1's update the exported checkpoint carries | " + " | ".join(
+        f"{100 * share[k]:.0f} %" for k in ("fp32", "auto")) + " |")
+    return "\n".join(rows)
+
+
+def test_amx_round_table():
+    """The `auto` round beside the fp32 one on the AMX Xeon is the table its evidence renders, and the
+    all-skipped rerun's time is the benchmark's."""
+    assert amx_round_table() in (REPO / "docs" / "benchmarks.md").read_text(), amx_round_table()
+    resume = next(r for r in _lines("round-resume-amx.jsonl") if r.get("resume_timed"))
+    assert resume["resume_stages_ran"] == [] and resume["skip_lines"] >= 9
+    assert f"every stage skipped, took {resume['resume_seconds']:.1f} s" in _text("docs/benchmarks.md")
+    shared = json.loads((DATA / "round-capo-majority-amx-fp32-shared-cpu.json").read_text())
+    crit = next(x for x in shared["stages"] if x["stage"] == "critique")["seconds"]
+    quiet = json.loads((DATA / "round-capo-majority-amx-fp32.json").read_text())
+    crit_q = next(x for x in quiet["stages"] if x["stage"] == "critique")["seconds"]
+    assert (f"took {shared['wall_seconds']:,.0f} s instead of {quiet['wall_seconds']:,.0f}, its critique "
+            f"{crit:.0f} s instead of {crit_q:.0f}") in _text("docs/benchmarks.md")
