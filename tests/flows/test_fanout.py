@@ -375,7 +375,10 @@ def test_ephemeral_server_timeout_names_the_setting(no_prefect_server):
 # configs/tiny.yaml with 3 prompts x 2 rollouts and batch_rollouts 2: 3 shards, chunks [[0, 1], [2]]
 # on 2 workers. The rollouts come from the transformers engine (quicker than starting vLLM here).
 TINY_OVER = {"data.prompts_per_round": 3, "critique.batch_rollouts": 2, "rollout.engine": "{type: transformers}"}
-TRANSFORMERS_CRITIC = {"critique.engine": "{type: transformers}"}
+# fp32: a bf16 matmul on an AMX CPU sums in an order that follows the thread count (a Ray or Dask
+# worker runs torch on one thread, the CLI on all cores), so bf16 critiques could differ in their
+# last tokens between runners for reasons that have nothing to do with the per-call seeding tested
+TRANSFORMERS_CRITIC = {"critique.engine": "{type: transformers, dtype: float32}"}
 
 
 def _tiny(repo: Path, data_dir: Path, runs: Path, **over):

@@ -24,7 +24,7 @@ PURE = ("pipeline.core", "pipeline.core.segment", "pipeline.core.critique", "pip
         "pipeline.core.critique.templates", "pipeline.core.critique.parse", "pipeline.core.critique.health",
         "pipeline.core.critique.mode", "pipeline.core.mc", "pipeline.core.voting",
         "pipeline.core.rewards", "pipeline.core.significance", "pipeline.core.tokenization", "train.loss")
-PURE_MAY_IMPORT = {"train.loss": {"torch"}}  # besides the standard library, numpy and other pure modules
+PURE_MAY_IMPORT = {"train.loss": {"torch"}, "pipeline.core.significance": {"scipy"}}  # besides the standard library, numpy and other pure modules
 
 
 def _modules() -> dict[str, Path]:
