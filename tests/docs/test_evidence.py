@@ -518,8 +518,11 @@ def amx_round_table() -> str:
     share = {r["run_id"].split("-")[1]: r["value"] for r in _lines("round-capo-majority-amx-export.jsonl")
              if r["name"] == "export_update_share"}
 
-    def cell(k: str, stage: str, i: int = 0) -> str:
-        st = [x for x in runs[k]["stages"] if x["stage"] == stage][i]
+    def stages(k: str, stage: str) -> list[dict]:
+        return [x for x in runs[k]["stages"] if x["stage"] == stage]
+
+    def cell(k: str, stage: str) -> str:
+        st = stages(k, stage)[0]
         return f"{round(st['seconds'])} s, {st['peak_rss_mb'] / 1000:.1f} GB"
 
     rows = ["| stage | policy in fp32 | policy on `auto` (bf16) |", "| --- | --- | --- |"]
@@ -527,8 +530,7 @@ def amx_round_table() -> str:
                          ("train (2 PPO steps)", "train")):
         rows.append(f"| {label} | {cell('fp32', stage)} | {cell('auto', stage)} |")
     rows.append("| eval, round 0 and round 1 | " + " | ".join(
-        f"{round([x for x in runs[k]['stages'] if x['stage'] == 'eval'][0]['seconds'])} s + "
-        f"{round([x for x in runs[k]['stages'] if x['stage'] == 'eval'][1]['seconds'])} s" for k in ("fp32", "auto")) + " |")
+        " + ".join(f"{round(e['seconds'])} s" for e in stages(k, "eval")) for k in ("fp32", "auto")) + " |")
     rows.append("| **round** | " + " | ".join(f"**{runs[k]['wall_seconds']:,.0f} s ({runs[k]['wall_seconds'] / 60:.1f} min)**"
                                             for k in ("fp32", "auto")) + " |")
     rows.append("| share of round 1's update the exported checkpoint carries | " + " | ".join(
