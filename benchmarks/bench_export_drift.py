@@ -16,7 +16,8 @@ direction and size, on a finished round:
 For the whole model and per kind of tensor it prints one JSON line with: the share of elements the
 fp32 master moved, the share whose ``save_dtype`` cast moved, the L2 norm of both updates, their
 cosine and the regression slope <d_cast, d_fp32> / <d_fp32, d_fp32> (1 = the cast carries the
-update at full size on average). With ``--checkpoint`` it also checks that the exported checkpoint
+update at full size on average; the cosine and the slope are ``null`` where a kind's cast did not move or
+its master did not). With ``--checkpoint`` it also checks that the exported checkpoint
 is exactly the cast of the master weights.
 
 The arithmetic is :mod:`train.drift`'s, which the train stage runs on every round (the
@@ -28,10 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import math
 import time
 from pathlib import Path
 
+from pipeline.precision import bench_context
 from train.drift import DTYPES, WeightFiles, summarize, sums_against
 
 
@@ -82,9 +84,10 @@ def main() -> None:
         raise SystemExit(f"no tensor of {m.path} matched one of {s.path} by name (first state names: "
                          f"{unmatched[:3]}); a LoRA state holds adapters, not the policy's weights")
     for k, a in acc.items():
-        print(json.dumps({"bench": "export_drift", "tensors": k, **summarize(a), "save_dtype": args.save_dtype}))
+        figures = {f: (None if isinstance(v, float) and not math.isfinite(v) else v) for f, v in summarize(a).items()}
+        print(json.dumps({"bench": "export_drift", "tensors": k, **figures, "save_dtype": args.save_dtype}, allow_nan=False))
     out = {"bench": "export_drift", "state": str(args.state), "start": str(args.start), "seconds": round(time.time() - t0, 1),
-           "machine": platform.processor() or platform.machine()}
+           **bench_context()}
     out["state_tensors_not_in_start"] = len(unmatched)
     if ck is not None:
         if ckpt_compared == 0:

@@ -510,17 +510,16 @@ class TrainConfig(Strict):
     """Accelerate mixed precision for forward/backward (autocast; master weights stay in ``dtype``).
     ``no`` (default) computes old and new log-probs in full precision: with the default
     ``rollout.engine.dtype: float32`` (and ``save_dtype: auto``, which follows it) the policy is
-    sampled, trained and exported in float32, the setting under which the learning benchmark showed
-    learning over two seeds (sampled accuracy +13.6 points pooled; docs/benchmarks.md). ``auto``: bf16
-    where the device computes it natively (GPU with bf16, CPU with AVX512-BF16/AMX or ARM BF16), "no"
-    on other CPUs, where bf16 autocast is emulated and ~40x slower (:mod:`pipeline.precision`). Under
-    bf16 every matmul sees the bf16 cast of the master weights, and a bf16-valued start moves there
-    only once a weight's update passes half a bf16 step: 20 steps at lr 2e-6 carried 39 % of the
-    update (docs/benchmarks.md, "the bf16 dead zone"), and the same seed's sampled gain was +8.9
-    points against +17.0 in fp32. fp32 costs 1.65x the default round on a 2-core AMX CPU (rollout
-    2.1x, train 1.8x; docs/benchmarks.md, "How long a round takes"), nothing on CPUs without native bf16, where
-    ``auto`` is fp32 anyway; on a GPU, long runs cross the dead zone early and ``auto`` is the
-    faster choice."""
+    sampled, trained and exported in float32, the setting of the learning benchmark's runs
+    (docs/benchmarks.md). ``auto``: bf16 where the device computes it natively (GPU with bf16, CPU
+    with AVX512-BF16/AMX or ARM BF16), "no" on other CPUs, where bf16 autocast is emulated and ~40x
+    slower (:mod:`pipeline.precision`). Under bf16 every matmul sees the bf16 cast of the master
+    weights, and a bf16-valued start moves there only once a weight's update passes half a bf16
+    step: the bf16 checkpoint of a `capo-majority` round (2 steps at lr 2e-6) carried 11 % of its
+    update (docs/benchmarks.md, "The bf16 dead zone"). fp32 costs 1.58x that round on a 2-core AMX
+    CPU (rollout 2.0x, train 1.8x; docs/benchmarks.md, "How long a round takes"), nothing on CPUs
+    without native bf16, where ``auto`` is fp32 anyway; on a GPU, long runs cross the dead zone
+    early and ``auto`` is the faster choice."""
     @field_validator("mixed_precision", mode="before")
     @classmethod
     def _yaml_no(cls, v: Any) -> Any:

@@ -551,3 +551,33 @@ def test_amx_round_table():
     crit_q = next(x for x in quiet["stages"] if x["stage"] == "critique")["seconds"]
     assert (f"took {shared['wall_seconds']:,.0f} s instead of {quiet['wall_seconds']:,.0f}, its critique "
             f"{crit:.0f} s instead of {crit_q:.0f}") in _text("docs/benchmarks.md")
+
+
+def dead_zone_table() -> str:
+    """The table of docs/benchmarks.md's bf16 dead zone: per kind of tensor, how much of round 1's
+    fp32 update (the `capo-majority` round on `auto`, AMX Xeon) its bf16 checkpoint carries, from
+    ``bench_export_drift.py``'s lines."""
+    lines = _lines("export-drift-amx-capo-majority-round1.jsonl")
+    rows = ["| tensors | elements | moved in fp32 | moved in the bf16 cast | cosine of the two updates "
+            "| share of the update the cast carries |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in (x for x in lines if x.get("tensors")):
+        cos = "-" if r["cosine"] is None else f"{r['cosine']:.2f}"
+        rows.append(f"| {r['tensors']} | {r['elements'] / 1e6:,.2f} M | {100 * r['share_moved_fp32']:.1f} % "
+                    f"| {100 * r['share_moved_cast']:.1f} % | {cos} | {100 * r['slope_cast_on_fp32']:.1f} % |")
+    return "\n".join(rows)
+
+
+def test_dead_zone_table():
+    """The CPU dead-zone figures are the table the export-drift evidence renders, the round's
+    checkpoint is exactly the cast of its master weights, and the headline agrees with the
+    round's own ``export_update_share``."""
+    assert dead_zone_table() in (REPO / "docs" / "benchmarks.md").read_text(), dead_zone_table()
+    lines = _lines("export-drift-amx-capo-majority-round1.jsonl")
+    run = lines[-1]
+    assert run["checkpoint_elements_not_the_cast"] == 0 and run["native_bf16"]
+    share = next(r["value"] for r in _lines("round-capo-majority-amx-export.jsonl")
+                 if r["run_id"] == "majority-auto" and r["name"] == "export_update_share")
+    alls = next(x for x in lines if x.get("tensors") == "all")
+    assert abs(alls["slope_cast_on_fp32"] - share) < 1e-9
+    assert (f"carries **{100 * alls['slope_cast_on_fp32']:.0f} %** of the fp32 update "
+            f"(cosine {alls['cosine']:.2f})") in _text("docs/benchmarks.md")
