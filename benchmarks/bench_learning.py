@@ -112,20 +112,23 @@ carried alike.
 holds the checkpoint, and records it in FILE (read back and kept, like ``--evidence``); a run already
 recorded there is not evaluated again.
 
-Defaults: the configuration under which learning was shown (docs/benchmarks.md, "Learning
-benchmark"): lr 2e-6, 320 tokens, 8 problems x 4 responses per round (16 per AdamW step), DAPO's
+Defaults: the settings of the learning evidence in docs/benchmarks.md ("Learning benchmark"):
+lr 2e-6, 320 tokens, 8 problems x 4 responses per round (16 per AdamW step), DAPO's
 dynamic sampling, the policy in fp32 (the shipped defaults), 4 samples per held-out problem besides
 the greedy answer, and the training problems of ``benchmarks/selections/`` (``--select-here`` to
 select on this machine). Earlier defaults were lr 5e-6, 192 tokens, 4 problems, no dynamic
-sampling, 1 eval sample and ``auto`` precision, and the docs' earlier commands ran with those: docs/benchmarks.md ("Learning benchmark") lists the flags to add to
-repeat one (its run ids stay the same).
+sampling, 1 eval sample and ``auto`` precision, and the docs' earlier commands ran with those:
+docs/benchmarks.md ("Learning benchmark") lists the flags to add to repeat one (its run ids stay
+the same).
 
 Cost: every round of every arm is a real round (rollouts, verification, for CAPO the critic, PPO
-update). On a 2-core CPU with AMX (fp32 policy, the critic in bf16): a GRPO round about 7 minutes,
-a CAPO round 8-9.5 (2 critiques per response), a control round less (its rollouts and forward
-passes, no update; not timed in fp32), an eval of 200 problems with 4 samples 17-29 minutes: the
-whole benchmark (3 arms x 2 seeds x 10 rounds) roughly 9 hours, an estimate from those figures;
-started again, it resumes. On a 2-core AVX2-only CPU it is slower (not measured at these settings).
+update). On the 2-core Zen 4 EPYC (fp32 policy, the readout critic in bf16;
+docs/data/learning-readout-3seeds.jsonl, the rounds' ``seconds``): a GRPO round 6-12 minutes
+(median 7), a CAPO round 7-27 (median 11), a random-credit round 6.5-9.5, the final eval of 200
+problems with 4 samples 11-35 minutes (median 12.5); round 0's eval runs once per machine and is
+copied into the other runs. One arm's run of 10 rounds takes about 1.5-2.5 hours; started again,
+it resumes at its first unfinished stage. Slower CPUs (AVX2 only, or fp32 vLLM on a Xeon) take
+longer: time one round first.
 """
 
 from __future__ import annotations

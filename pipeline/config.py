@@ -153,8 +153,8 @@ class RolloutConfig(Strict):
     engine: EngineConfig = VLLMEngineConfig(dtype="float32")
     """The policy's engine (``vllm`` or ``transformers``: rollouts need token ids and log-probs).
     Default float32: with ``train.mixed_precision: no`` and ``train.save_dtype: auto`` the policy is
-    sampled, trained and exported in float32, the precision under which the learning benchmark showed
-    learning over two seeds. ``auto`` (bf16 where native) samples from the bf16 cast of the trained
+    sampled, trained and exported in float32, the precision of the learning benchmark's runs
+    (docs/benchmarks.md). ``auto`` (bf16 where native) samples from the bf16 cast of the trained
     weights, which on short runs holds back most of the update (docs/benchmarks.md, "the bf16 dead
     zone"); it is the faster choice for long runs on a GPU. An engine block that names no dtype
     (``rollout.engine.type=transformers``, a YAML ``engine:`` without ``dtype``) gets float32 too."""
@@ -285,9 +285,9 @@ class CritiqueConfig(Strict):
     vllm engine, or an openai engine whose server takes vLLM's ``structured_outputs`` field; the
     transformers engine is refused. Outcome (GenORM) critiques stay free text. Unset (null): on with
     the vllm engine, off with the others (a served critic opts in: not every server takes the
-    field). Default from critic-eval (docs/benchmarks.md, "Defaults from evidence"): with the
-    embedded critic it removed every unparsable and incomplete critique (62 of 288 to 0) and was
-    equal or better under every voting rule at N=4, at no cost in tokens/s."""
+    field). Default from evidence (docs/benchmarks.md, "Structured critiques on long solutions"): on
+    14 solutions of 1 to 20 steps, 11 structured critiques came out complete against 9 free ones,
+    in 54.0 s against 124.8 s of critic time."""
     sampling: SamplingConfig = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=320)
     """How the critic samples its N critiques of each response."""
     engine: EngineConfig = VLLMEngineConfig(max_model_len=4096, kv_cache_gib=3.0)
@@ -343,10 +343,12 @@ def check_structured_engine(structured: bool, engine_type: str, where: str) -> N
 class VoteConfig(Strict):
     rule: Literal[tuple(VOTING_RULES)] = "majority"  # type: ignore[valid-type]
     """Rule whose step weights train the policy (all four are always computed and stored).
-    The paper found intersection best for 1B-1.5B policies with its 72B critic; with the embedded
-    1.5B critic, critic-eval (24 gsm8k-corrupt problems, N=4) gives majority the best or tied-best
-    F1 in both measurements and intersection flags only 3.6 % of steps (docs/benchmarks.md,
-    "Defaults from evidence"). ``--preset capo-intersection`` gives the paper's rule."""
+    The paper found intersection best for 1B-1.5B policies with its 72B critic. Majority was chosen
+    on critic-eval by earlier code (docs/changelog.md, "Earlier measurements"), a close call; on
+    today's critic-eval of the sources (24 gsm8k-corrupt problems, N=4, plain items) average scores
+    F1 0.33, majority 0.23 and intersection 0.13, and no rule makes the embedded 1.5B critic's
+    sampled critiques a useful signal (docs/benchmarks.md, "Defaults from evidence").
+    ``--preset capo-intersection`` gives the paper's rule."""
     majority_threshold: float = Field(0.5, ge=0, lt=1)
     """majority flags a step iff the share of valid critiques flagging it is strictly above this."""
     partial_critiques: Literal["list", "lines", "drop"] = "list"
@@ -476,13 +478,11 @@ class FutureKLConfig(Strict):
 class TrainConfig(Strict):
     learning_rate: float = Field(2e-6, ge=0)
     """AdamW learning rate; 0 runs the whole round with no update (the control arm of
-    ``benchmarks/bench_learning.py``). 2e-6 is the rate that kept held-out greedy accuracy in the
-    learning benchmark at 320 tokens (MAWPS, 8 responses per AdamW step, two seeds per arm: greedy
-    -2.25 and +0.25 points, sampled +2.8 and +3.3, neither significant), where 5e-6 lost 9-10 greedy
-    points more on three of four seed pairs, significantly, for the same sampled change
-    (docs/benchmarks.md, "A smaller learning rate at 320 tokens"). 5e-6 raised sampled accuracy only at
-    192 tokens, by teaching the policy to finish inside the budget. The paper's 1e-6 goes with
-    batches of hundreds."""
+    ``benchmarks/bench_learning.py``). 2e-6 is the learning benchmark's rate at 320 tokens: in an
+    earlier run of it (bf16 policy, earlier code), 5e-6 ended 9-10 greedy points below 2e-6 on
+    three of four same-seed pairs, at ten times the KL to the start (docs/changelog.md, "Earlier
+    measurements"); on today's code the comparison is not recorded (docs/benchmarks.md, "Why the
+    benchmark runs these settings"). The paper's 1e-6 goes with batches of hundreds."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW's decoupled weight decay (scaled by the learning rate, so 0 at learning rate 0)."""
     clip_low: float = Field(0.2, gt=0, lt=1)
@@ -512,8 +512,8 @@ class TrainConfig(Strict):
     ``rollout.engine.dtype: float32`` (and ``save_dtype: auto``, which follows it) the policy is
     sampled, trained and exported in float32, the setting of the learning benchmark's runs
     (docs/benchmarks.md). ``auto``: bf16 where the device computes it natively (GPU with bf16, CPU
-    with AVX512-BF16/AMX or ARM BF16), "no" on other CPUs, where bf16 autocast is emulated and ~40x
-    slower (:mod:`pipeline.precision`). Under bf16 every matmul sees the bf16 cast of the master
+    with AVX512-BF16/AMX or ARM BF16), "no" on other CPUs, where bf16 autocast is emulated and many
+    times slower (:mod:`pipeline.precision`). Under bf16 every matmul sees the bf16 cast of the master
     weights, and a bf16-valued start moves there only once a weight's update passes half a bf16
     step: the bf16 checkpoint of a `capo-majority` round (2 steps at lr 2e-6) carried 11 % of its
     update (docs/benchmarks.md, "The bf16 dead zone"). fp32 costs 1.58x that round on a 2-core AMX
@@ -553,8 +553,9 @@ class TrainConfig(Strict):
     gradient_checkpointing: bool = True
     """Recompute each decoder layer's forward during backward instead of keeping its activations
     (transformers' ``gradient_checkpointing_enable``, non-reentrant). On by default: for the 0.5B
-    policy it lowers the train stage's peak memory with no measurable slowdown on CPU
-    (docs/benchmarks.md, "Memory")."""
+    policy, with the other memory defaults, it lowers the train stage's peak memory at the same
+    update time on CPU (docs/benchmarks.md, "Memory"); on an H100 it made the update 47 % slower at micro-batch 2 (docs/benchmarks.md,
+    "The train stage on a GPU")."""
     lora: "LoraConfig | None" = None
     """Train LoRA adapters (peft) instead of all weights; merged into the saved checkpoint."""
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "aim", "comet_ml", "clearml"]] = Field(default_factory=list)

@@ -53,7 +53,7 @@ class HeadLogProbs(torch.autograd.Function):
     """Tempered log-probs of the targets under the output head, chunk by chunk, with a hand-written
     backward that never holds more than one (B, chunk, V) block and accumulates the head's weight
     gradient in place in one (V, H) buffer (autograd would allocate a (V, H) gradient per chunk
-    and sum them: +0.55 GB per chunk in flight for Qwen2.5-0.5B's tied 151,936 x 896 head).
+    and sum them: +0.55 GB per chunk in flight for Qwen2.5-0.5B's 151,936 x 896 head).
 
     Forward: (B, L', H) ``hidden``, (V, H) ``weight``, (V,) ``bias`` or None, (B, T) ``idx`` into
     L', (B, T) ``target`` -> (B, T) log-probs (:func:`_chunk_head_logprobs` per chunk, under the

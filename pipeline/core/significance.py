@@ -20,9 +20,10 @@ round, wrong in the other) carry information.
   of the two-way crossed random-effects model, from the seeds x items table's mean squares).
 
 Sizes: with a discordance rate d (share of items that flip between the two rounds) the standard
-error of the difference is about ``sqrt(d / n)``. Greedy decoding of two nearly equal checkpoints
-flipped d ~ 0.5 of the items at n = 16 here (7 of 16 identical texts), so a change must exceed about
-35 points to be seen at 16 items; at n = 500 and d ~ 0.1 the 95 % interval is about +-2.8 points.
+error of the difference is about ``sqrt(d / n)``. Greedy decoding of two checkpoints one bf16 step
+apart rewrote 10-11 of 16 answers' texts but flipped only 1-2 answers (d ~ 0.1;
+docs/data/noise-floor-round0-default-avx512bf16.json), so a change must exceed about 18 points to
+be seen at 16 items; at n = 500 and d ~ 0.1 the 95 % interval is about +-2.8 points.
 """
 
 from __future__ import annotations

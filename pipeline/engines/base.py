@@ -181,9 +181,8 @@ def engine_process_env() -> dict[str, str]:
     """Environment additions for a process that will run vLLM or the trainer on CPU: ``LD_PRELOAD``
     of tcmalloc.
 
-    vLLM's CPU backend asks for tcmalloc in ``LD_PRELOAD`` ("For best performance"); here it made
-    rollout decoding about 8 % faster (``benchmarks/bench_generation.py``: 145 vs 133 tokens/s on
-    the 0.5B policy). In the trainer, glibc's malloc keeps freed gradient-sized blocks that the
+    vLLM's CPU backend asks for tcmalloc in ``LD_PRELOAD`` ("For best performance"); the rollout
+    figures of ``benchmarks/bench_generation.py`` are measured with it. In the trainer, glibc's malloc keeps freed gradient-sized blocks that the
     next micro-batch cannot reuse; with tcmalloc the train stage's peak RSS is lower
     (``benchmarks/bench_trainer.py --memory``). ``scripts/install.sh`` unpacks Debian's ``libtcmalloc-minimal4`` into
     ``.venv/lib/capo-preload/``; a system copy is used otherwise. Nothing is added on a GPU

@@ -334,13 +334,15 @@ def test_rivals_cost_table():
     section = page.split("## What each credit-assignment method costs per round", 1)[1].split("\n## ", 1)[0]
     text = " ".join(section.split())
     for arm, s in summary.items():
-        rss = "" if s["own_stages_peak_rss_mb"] is None else f"{s['own_stages_peak_rss_mb'] / 1024:.1f} GB"
+        rss = "" if s["own_stages_peak_rss_mb"] is None else f"{s['own_stages_peak_rss_mb'] / 1000:.1f} GB"
         train = "not measured" if s["train_s"] is None else f"{s['train_s']:.0f}"
         row = re.search(rf"\| `{re.escape(arm)}` \|[^|]*\|([^|]*)\|([^|]*)\|([^|]*)\|", text)
         assert row is not None, arm
         assert [c.strip() for c in row.groups()] == [f"{s['own_stages_s']:.0f}", rss, train], arm
     trains = [s["train_s"] for s in summary.values() if s["train_s"] is not None]
     assert f"from {min(trains):.0f} to {max(trains):.0f} s across four methods" in text
+    peaks = {round(x["train_peak_rss_mb"] / 1000, 1) for x in lines if x.get("train_peak_rss_mb")}
+    assert len(peaks) == 1 and f"(peak RSS {peaks.pop():.1f} GB in each)" in text  # GB = 1000 MB, as every table
     mc = next(x for x in lines if x.get("stage") == "mc")
     assert f"{mc['rows']} states x 4 continuations" in text
     own = {arm: s["own_stages_s"] / 60 for arm, s in summary.items()}
@@ -483,8 +485,8 @@ def test_trainer_precision_figures():
 def test_trainer_memory_figures():
     s = next(x for x in _lines("trainer-memory-avx512bf16.jsonl") if x.get("memory") == "summary")
     text = _text("docs/benchmarks.md")
-    assert (f"**{s['peak_rss_mb']['after'] / 1024:.1f} GB against {s['peak_rss_mb']['before'] / 1024:.1f} GB** "
-            f"without the four, {s['saved_mb'] / 1024:.1f} GB saved") in text
+    assert (f"**{s['peak_rss_mb']['after'] / 1000:.1f} GB against {s['peak_rss_mb']['before'] / 1000:.1f} GB** "
+            f"without the four, {s['saved_mb'] / 1000:.1f} GB saved") in text
 
 
 def test_arithmetic_check_alone_against_the_default_in_critic_eval():

@@ -97,8 +97,8 @@ def test_explicit_slow_choice_warns_once(caplog):
 
 
 def test_default_config_keeps_the_policy_in_float32_and_the_critic_on_auto():
-    """The policy is sampled, trained and exported in fp32 on every device (the precision under which
-    the learning benchmark showed learning); only the critic follows ``auto``."""
+    """The policy is sampled, trained and exported in fp32 on every device (the precision of the
+    learning benchmark's runs); only the critic follows ``auto``."""
     cfg = load_config("configs/default.yaml")
     rec = precision_record(cfg, AVX2)
     assert (rec["rollout_dtype"], rec["critique_dtype"], rec["eval_dtype"], rec["train_mixed_precision"],

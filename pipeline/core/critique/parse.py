@@ -216,9 +216,9 @@ REASON_CHARS: int | None = None
 """Longest reason a structured critique may give for a wrong step (characters); None: unbounded, the
 critique's length held by ``critique.sampling.max_tokens`` alone. A bound costs compile time in the
 structured-output backend (xgrammar) that grows with it, whatever the step count: 160 characters
-took 2.8 to 3.2 s per step count on a 2-core Zen 4 EPYC, and 6 to 8 s there with one compile thread
-beside other work, near or past vLLM's 5 s regex compile timeout (``VLLM_REGEX_COMPILATION_TIMEOUT_S``);
-unbounded, 0.01 s (1 step) to 0.24 s (20 steps). ``benchmarks/bench_structured.py`` measures it."""
+took 2.8 to 3.2 s per step count on a 2-core Zen 4 EPYC, and 7.4 to 8.4 s with one compile
+thread beside other work (docs/changelog.md, "Earlier measurements"), near or past vLLM's 5 s
+regex compile timeout (``VLLM_REGEX_COMPILATION_TIMEOUT_S``); unbounded, 0.01 s (1 step) to 0.24 s (20 steps). ``benchmarks/bench_structured.py`` measures it."""
 
 
 def critique_regex(n_steps: int, reason_chars: int | None = REASON_CHARS) -> str:
