@@ -614,14 +614,16 @@ def plot_f1(scores: list[dict], setups: list[str], subset: str, path: Path) -> P
     return path
 
 
-def report_stage(cfg: CriticEvalConfig, unit: None = None, force: bool = False) -> StageResult:
-    """``report.md`` and ``f1_vs_n.png`` from ``scores.parquet`` (always rewritten, cheap: ``force`` changes
-    nothing; one per evaluation: ``unit`` is None)."""
-    from critic_eval.scores import main_subset, render_report
+def report_meta(cfg: CriticEvalConfig) -> dict:
+    """What the report says besides the scores: the benchmark (its items per kind), each scored
+    setup's critic (model, template, engine, sampling, critic seconds and tokens/s from its
+    critiques' manifest) and each setup's :func:`verdict_distribution`. Reads the benchmark table
+    and the critique tables' manifests; nothing is written.
 
+    Raises:
+        FileNotFoundError: the benchmark stage has not run.
+    """
     p = paths(cfg)
-    t0 = time.perf_counter()
-    scores = storage.read_table(p["scores"], "critic_eval_scores").to_pylist()
     items = read_benchmark(cfg)
     kinds: dict[str, int] = {}
     for it in items:
@@ -660,11 +662,57 @@ def report_stage(cfg: CriticEvalConfig, unit: None = None, force: bool = False) 
             if b.source == BUILTIN_BENCHMARK else f"`{b.source}`")
     meta = {"name": cfg.name, "benchmark": f"{desc}, {len(items)} items", "kinds": kinds,
             "n_values": cfg.n_values, "setups": setups, "verdicts": verdicts, "plot": p["plot"].name}
+    return meta
+
+
+def report_stage(cfg: CriticEvalConfig, unit: None = None, force: bool = False) -> StageResult:
+    """``report.md`` and ``f1_vs_n.png`` from ``scores.parquet`` (always rewritten, cheap: ``force`` changes
+    nothing; one per evaluation: ``unit`` is None)."""
+    from critic_eval.scores import main_subset, render_report
+
+    p = paths(cfg)
+    t0 = time.perf_counter()
+    scores = storage.read_table(p["scores"], "critic_eval_scores").to_pylist()
+    meta = report_meta(cfg)
     plot_f1(scores, list(cfg.scored_setups()), main_subset(scores), p["plot"])
     tmp = p["report"].with_name(f".{p['report'].name}.{os.getpid()}.tmp")
     tmp.write_text(render_report(meta, scores))
     os.replace(tmp, p["report"])
     return StageResult("report", str(p["report"]), False, "written", len(scores), time.perf_counter() - t0)
+
+
+def evidence_lines(cfg: CriticEvalConfig) -> list[dict]:
+    """A finished evaluation as JSON-able lines, the evidence a figure in the docs links to: one
+    ``{"kind": "run", ...}`` line (name, benchmark, items per kind, N values), one
+    ``{"kind": "setup", ...}`` line per scored setup (its critic as the report shows it, and for a
+    critic setup its parse statuses and most common final lists) and one ``{"kind": "score", ...}``
+    line per row of ``scores.parquet`` (every setup, partial-critique policy, subset, rule and N).
+    Undefined figures (no item of a kind, no update) are ``null``.
+
+    Raises:
+        FileNotFoundError: the score stage has not run (names the missing table and the command).
+    """
+    p = paths(cfg)
+    if storage.read_manifest(p["scores"]) is None:
+        raise FileNotFoundError(f"{p['scores']} is not committed: run `capo critic-eval run` with this config first")
+    meta = report_meta(cfg)
+
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    out = [{"kind": "run", "eval_name": cfg.name, "benchmark": meta["benchmark"], "kinds": meta["kinds"],
+            "n_values": list(cfg.n_values), "seed": cfg.seed}]
+    for st in meta["setups"]:
+        member = st["setup"].split("/")[0]
+        out.append({"kind": "setup", "eval_name": cfg.name, **st, **meta["verdicts"].get(member, {})})
+    out += [{"kind": "score", **r} for r in storage.read_table(p["scores"], "critic_eval_scores").to_pylist()]
+    return [clean(x) for x in out]
 
 
 # ------------------------------------------------------------------------------------------ records

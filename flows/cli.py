@@ -11,7 +11,7 @@
     capo browse RUN --round 1        the critique browser of a round (HTML; --serve on 127.0.0.1)
     capo check RUN                   verify a run's tables, shards and checkpoints against their manifests
     capo signal RUN                  does the process signal tell wrong responses from right ones (AUROC)
-    capo critic-eval run|bench|critique   measure a critic (ProcessBench F1 per voting rule and N)
+    capo critic-eval run|bench|critique|export   measure a critic (ProcessBench F1 per voting rule and N)
 """
 
 from __future__ import annotations

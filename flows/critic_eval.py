@@ -4,6 +4,7 @@
     python -m flows.critic_eval run --benchmark pb.jsonl n_values=[1,4] name=pb
     python -m flows.critic_eval bench --out bench.jsonl   # write the built-in benchmark as JSONL
     python -m flows.critic_eval critique --setup embedded-1.5b+gold   # one setup, in this process
+    python -m flows.critic_eval export > scores.jsonl     # a finished evaluation as JSON lines
     prefect deployment run 'critic-eval/default' --watch
 
 The flow only sequences: it runs the records of :data:`critic_eval.stages.STAGES` with the round's
@@ -157,6 +158,22 @@ def bench(
             for row in ces.read_benchmark(cfg):
                 f.write(json.dumps(row) + "\n")
     typer.echo(res.line())
+
+
+@app.command()
+def export(
+    config: str = typer.Option(DEFAULT_CONFIG),
+    overrides: Optional[list[str]] = typer.Argument(None),
+) -> None:
+    """Print a finished evaluation as JSON lines (its benchmark, each setup's critic and answers,
+    every score row): the evidence a figure quoted from it links to."""
+    cfg = _config(config, overrides)
+    try:
+        lines = ces.evidence_lines(cfg)
+    except FileNotFoundError as e:
+        raise typer.BadParameter(str(e), param_hint="--config") from None
+    for line in lines:
+        typer.echo(json.dumps(line, allow_nan=False))
 
 
 if __name__ == "__main__":

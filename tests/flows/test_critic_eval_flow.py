@@ -264,3 +264,34 @@ def test_flow_with_the_tiny_model(tmp_path, data_dir, repo, harness):
     report = (run / "report.md").read_text()
     assert re.search(r"\| tiny\+nogold/list \| intersection \| [0-9.–]+ \| [0-9.–]+ \|", report)
     assert (run / "f1_vs_n.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_finished_evaluation_exports_as_strict_json_lines(tmp_path, scripted, data_dir):
+    """``capo critic-eval export`` prints the run, each scored setup with what its critic answered,
+    and every score row; before the score stage it is a usage error naming the command to run."""
+    from typer.testing import CliRunner
+
+    from flows.critic_eval import app
+
+    path = _cfg(tmp_path)
+    runner = CliRunner()
+    early = runner.invoke(app, ["export", "--config", str(path), f"data_dir={data_dir}"])
+    assert early.exit_code == 2 and "capo critic-eval run" in early.output
+    cfg = ces.load_eval_config(path, [f"data_dir={data_dir}"])
+    _run(cfg, scripted)
+    items = scripted["items"]
+    res = runner.invoke(app, ["export", "--config", str(path), f"data_dir={data_dir}"])
+    assert res.exit_code == 0, res.output
+
+    def strict(token):
+        raise ValueError(f"not JSON: {token}")
+
+    lines = [json.loads(x, parse_constant=strict) for x in res.output.splitlines()]
+    run, setups, scores = lines[0], [x for x in lines if x["kind"] == "setup"], [x for x in lines if x["kind"] == "score"]
+    assert run["kind"] == "run" and run["eval_name"] == "t" and sum(run["kinds"].values()) == len(items)
+    assert len(scores) == pq.read_table(cfg.run_dir() / "scores.parquet").num_rows
+    assert {s["setup"] for s in setups} == {f"fake+{g}/{p}" for g in ("gold", "nogold") for p in ("list", "lines", "drop")}
+    wrong = sum(it["label"] >= 0 for it in items)
+    for s in setups:  # samples 0 and 2 of each item are the true verdict, 1 and 3 unparsable
+        assert s["statuses"] == {"complete": 2 * len(items), "no_verdict": 2 * len(items)}
+        assert s["non_empty_lists"] == 2 * wrong and s["critic_seconds"] is not None
