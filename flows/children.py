@@ -108,6 +108,10 @@ STOP_GRACE_S = 5.0
 """Seconds between the SIGTERM and the SIGKILL of a child stopped for silence."""
 SAMPLE_S = 0.5
 """Seconds between two memory samples (and silence checks) of a running child."""
+PAUSE_S = 10.0
+"""A gap this long between two of the watcher's checks (``SAMPLE_S`` apart) means this process was
+not running: stopped (``kill -STOP``, Ctrl-Z) and continued, with its child as a rule, since job
+control stops the whole process group. The child's silence then counts from the resumption."""
 
 
 def _total_mib() -> float:
@@ -225,12 +229,20 @@ def _kernel_kill_line(procs: dict) -> str | None:
 
 
 def _watch_child(tree: _Tree, state: dict, done, silence_s: float | None, logger: logging.Logger, tag: str) -> None:
-    """Sample the child tree's memory (MiB) into ``state``; stop the tree after ``silence_s`` s of silence."""
+    """Sample the child tree's memory (MiB) into ``state``; stop the tree after ``silence_s`` s of silence
+    (a pause of this process, :data:`PAUSE_S`, restarts the count)."""
+    checked = resumed = time.monotonic()
     while True:
         rss = tree.rss_mib()
         if rss is not None:
             state["peak"], state["last"] = max(state["peak"] or 0.0, rss), rss
-        quiet = time.monotonic() - state["last_output"]
+        now = time.monotonic()
+        if now - checked > PAUSE_S:
+            logger.info("[%s] this process did not run for %.0f s (stopped and continued); the child's silence "
+                        "counts from now", tag, now - checked)
+            resumed = now
+        checked = now
+        quiet = now - max(state["last_output"], resumed)
         if silence_s and quiet > silence_s:
             state["silent"] = quiet
             logger.error("[%s] no output for %.0f s (scale.child_silence_s=%s): stopping the child and its "

@@ -635,7 +635,9 @@ class ScaleConfig(Strict):
     """Seconds a stage's child process (rollout, critique on any runner, train, eval) may
     print nothing (progress redraws count) before it and its descendants are stopped (SIGTERM,
     SIGKILL 5 s later) and its stage fails, naming the silence; null: never (0 is refused). vLLM
-    loads and compiles silently for minutes on a CPU, hence the generous default."""
+    loads and compiles silently for minutes on a CPU, hence the generous default. A round stopped
+    and continued (Ctrl-Z then ``fg``, ``kill -STOP`` / ``-CONT`` of its process group) counts the
+    silence from the resumption, not through the pause."""
 
 
 class MCConfig(Strict):

@@ -197,3 +197,47 @@ def test_an_unreadable_kernel_log_is_no_error(monkeypatch):
     with pytest.raises(StageChildFailed) as e:
         stream_child(_py("import sys; print('bye'); sys.exit(2)"), "eval", LOG, "stage 'eval' of round 1")
     assert e.value.kernel_log is None and str(e.value).endswith("last output:\nbye")
+
+
+_DRIVER = r"""
+import logging, sys
+from flows import children
+logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
+children.PAUSE_S = float(sys.argv[1])
+# the child works 2 s of CPU time before it answers: a stop pauses that work, so it is still quiet after the pause
+child = [sys.executable, "-u", "-c", "import time\nprint('child', 'started', flush=True)\n"
+         "while time.process_time() < 2: pass\nprint('@@R{}')"]
+print("result", children.stream_child(child, "eval", logging.getLogger("d"), "stage 'eval'", result_tag="@@R",
+                                      silence_s=3), flush=True)
+"""
+
+
+@pytest.mark.parametrize("pause_s, survives", [(2.0, True), (1e9, False)])
+def test_a_stopped_and_continued_round_does_not_count_the_pause_as_silence(tmp_path, pause_s, survives):
+    """A round stopped with its children (Ctrl-Z, ``kill -STOP`` of the process group) for longer
+    than ``scale.child_silence_s`` and continued goes on: the watcher sees it did not run and counts
+    the silence from the resumption. The control, with pause detection off (``PAUSE_S`` huge), is
+    the old behaviour: the child is stopped for a silence that was the pause."""
+    import os
+    import signal
+    import subprocess
+
+    from tests.conftest import REPO
+
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-u", str(script), str(pause_s)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env, start_new_session=True)
+    lines = []
+    for line in proc.stdout:  # wait until the child runs (the logged command line spells it otherwise)
+        lines.append(line)
+        if "child started" in line:
+            break
+    os.killpg(proc.pid, signal.SIGSTOP)
+    time.sleep(5)  # past the 3 s silence limit; the child still owes about 1.5 s of work
+    os.killpg(proc.pid, signal.SIGCONT)
+    out = "".join(lines) + proc.stdout.read()
+    assert proc.wait(timeout=60) == (0 if survives else 1), out
+    assert ("result {}" in out) == survives, out
+    assert ("did not run for" in out) == survives and ("no output for" in out) != survives, out
