@@ -343,10 +343,10 @@ def check_structured_engine(structured: bool, engine_type: str, where: str) -> N
 class VoteConfig(Strict):
     rule: Literal[tuple(VOTING_RULES)] = "majority"  # type: ignore[valid-type]
     """Rule whose step weights train the policy (all four are always computed and stored).
-    The paper found intersection best for 1B-1.5B policies with its 72B critic. Majority was chosen
-    on critic-eval by earlier code (docs/changelog.md, "Earlier measurements"), a close call; on
-    today's critic-eval of the sources (24 gsm8k-corrupt problems, N=4, plain items) average scores
-    F1 0.33, majority 0.23 and intersection 0.13, and no rule makes the embedded 1.5B critic's
+    The paper found intersection best for 1B-1.5B policies with its 72B critic. With the embedded
+    1.5B critic's structured v1 critiques at N=4 (critic-eval, 24 gsm8k-corrupt problems, plain
+    items) majority scores F1 0.25, average 0.22, intersection 0.10 and union 0.07; with free-text
+    critiques average scores highest (0.25 against 0.22). Close calls: no rule makes this critic's
     sampled critiques a useful signal (docs/benchmarks.md, "Defaults from evidence").
     ``--preset capo-intersection`` gives the paper's rule."""
     majority_threshold: float = Field(0.5, ge=0, lt=1)

@@ -583,3 +583,68 @@ def test_dead_zone_table():
     assert abs(alls["slope_cast_on_fp32"] - share) < 1e-9
     assert (f"carries **{100 * alls['slope_cast_on_fp32']:.0f} %** of the fp32 update "
             f"(cosine {alls['cosine']:.2f})") in _text("docs/benchmarks.md")
+
+
+GOAL_SETUPS = (("v1", "v1, free text"), ("v1-structured", "v1, structured"), ("v3", "v3, free text"),
+               ("v3-structured", "v3, structured"))
+
+
+def _goal() -> tuple[list[dict], dict[str, dict]]:
+    rows = _lines("critic-eval-goal-24.jsonl")
+    return [r for r in rows if r["kind"] == "score"], {r["setup"]: r for r in rows if r["kind"] == "setup"}
+
+
+def _goal_score(scores: list[dict], setup: str, subset: str, rule: str, n: int, partial: str = "list") -> dict:
+    (r,) = [r for r in scores if r["setup"] == f"{setup}+gold/{partial}" and r["subset"] == subset
+            and r["rule"] == rule and r["n"] == n]
+    return r
+
+
+def critic_eval_goal_table() -> str:
+    """docs/benchmarks.md's critic-eval table from critic-eval-goal-24.jsonl: per template and
+    output mode, F1 on the plain items at N = 4 under each rule (incomplete critiques as lists),
+    the critiques that parse complete, the share of the non-empty final lists that are ``[1]`` and
+    the critic seconds per item at N = 4."""
+    scores, setups = _goal()
+    rows = ["| critic (template, output) | F1 intersection | F1 majority | F1 union | F1 average | critiques complete "
+            "| non-empty lists that are `[1]` | critic s per item |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key, label in GOAL_SETUPS:
+        f1 = [f"{_goal_score(scores, key, 'plain', rule, 4)['f1']:.2f}" for rule in ("intersection", "majority", "union", "average")]
+        s = setups[f"{key}+gold/list"]
+        total = sum(s["statuses"].values())
+        ones = next((c for lst, c, _ in s["top_lists"] if lst == "[1]"), 0)
+        secs = _goal_score(scores, key, "plain", "majority", 4)["seconds_per_item"]
+        rows.append(f"| {label} | " + " | ".join(f1) + f" | {s['statuses'].get('complete', 0)} of {total} | "
+                    f"{ones} of {s['non_empty_lists']} | {secs:.1f} |")
+    return "\n".join(rows)
+
+
+def test_critic_eval_goal_figures():
+    """The critic-eval of templates, structured output and rules is the table its evidence renders,
+    and the sentences around it quote the evidence: the best F1 anywhere, the shipped setting's,
+    and how far planted verdicts lower the shipped setting's flags."""
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    assert critic_eval_goal_table() in page, critic_eval_goal_table()
+    scores, setups = _goal()
+    text = _text("docs/benchmarks.md")
+    plain = [r for r in scores if r["subset"] == "plain"]
+    best = max(r["f1"] for r in plain)
+    assert f"The best F1 on the plain items, under any template, rule, N and treatment of incomplete critiques, is {best:.2f}" in text
+    shipped = _goal_score(scores, "v1-structured", "plain", "majority", 4)["f1"]
+    assert f"the shipped setting (v1, structured, `majority` over N = 4) scores {shipped:.2f}" in text
+    for key in ("v1", "v1-structured"):
+        pl = _goal_score(scores, key, "plain", "majority", 4)["label_flagged"]
+        adv = _goal_score(scores, key, "adversarial", "majority", 4)["label_flagged"]
+        assert f"{100 * pl:.0f} % on the plain items and {100 * adv:.0f} % on their adversarial copies" in text, key
+    run = next(r for r in _lines("critic-eval-goal-24.jsonl") if r["kind"] == "run")
+    assert f"{sum(run['kinds'].values())} items" in text
+    # the rows of "Defaults from evidence" that cite this run
+    f1 = {rule: _goal_score(scores, "v1-structured", "plain", rule, 4)["f1"] for rule in ("intersection", "majority", "union", "average")}
+    low, high = sorted((f1["union"], f1["intersection"]))
+    assert (f"structured v1 critiques at N = 4 score F1 {f1['majority']:.2f} under `majority` against {f1['average']:.2f} "
+            f"under `average` and {low:.2f}-{high:.2f} under `union` and `intersection`") in text
+    by_n = ", ".join(f"{_goal_score(scores, 'v1-structured', 'plain', 'majority', n)['f1']:.2f}" for n in (1, 2, 4))
+    assert f"score about the same at N = 1, 2 and 4 (F1 {by_n})" in text
+    v1 = sorted(_goal_score(scores, k, "plain", "majority", 4)["f1"] for k in ("v1", "v1-structured"))
+    v3 = sorted(_goal_score(scores, k, "plain", "majority", 4)["f1"] for k in ("v3", "v3-structured"))
+    assert f"v1 scores F1 {v1[0]:.2f}-{v1[1]:.2f} at N = 4 under `majority`, v3 {v3[0]:.2f}-{v3[1]:.2f}" in text
