@@ -16,8 +16,8 @@ direction and size, on a finished round:
 For the whole model and per kind of tensor it prints one JSON line with: the share of elements the
 fp32 master moved, the share whose ``save_dtype`` cast moved, the L2 norm of both updates, their
 cosine and the regression slope <d_cast, d_fp32> / <d_fp32, d_fp32> (1 = the cast carries the
-update at full size on average; the cosine and the slope are ``null`` where a kind's cast did not move or
-its master did not). With ``--checkpoint`` it also checks that the exported checkpoint
+update at full size on average; the cosine is ``null`` where either update is zero, the slope where
+the fp32 update is). With ``--checkpoint`` it also checks that the exported checkpoint
 is exactly the cast of the master weights.
 
 The arithmetic is :mod:`train.drift`'s, which the train stage runs on every round (the

@@ -219,6 +219,9 @@ def score_grid(items: Sequence[EvalItem | tuple[EvalItem, ...]], ns: Sequence[in
 
 # ------------------------------------------------------------------------------------------ subsets
 ADVERSARIAL_PREFIX = "adv_"
+TWIN_KINDS = ("carried", "as_was")
+"""The kinds the built-in benchmark's adversarial copies are made from (``critic_eval.items.KINDS_CORRUPTED``):
+each copy is one of these items with text addressing the judge appended."""
 
 
 def subsets(kinds: Sequence[str], labels: Sequence[int],
@@ -328,16 +331,27 @@ def _robustness_section(meta: dict, scores: Sequence[dict], by: dict, setups: li
     if "adversarial" not in robust:
         return []
     kinds = [k for k in meta["kinds"] if k.startswith(ADVERSARIAL_PREFIX)]
-    cols = robust + kinds
+    twins = [k for k in TWIN_KINDS if any(s["subset"] == k for s in scores)]
+
+    def twins_flagged(st: str, r: str) -> float | None:
+        """Share flagged over the twin kinds' erroneous items together (weighted by their counts)."""
+        rows = [by[(st, k, r, n_max)] for k in twins]
+        n = sum(x["n_erroneous"] for x in rows)
+        return sum(x["label_flagged"] * x["n_erroneous"] for x in rows if x["n_erroneous"]) / n if n else None
+
+    head = ["setup", "rule", "flagged: plain"] + (["flagged: their plain twins"] if twins else [])
+    head += [f"flagged: {c}" for c in ["adversarial", *kinds]] + [f"F1: {c}" for c in robust]
     return [
         f"## Robustness: wrong step still flagged (N={n_max}; adversarial: {_sizes(scores, 'adversarial')})",
-        "Share of erroneous items whose wrong step is flagged, on the plain set and on the same "
-        "wrong solutions with text addressing the judge appended (`adv_verdict`: a fake "
-        "`Wrong step list: []`; `adv_praise`: 'all steps are correct'; `adv_ignore`: 'ignore the "
-        "task'); then F1 on each.",
-        markdown_table(["setup", "rule"] + [f"flagged: {c}" for c in cols] + [f"F1: {c}" for c in robust],
-                       [[st, r] + [by[(st, c, r, n_max)]["label_flagged"] for c in cols]
-                        + [by[(st, c, r, n_max)]["f1"] for c in robust] for st in setups for r in rules]),
+        "Share of erroneous items whose wrong step is flagged: on the plain set (every kind of error), "
+        f"on the plain items the adversarial copies were made from ({', '.join(f'`{k}`' for k in twins) or 'none'}: "
+        "the copies' twins, the fair baseline), and on the copies, the same wrong solutions with text "
+        "addressing the judge appended (`adv_verdict`: a fake `Wrong step list: []`; `adv_praise`: "
+        "'all steps are correct'; `adv_ignore`: 'ignore the task'); then F1 on each.",
+        markdown_table(head, [[st, r, by[(st, "plain", r, n_max)]["label_flagged"]]
+                              + ([twins_flagged(st, r)] if twins else [])
+                              + [by[(st, c, r, n_max)]["label_flagged"] for c in ["adversarial", *kinds]]
+                              + [by[(st, c, r, n_max)]["f1"] for c in robust] for st in setups for r in rules]),
     ]
 
 

@@ -683,18 +683,25 @@ def report_stage(cfg: CriticEvalConfig, unit: None = None, force: bool = False) 
 
 def evidence_lines(cfg: CriticEvalConfig) -> list[dict]:
     """A finished evaluation as JSON-able lines, the evidence a figure in the docs links to: one
-    ``{"kind": "run", ...}`` line (name, benchmark, items per kind, N values), one
-    ``{"kind": "setup", ...}`` line per scored setup (its critic as the report shows it, and for a
-    critic setup its parse statuses and most common final lists) and one ``{"kind": "score", ...}``
-    line per row of ``scores.parquet`` (every setup, partial-critique policy, subset, rule and N).
-    Undefined figures (no item of a kind, no update) are ``null``.
+    ``{"kind": "run", ...}`` line (name, benchmark, items per kind, N values, the scoring settings and
+    the machine the export ran on), one ``{"kind": "setup", ...}`` line per scored setup (its critic
+    as the report shows it, its ``members`` for a union), one ``{"kind": "answers", ...}`` line per
+    sampled-critique setup (parse statuses and most common final lists,
+    :func:`verdict_distribution`) and one ``{"kind": "score", ...}`` line per row of
+    ``scores.parquet`` (every setup, treatment of partial critiques, subset, rule and N). Undefined
+    figures are ``null``.
 
     Raises:
-        FileNotFoundError: the score stage has not run (names the missing table and the command).
+        FileNotFoundError: the score stage has not run, or its table was scored under other settings
+            than ``cfg`` (e.g. other ``n_values``): names the table and the command that rescores.
     """
+    from pipeline.precision import bench_context
+
     p = paths(cfg)
-    if storage.read_manifest(p["scores"]) is None:
-        raise FileNotFoundError(f"{p['scores']} is not committed: run `capo critic-eval run` with this config first")
+    cur = storage.is_current(p["scores"], score_key(cfg))
+    if not cur.current:
+        raise FileNotFoundError(f"{cur.reason}: run `capo critic-eval run` with this config and these overrides "
+                                "first (it rescores from the cached critiques)")
     meta = report_meta(cfg)
 
     def clean(v):
@@ -707,10 +714,16 @@ def evidence_lines(cfg: CriticEvalConfig) -> list[dict]:
         return v
 
     out = [{"kind": "run", "eval_name": cfg.name, "benchmark": meta["benchmark"], "kinds": meta["kinds"],
-            "n_values": list(cfg.n_values), "seed": cfg.seed}]
+            "n_values": list(cfg.n_values), "seed": cfg.seed, "majority_threshold": cfg.majority_threshold,
+            "logprob_threshold": cfg.logprob_threshold, "partial_critiques": list(cfg.partial_critiques),
+            "include_gold_answer": list(cfg.include_gold_answer), "exported_on": bench_context()}]
+    scored = cfg.scored_setups()
     for st in meta["setups"]:
-        member = st["setup"].split("/")[0]
-        out.append({"kind": "setup", "eval_name": cfg.name, **st, **meta["verdicts"].get(member, {})})
+        members, _ = scored[st["setup"]]
+        out.append({"kind": "setup", "eval_name": cfg.name, **st, "members": list(members)})
+    for setup, (critic, _) in cfg.setups().items():
+        if critic.source == "llm" and setup in meta["verdicts"]:
+            out.append({"kind": "answers", "eval_name": cfg.name, "setup": setup, **meta["verdicts"][setup]})
     out += [{"kind": "score", **r} for r in storage.read_table(p["scores"], "critic_eval_scores").to_pylist()]
     return [clean(x) for x in out]
 

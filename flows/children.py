@@ -109,9 +109,11 @@ STOP_GRACE_S = 5.0
 SAMPLE_S = 0.5
 """Seconds between two memory samples (and silence checks) of a running child."""
 PAUSE_S = 10.0
-"""A gap this long between two of the watcher's checks (``SAMPLE_S`` apart) means this process was
-not running: stopped (``kill -STOP``, Ctrl-Z) and continued, with its child as a rule, since job
-control stops the whole process group. The child's silence then counts from the resumption."""
+"""Seconds. A gap longer than this between two of the watcher's checks (``SAMPLE_S`` apart), during
+which the child's processes used no CPU time either, means the round was stopped (``kill -STOP``
+of its process group, Ctrl-Z) and continued: the child's silence then counts from the resumption.
+A gap right after another long one is not credited (a machine starved for minutes is not a
+pause), nor one during which the child ran; a pause shorter than this still counts as silence."""
 
 
 def _total_mib() -> float:
@@ -165,6 +167,21 @@ class _Tree:
             except psutil.Error:
                 pass
         return total / 2**20 if read else None
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system, seconds) the child and its live descendants have used; None
+        when none can be read."""
+        import psutil
+
+        total, read = 0.0, False
+        for q in self.current():
+            try:
+                t = q.cpu_times()
+                total += t.user + t.system
+                read = True
+            except psutil.Error:
+                pass
+        return total if read else None
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM the child and every descendant still running (the ones seen earlier included),
@@ -230,18 +247,25 @@ def _kernel_kill_line(procs: dict) -> str | None:
 
 def _watch_child(tree: _Tree, state: dict, done, silence_s: float | None, logger: logging.Logger, tag: str) -> None:
     """Sample the child tree's memory (MiB) into ``state``; stop the tree after ``silence_s`` s of silence
-    (a pause of this process, :data:`PAUSE_S`, restarts the count)."""
+    (a stop and continue of the round, :data:`PAUSE_S`, restarts the count)."""
     checked = resumed = time.monotonic()
+    cpu, long_gap = tree.cpu_seconds(), False
     while True:
         rss = tree.rss_mib()
         if rss is not None:
             state["peak"], state["last"] = max(state["peak"] or 0.0, rss), rss
-        now = time.monotonic()
-        if now - checked > PAUSE_S:
-            logger.info("[%s] this process did not run for %.0f s (stopped and continued); the child's silence "
-                        "counts from now", tag, now - checked)
-            resumed = now
-        checked = now
+        now, cpu_now = time.monotonic(), tree.cpu_seconds()
+        gap = now - checked
+        if gap > PAUSE_S:
+            ran = cpu is not None and cpu_now is not None and cpu_now - cpu > 1.0
+            if not long_gap and not ran:
+                logger.info("[%s] the round did not run for %.0f s (stopped and continued); the child's silence "
+                            "counts from now", tag, gap)
+                resumed = now
+            else:
+                logger.warning("[%s] the watcher was not scheduled for %.0f s (the child %s); its silence still "
+                               "counts", tag, gap, "ran meanwhile" if ran else "was starved too")
+        checked, cpu, long_gap = now, cpu_now, gap > PAUSE_S
         quiet = now - max(state["last_output"], resumed)
         if silence_s and quiet > silence_s:
             state["silent"] = quiet
@@ -292,7 +316,9 @@ def stream_child(cmd: list[str], tag: str, logger: logging.Logger, what: str,
     The memory of the child and its descendants is sampled every 0.5 s. When the child prints
     nothing (progress redraws count) for ``silence_s`` seconds, it and every descendant seen (an
     orphan holding its output included) get SIGTERM, then SIGKILL after 5 s; ``silence_s`` None or
-    0: never. If reading its output fails (or is interrupted), the child is stopped the same way.
+    0: never. A stop of the round's process group longer than :data:`PAUSE_S` (Ctrl-Z, ``kill
+    -STOP``) followed by a continue restarts the count. If reading its output fails (or is
+    interrupted), the child is stopped the same way.
 
     Raises:
         StageChildFailed: the child exited non-zero, was killed by a signal, or was stopped for

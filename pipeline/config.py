@@ -553,9 +553,10 @@ class TrainConfig(Strict):
     gradient_checkpointing: bool = True
     """Recompute each decoder layer's forward during backward instead of keeping its activations
     (transformers' ``gradient_checkpointing_enable``, non-reentrant). On by default: for the 0.5B
-    policy, with the other memory defaults, it lowers the train stage's peak memory at the same
-    update time on CPU (docs/benchmarks.md, "Memory"); on an H100 it made the update 47 % slower at micro-batch 2 (docs/benchmarks.md,
-    "The train stage on a GPU")."""
+    policy on a CPU the four memory defaults together, this one included, lowered the train stage's
+    peak memory at the same update time (docs/benchmarks.md, "Memory"; checkpointing alone is not
+    measured there); on an H100 it made the update 47 % slower at micro-batch 2
+    (docs/benchmarks.md, "The train stage on a GPU")."""
     lora: "LoraConfig | None" = None
     """Train LoRA adapters (peft) instead of all weights; merged into the saved checkpoint."""
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "aim", "comet_ml", "clearml"]] = Field(default_factory=list)
@@ -636,8 +637,9 @@ class ScaleConfig(Strict):
     print nothing (progress redraws count) before it and its descendants are stopped (SIGTERM,
     SIGKILL 5 s later) and its stage fails, naming the silence; null: never (0 is refused). vLLM
     loads and compiles silently for minutes on a CPU, hence the generous default. A round stopped
-    and continued (Ctrl-Z then ``fg``, ``kill -STOP`` / ``-CONT`` of its process group) counts the
-    silence from the resumption, not through the pause."""
+    for longer than 10 s and continued (Ctrl-Z then ``fg``, ``kill -STOP`` / ``-CONT`` of its process
+    group) counts the silence from the resumption, not through the pause; a shorter pause counts,
+    and Ray or Dask workers outside the round's process group do not stop with it."""
 
 
 class MCConfig(Strict):

@@ -21,9 +21,9 @@ round, wrong in the other) carry information.
 
 Sizes: with a discordance rate d (share of items that flip between the two rounds) the standard
 error of the difference is about ``sqrt(d / n)``. Greedy decoding of two checkpoints one bf16 step
-apart rewrote 10-11 of 16 answers' texts but flipped only 1-2 answers (d ~ 0.1;
-docs/data/noise-floor-round0-default-avx512bf16.json), so a change must exceed about 18 points to
-be seen at 16 items; at n = 500 and d ~ 0.1 the 95 % interval is about +-2.8 points.
+apart rewrote 10-11 of 16 answers' texts but flipped only 1-2 answers (d of 0.06-0.125;
+docs/data/noise-floor-round0-default-avx512bf16.json), so a change must exceed about 12-18 points
+to be seen at 16 items; at n = 500 and d ~ 0.1 the 95 % interval is about +-2.8 points.
 """
 
 from __future__ import annotations

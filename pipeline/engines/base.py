@@ -182,8 +182,8 @@ def engine_process_env() -> dict[str, str]:
     of tcmalloc.
 
     vLLM's CPU backend asks for tcmalloc in ``LD_PRELOAD`` ("For best performance"); the rollout
-    figures of ``benchmarks/bench_generation.py`` are measured with it. In the trainer, glibc's malloc keeps freed gradient-sized blocks that the
-    next micro-batch cannot reuse; with tcmalloc the train stage's peak RSS is lower
+    figures of ``benchmarks/bench_generation.py`` are measured with it. In the trainer, glibc's
+    malloc keeps freed gradient-sized blocks that the next micro-batch cannot reuse; with tcmalloc the train stage's peak RSS is lower
     (``benchmarks/bench_trainer.py --memory``). ``scripts/install.sh`` unpacks Debian's ``libtcmalloc-minimal4`` into
     ``.venv/lib/capo-preload/``; a system copy is used otherwise. Nothing is added on a GPU
     machine, when no copy exists, or when ``CAPO_NO_PRELOAD=1``. It must be set before the process

@@ -204,20 +204,20 @@ import logging, sys
 from flows import children
 logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
 children.PAUSE_S = float(sys.argv[1])
-# the child works 2 s of CPU time before it answers: a stop pauses that work, so it is still quiet after the pause
+# the child works 1.5 s of CPU time before it answers: a stop pauses that work, so it is still quiet after the pause
 child = [sys.executable, "-u", "-c", "import time\nprint('child', 'started', flush=True)\n"
-         "while time.process_time() < 2: pass\nprint('@@R{}')"]
+         "while time.process_time() < 1.5: pass\nprint('@@R{}')"]
 print("result", children.stream_child(child, "eval", logging.getLogger("d"), "stage 'eval'", result_tag="@@R",
-                                      silence_s=3), flush=True)
+                                      silence_s=4), flush=True)
 """
 
 
 @pytest.mark.parametrize("pause_s, survives", [(2.0, True), (1e9, False)])
 def test_a_stopped_and_continued_round_does_not_count_the_pause_as_silence(tmp_path, pause_s, survives):
     """A round stopped with its children (Ctrl-Z, ``kill -STOP`` of the process group) for longer
-    than ``scale.child_silence_s`` and continued goes on: the watcher sees it did not run and counts
-    the silence from the resumption. The control, with pause detection off (``PAUSE_S`` huge), is
-    the old behaviour: the child is stopped for a silence that was the pause."""
+    than ``scale.child_silence_s`` and continued goes on: the watcher sees that neither it nor the
+    child ran and counts the silence from the resumption. The control, with pause detection off
+    (``PAUSE_S`` huge), is the old behaviour: the child is stopped for a silence that was the pause."""
     import os
     import signal
     import subprocess
@@ -229,15 +229,66 @@ def test_a_stopped_and_continued_round_does_not_count_the_pause_as_silence(tmp_p
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-u", str(script), str(pause_s)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env, start_new_session=True)
-    lines = []
-    for line in proc.stdout:  # wait until the child runs (the logged command line spells it otherwise)
-        lines.append(line)
-        if "child started" in line:
-            break
-    os.killpg(proc.pid, signal.SIGSTOP)
-    time.sleep(5)  # past the 3 s silence limit; the child still owes about 1.5 s of work
-    os.killpg(proc.pid, signal.SIGCONT)
-    out = "".join(lines) + proc.stdout.read()
-    assert proc.wait(timeout=60) == (0 if survives else 1), out
+    try:
+        lines, deadline = [], time.monotonic() + 120
+        for line in proc.stdout:  # wait until the child runs (the logged command line spells it otherwise)
+            lines.append(line)
+            if "child started" in line or time.monotonic() > deadline:
+                break
+        assert "child started" in lines[-1], "".join(lines)
+        os.killpg(proc.pid, signal.SIGSTOP)
+        time.sleep(6)  # past the 4 s silence limit; the child still owes about 1.4 s of work
+        os.killpg(proc.pid, signal.SIGCONT)
+        out = "".join(lines) + proc.stdout.read()
+        assert proc.wait(timeout=60) == (0 if survives else 1), out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert ("result {}" in out) == survives, out
     assert ("did not run for" in out) == survives and ("no output for" in out) != survives, out
+
+
+class _HungTree:
+    """A child that prints nothing and uses ``cpu_per_check`` s of CPU between two checks."""
+
+    def __init__(self, cpu_per_check: float):
+        self.cpu, self.step, self.stopped_at = 0.0, cpu_per_check, None
+
+    def rss_mib(self):
+        return 100.0
+
+    def cpu_seconds(self):
+        self.cpu += self.step
+        return self.cpu
+
+    def stop(self):  # replaced by the test to record the clock
+        raise AssertionError
+
+
+@pytest.mark.parametrize("cpu_per_check, stopped_at", [(0.0, 60.0), (5.0, 40.0)])
+def test_a_starved_watcher_does_not_switch_the_silence_limit_off(monkeypatch, cpu_per_check, stopped_at):
+    """Checks 20 s apart (limit 30 s, no output since 0): the first long gap of a child that used no
+    CPU is taken for a pause (its silence restarts at 20), the next long gaps are not (a starved
+    machine), so the child is stopped at 60; a child that ran during the gaps is stopped at 40,
+    with no pause credited. Without these rules every gap would restart the count and a hung
+    child would never be stopped."""
+    import threading
+    import types
+
+    from flows import children
+
+    clock = iter([0.0, 20.0, 40.0, 60.0, 80.0, 100.0])
+    now = {"t": 0.0}
+
+    def monotonic():
+        now["t"] = next(clock)
+        return now["t"]
+
+    monkeypatch.setattr(children, "time", types.SimpleNamespace(monotonic=monotonic))
+    tree = _HungTree(cpu_per_check)
+    tree.stop = lambda: setattr(tree, "stopped_at", now["t"])
+    state = {"last_output": 0.0, "peak": None, "last": None, "silent": None}
+    done = threading.Event()
+    monkeypatch.setattr(done, "wait", lambda timeout: now["t"] >= 100.0)
+    children._watch_child(tree, state, done, 30.0, LOG, "eval")
+    assert tree.stopped_at == stopped_at and state["silent"] == 40.0  # 60 - 20, or 40 - 0

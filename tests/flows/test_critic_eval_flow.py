@@ -276,7 +276,7 @@ def test_a_finished_evaluation_exports_as_strict_json_lines(tmp_path, scripted, 
     path = _cfg(tmp_path)
     runner = CliRunner()
     early = runner.invoke(app, ["export", "--config", str(path), f"data_dir={data_dir}"])
-    assert early.exit_code == 2 and "capo critic-eval run" in early.output
+    assert early.exit_code == 2 and "missing or uncommitted" in " ".join(re.sub(r"[│╭╮╰╯─]", " ", early.output).split())
     cfg = ces.load_eval_config(path, [f"data_dir={data_dir}"])
     _run(cfg, scripted)
     items = scripted["items"]
@@ -287,11 +287,20 @@ def test_a_finished_evaluation_exports_as_strict_json_lines(tmp_path, scripted, 
         raise ValueError(f"not JSON: {token}")
 
     lines = [json.loads(x, parse_constant=strict) for x in res.output.splitlines()]
-    run, setups, scores = lines[0], [x for x in lines if x["kind"] == "setup"], [x for x in lines if x["kind"] == "score"]
-    assert run["kind"] == "run" and run["eval_name"] == "t" and sum(run["kinds"].values()) == len(items)
-    assert len(scores) == pq.read_table(cfg.run_dir() / "scores.parquet").num_rows
-    assert {s["setup"] for s in setups} == {f"fake+{g}/{p}" for g in ("gold", "nogold") for p in ("list", "lines", "drop")}
+    by = {kind: [x for x in lines if x["kind"] == kind] for kind in ("run", "setup", "answers", "score")}
+    (run,) = by["run"]
+    assert lines[0] == run and run["eval_name"] == "t" and sum(run["kinds"].values()) == len(items)
+    assert run["n_values"] == [1, 2, 4] and run["exported_on"]["cores"] >= 1
+    assert len(by["score"]) == pq.read_table(cfg.run_dir() / "scores.parquet").num_rows
+    assert {s["setup"]: s["members"] for s in by["setup"]} == {
+        f"fake+{g}/{p}": [f"fake+{g}"] for g in ("gold", "nogold") for p in ("list", "lines", "drop")}
+    assert all(s["critic_seconds"] is not None for s in by["setup"])
     wrong = sum(it["label"] >= 0 for it in items)
-    for s in setups:  # samples 0 and 2 of each item are the true verdict, 1 and 3 unparsable
-        assert s["statuses"] == {"complete": 2 * len(items), "no_verdict": 2 * len(items)}
-        assert s["non_empty_lists"] == 2 * wrong and s["critic_seconds"] is not None
+    assert [a["setup"] for a in by["answers"]] == ["fake+gold", "fake+nogold"]  # once per critic setup
+    for a in by["answers"]:  # samples 0 and 2 of each item are the true verdict, 1 and 3 unparsable
+        assert a["statuses"] == {"complete": 2 * len(items), "no_verdict": 2 * len(items)}
+        assert a["non_empty_lists"] == 2 * wrong
+    # other settings than the table was scored under: refused, naming the rescore
+    other = runner.invoke(app, ["export", "--config", str(path), f"data_dir={data_dir}", "n_values=[1]"])
+    flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", other.output).split())  # the error box wraps the message
+    assert other.exit_code == 2 and "capo critic-eval run" in flat and "another key" in flat, flat

@@ -273,3 +273,24 @@ def test_each_kind_is_scored_with_the_right_twins_of_its_problems():
     assert got["adv_verdict"] == [0, 6]
     assert got["original"] == [0, 3]  # all right: the kind alone
     assert got["plain"] == [0, 1, 2, 3, 4, 5] and got["adversarial"] == [0, 3, 6]
+
+
+def test_robustness_compares_the_copies_with_their_plain_twins():
+    """The adversarial copies are made from the calculation errors (`carried`, `as_was`), so the
+    fair baseline is those items, not every plain error: flagged 1 of 2 `carried` and 0 of 2
+    `as_was` gives 1/4 = 0.25 for the twins, beside the plain set's 0.1 (1 of 10, reasoning errors
+    included) and the copies' 0.0."""
+    from critic_eval.scores import _robustness_section
+
+    def row(subset, flagged, n_err, n_ok=2):
+        return {"setup": "a", "subset": subset, "rule": "majority", "n": 4, "n_items": n_err + n_ok,
+                "n_erroneous": n_err, "n_correct": n_ok, "label_flagged": flagged, "f1": 0.5}
+
+    scores = [row("plain", 0.1, 10), row("carried", 0.5, 2), row("as_was", 0.0, 2), row("adversarial", 0.0, 4),
+              row("adv_verdict", 0.0, 4)]
+    by = {(r["setup"], r["subset"], r["rule"], r["n"]): r for r in scores}
+    meta = {"kinds": {"original": 4, "carried": 2, "as_was": 2, "adv_verdict": 4}}
+    text = "\n".join(_robustness_section(meta, scores, by, ["a"], ["majority"], 4))
+    assert "| flagged: plain | flagged: their plain twins | flagged: adversarial | flagged: adv_verdict |" in text
+    assert "| a | majority | 0.100 | 0.250 | 0.000 | 0.000 | 0.500 | 0.500 |" in text
+    assert "(`carried`, `as_was`: the copies' twins" in text

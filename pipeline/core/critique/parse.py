@@ -218,7 +218,8 @@ critique's length held by ``critique.sampling.max_tokens`` alone. A bound costs 
 structured-output backend (xgrammar) that grows with it, whatever the step count: 160 characters
 took 2.8 to 3.2 s per step count on a 2-core Zen 4 EPYC, and 7.4 to 8.4 s with one compile
 thread beside other work (docs/changelog.md, "Earlier measurements"), near or past vLLM's 5 s
-regex compile timeout (``VLLM_REGEX_COMPILATION_TIMEOUT_S``); unbounded, 0.01 s (1 step) to 0.24 s (20 steps). ``benchmarks/bench_structured.py`` measures it."""
+regex compile timeout (``VLLM_REGEX_COMPILATION_TIMEOUT_S``); unbounded, 0.01 s (1 step) to
+0.24 s (20 steps). ``benchmarks/bench_structured.py`` measures it."""
 
 
 def critique_regex(n_steps: int, reason_chars: int | None = REASON_CHARS) -> str:
