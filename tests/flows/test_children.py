@@ -212,7 +212,7 @@ print("result", children.stream_child(child, "eval", logging.getLogger("d"), "st
 """
 
 
-@pytest.mark.parametrize("pause_s, survives", [(2.0, True), (1e9, False)])
+@pytest.mark.parametrize("pause_s, survives", [(3.0, True), (1e9, False)])
 def test_a_stopped_and_continued_round_does_not_count_the_pause_as_silence(tmp_path, pause_s, survives):
     """A round stopped with its children (Ctrl-Z, ``kill -STOP`` of the process group) for longer
     than ``scale.child_silence_s`` and continued goes on: the watcher sees that neither it nor the
