@@ -29,6 +29,15 @@ def test_every_evidence_file_the_docs_link_exists():
             assert (DATA / name).is_file(), f"{doc.name} names docs/data/{name}, which is not committed"
 
 
+
+def test_every_committed_evidence_file_is_linked_from_a_page():
+    """Evidence no page links is a figure a reader cannot find: every file under docs/data/ is
+    linked (``data/<name>``) from the README or a docs page."""
+    pages = " ".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+    linked = set(re.findall(r"data/([\w.+-]+\.jsonl?)\b", pages))
+    orphans = sorted(p.name for p in DATA.iterdir() if p.suffix in (".json", ".jsonl") and p.name not in linked)
+    assert not orphans, f"docs/data/ files no page links: {orphans}"
+
 def test_held_out_hygiene_figures():
     (line,) = _lines("heldout-hygiene-mawps.jsonl")
     h = line["hygiene"]
