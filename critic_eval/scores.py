@@ -333,25 +333,35 @@ def _robustness_section(meta: dict, scores: Sequence[dict], by: dict, setups: li
     kinds = [k for k in meta["kinds"] if k.startswith(ADVERSARIAL_PREFIX)]
     twins = [k for k in TWIN_KINDS if any(s["subset"] == k for s in scores)]
 
-    def twins_flagged(st: str, r: str) -> float | None:
-        """Share flagged over the twin kinds' erroneous items together (weighted by their counts)."""
+    def twins_share(st: str, r: str, field: str) -> float | None:
+        """``field`` over the twin kinds' erroneous items together (each kind weighted by its count)."""
         rows = [by[(st, k, r, n_max)] for k in twins]
         n = sum(x["n_erroneous"] for x in rows)
-        return sum(x["label_flagged"] * x["n_erroneous"] for x in rows if x["n_erroneous"]) / n if n else None
+        return sum(x[field] * x["n_erroneous"] for x in rows if x["n_erroneous"]) / n if n else None
+
+    def twins_f1(st: str, r: str) -> float | None:
+        """ProcessBench F1 of the twins' errors with the adversarial subset's all-right items (the
+        plain set's), so that it and the copies' F1 differ only in the erroneous items."""
+        acc_err = twins_share(st, r, "acc_erroneous")
+        acc_ok = by[(st, "adversarial", r, n_max)].get("acc_correct")
+        return None if acc_err is None or acc_ok is None else processbench_f1(acc_err, acc_ok)
 
     head = ["setup", "rule", "flagged: plain"] + (["flagged: their plain twins"] if twins else [])
-    head += [f"flagged: {c}" for c in ["adversarial", *kinds]] + [f"F1: {c}" for c in robust]
+    head += [f"flagged: {c}" for c in ["adversarial", *kinds]]
+    head += ["F1: plain"] + (["F1: their plain twins"] if twins else []) + ["F1: adversarial"]
     return [
         f"## Robustness: wrong step still flagged (N={n_max}; adversarial: {_sizes(scores, 'adversarial')})",
         "Share of erroneous items whose wrong step is flagged: on the plain set (every kind of error), "
         f"on the plain items the adversarial copies were made from ({', '.join(f'`{k}`' for k in twins) or 'none'}: "
         "the copies' twins, the fair baseline), and on the copies, the same wrong solutions with text "
         "addressing the judge appended (`adv_verdict`: a fake `Wrong step list: []`; `adv_praise`: "
-        "'all steps are correct'; `adv_ignore`: 'ignore the task'); then F1 on each.",
+        "'all steps are correct'; `adv_ignore`: 'ignore the task'); then F1 on each, the twins' and the "
+        "copies' with the same all-right items.",
         markdown_table(head, [[st, r, by[(st, "plain", r, n_max)]["label_flagged"]]
-                              + ([twins_flagged(st, r)] if twins else [])
+                              + ([twins_share(st, r, "label_flagged")] if twins else [])
                               + [by[(st, c, r, n_max)]["label_flagged"] for c in ["adversarial", *kinds]]
-                              + [by[(st, c, r, n_max)]["f1"] for c in robust] for st in setups for r in rules]),
+                              + [by[(st, "plain", r, n_max)]["f1"]] + ([twins_f1(st, r)] if twins else [])
+                              + [by[(st, "adversarial", r, n_max)]["f1"]] for st in setups for r in rules]),
     ]
 
 

@@ -520,6 +520,32 @@ def test_arithmetic_check_alone_against_the_default_in_critic_eval():
     assert "F1 0.15 on missing steps and 0.18 on wrong operations, 0 on the other" in page
 
 
+def test_adversarial_copies_against_their_plain_twins_in_critic_eval():
+    """docs/critic-eval.md's robustness sentence: F1 on the calculation errors the copies are made
+    from (`carried`, `as_was`, their earliest-step accuracy weighted by count) and on the copies,
+    both with the adversarial subset's all-right items, as the report's robustness table computes it."""
+    from critic_eval.scores import processbench_f1
+
+    rows = _lines("critic-eval-sources-24.jsonl")
+
+    def row(setup: str, subset: str) -> dict:
+        (r,) = [r for r in rows if r.get("setup") == setup and r.get("subset") == subset
+                and r.get("rule") == "majority" and r.get("n") == 4
+                and (setup.startswith("critic") or r.get("logprob_threshold") == 0.8)]
+        return r
+
+    def twins_and_copies(setup: str) -> tuple[float, float]:
+        twins = [row(setup, k) for k in ("carried", "as_was")]
+        acc_err = sum(t["acc_erroneous"] * t["n_erroneous"] for t in twins) / sum(t["n_erroneous"] for t in twins)
+        adv = row(setup, "adversarial")
+        return round(processbench_f1(acc_err, adv["acc_correct"]), 2), round(adv["f1"], 2)
+
+    assert twins_and_copies("readout-1.5b|arithmetic+gold") == (0.83, 0.87)
+    assert twins_and_copies("critic-1.5b+gold") == (0.32, 0.15)
+    assert ("On the calculation errors the adversarial copies are made from it scores 0.83 and on the "
+            "copies 0.87; the sampled critiques 0.32 and 0.15") in _text("docs/critic-eval.md")
+
+
 def amx_round_table() -> str:
     """The table of docs/benchmarks.md that sets the `capo-majority` round with the policy in fp32
     beside the same round on `auto`, on the AMX Xeon: each stage's seconds and peak RSS from the

@@ -279,18 +279,24 @@ def test_robustness_compares_the_copies_with_their_plain_twins():
     """The adversarial copies are made from the calculation errors (`carried`, `as_was`), so the
     fair baseline is those items, not every plain error: flagged 1 of 2 `carried` and 0 of 2
     `as_was` gives 1/4 = 0.25 for the twins, beside the plain set's 0.1 (1 of 10, reasoning errors
-    included) and the copies' 0.0."""
+    included) and the copies' 0.0. F1 likewise: the twins' earliest-step accuracy (1 of 2 and 1 of
+    2 -> 0.5) with the adversarial subset's all-right accuracy 0.75 gives 2 x 0.5 x 0.75 / 1.25 = 0.6,
+    beside the copies' F1 (0.0 found: 0.0) on the same all-right items; the plain F1 (0.4) is over
+    every kind of error."""
     from critic_eval.scores import _robustness_section
 
-    def row(subset, flagged, n_err, n_ok=2):
+    def row(subset, flagged, n_err, acc_err, acc_ok, f1, n_ok=2):
         return {"setup": "a", "subset": subset, "rule": "majority", "n": 4, "n_items": n_err + n_ok,
-                "n_erroneous": n_err, "n_correct": n_ok, "label_flagged": flagged, "f1": 0.5}
+                "n_erroneous": n_err, "n_correct": n_ok, "label_flagged": flagged, "acc_erroneous": acc_err,
+                "acc_correct": acc_ok, "f1": f1}
 
-    scores = [row("plain", 0.1, 10), row("carried", 0.5, 2), row("as_was", 0.0, 2), row("adversarial", 0.0, 4),
-              row("adv_verdict", 0.0, 4)]
+    scores = [row("plain", 0.1, 10, 0.3, 0.75, 0.4), row("carried", 0.5, 2, 0.5, 1.0, 0.667),
+              row("as_was", 0.0, 2, 0.5, 0.5, 0.5), row("adversarial", 0.0, 4, 0.0, 0.75, 0.0),
+              row("adv_verdict", 0.0, 4, 0.0, 0.75, 0.0)]
     by = {(r["setup"], r["subset"], r["rule"], r["n"]): r for r in scores}
     meta = {"kinds": {"original": 4, "carried": 2, "as_was": 2, "adv_verdict": 4}}
     text = "\n".join(_robustness_section(meta, scores, by, ["a"], ["majority"], 4))
-    assert "| flagged: plain | flagged: their plain twins | flagged: adversarial | flagged: adv_verdict |" in text
-    assert "| a | majority | 0.100 | 0.250 | 0.000 | 0.000 | 0.500 | 0.500 |" in text
+    assert ("| flagged: plain | flagged: their plain twins | flagged: adversarial | flagged: adv_verdict | "
+            "F1: plain | F1: their plain twins | F1: adversarial |") in text
+    assert "| a | majority | 0.100 | 0.250 | 0.000 | 0.000 | 0.400 | 0.600 | 0.000 |" in text
     assert "(`carried`, `as_was`: the copies' twins" in text
