@@ -520,6 +520,59 @@ def test_arithmetic_check_alone_against_the_default_in_critic_eval():
     assert "F1 0.15 on missing steps and 0.18 on wrong operations, 0 on the other" in page
 
 
+SOURCES = [  # label, setup, the readout's threshold, bold (the default)
+    ("sampled critiques, majority of 4 (the paper's, `capo-majority`)", "critic-1.5b+gold", 0.5, False),
+    ("arithmetic check", "arithmetic", 0.5, False),
+    ("sampled critiques + arithmetic (`capo-majority-arithmetic`)", "critic-1.5b|arithmetic+gold", 0.5, False),
+    ("log-prob readout, P(wrong) > 0.5", "readout-1.5b+gold", 0.5, False),
+    ("readout > 0.5 + arithmetic (`capo-logprob-arithmetic`)", "readout-1.5b|arithmetic+gold", 0.5, False),
+    ("readout > 0.8", "readout-1.5b+gold", 0.8, False),
+    ("readout > 0.8 + arithmetic (`capo-readout`, the default)", "readout-1.5b|arithmetic+gold", 0.8, True),
+]
+REASONING_KINDS = ("wrong_operation", "wrong_quantity", "missing_step", "misread_relation")
+
+
+def sources_table(rows: list[dict]) -> str:
+    """docs/benchmarks.md's table of every signal source in critic-eval (majority, N = 4): F1 and
+    AUROC on the plain items, F1 per kind (mean and lowest over the six kinds), the reasoning kinds'
+    mean F1, F1 on the copies' plain twins (`carried`, `as_was`; earliest-step accuracy weighted by
+    count, with the adversarial subset's all-right items, as the report computes it) and on the
+    adversarial copies, and critic seconds per plain item."""
+    from critic_eval.scores import processbench_f1
+
+    def row(setup: str, threshold: float, subset: str) -> dict:
+        (r,) = [r for r in rows if r.get("setup") == setup and r.get("subset") == subset and r.get("rule") == "majority"
+                and r.get("n") == 4 and r.get("logprob_threshold") == threshold]
+        return r
+
+    out = ["| source | F1, plain items | AUROC, plain | F1 per kind: mean / lowest | F1, reasoning kinds (mean) "
+           "| F1, the copies' plain twins | F1, adversarial copies | critic s per plain item |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for label, setup, th, bold in SOURCES:
+        plain, adv = row(setup, th, "plain"), row(setup, th, "adversarial")
+        kinds = [row(setup, th, k)["f1"] for k in ("carried", "as_was", *REASONING_KINDS)]
+        reasoning = [row(setup, th, k)["f1"] for k in REASONING_KINDS]
+        twins = [row(setup, th, k) for k in ("carried", "as_was")]
+        acc_err = sum(t["acc_erroneous"] * t["n_erroneous"] for t in twins) / sum(t["n_erroneous"] for t in twins)
+        sec = plain["seconds_per_item"]
+        b = (lambda x: f"**{x}**") if bold else (lambda x: x)
+        cells = [b(label), b(f"{plain['f1']:.3f}"), b(f"{plain['auroc']:.3f}"),
+                 f"{sum(kinds) / len(kinds):.3f} / {min(kinds):.3f}", f"{sum(reasoning) / len(reasoning):.3f}",
+                 f"{processbench_f1(acc_err, adv['acc_correct']):.3f}", b(f"{adv['f1']:.3f}"),
+                 "< 0.001" if sec < 0.001 else f"{sec:.1f}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def test_every_signal_source_table_in_critic_eval():
+    """The sources table of docs/benchmarks.md is what critic-eval-sources-24.jsonl renders."""
+    table = sources_table(_lines("critic-eval-sources-24.jsonl"))
+    assert table in (REPO / "docs" / "benchmarks.md").read_text(), table
+    assert ("F1 0.15 on the copies against 0.32 on the plain items they were made from (the same all-right "
+            "items in both). The arithmetic check is not fooled (0.96 on both) and the readout with it is not "
+            "either (0.87 against 0.83); the readout alone scores 0.19 against 0.23 at 0.5, and 0.28 against "
+            "0.08 at 0.8") in _text("docs/benchmarks.md")
+
 def test_adversarial_copies_against_their_plain_twins_in_critic_eval():
     """docs/critic-eval.md's robustness sentence: F1 on the calculation errors the copies are made
     from (`carried`, `as_was`, their earliest-step accuracy weighted by count) and on the copies,
