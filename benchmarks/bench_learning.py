@@ -113,8 +113,8 @@ holds the checkpoint, and records it in FILE (read back and kept, like ``--evide
 recorded there is not evaluated again.
 
 Defaults: the settings of the learning evidence in docs/benchmarks.md ("Learning benchmark"):
-lr 2e-6, 320 tokens, 8 problems x 4 responses per round (16 per AdamW step), DAPO's
-dynamic sampling, the policy in fp32 (the shipped defaults), 4 samples per held-out problem besides
+lr 2e-6, 320 tokens, 8 problems x 4 responses per round (16 per AdamW step) and the policy in
+fp32 (the shipped defaults), DAPO's dynamic sampling (off in the shipped config), 4 samples per held-out problem besides
 the greedy answer, and the training problems of ``benchmarks/selections/`` (``--select-here`` to
 select on this machine). Earlier defaults were lr 5e-6, 192 tokens, 4 problems, no dynamic
 sampling, 1 eval sample and ``auto`` precision, and the docs' earlier commands ran with those:

@@ -478,11 +478,11 @@ class FutureKLConfig(Strict):
 class TrainConfig(Strict):
     learning_rate: float = Field(2e-6, ge=0)
     """AdamW learning rate; 0 runs the whole round with no update (the control arm of
-    ``benchmarks/bench_learning.py``). 2e-6 is the learning benchmark's rate at 320 tokens: in an
-    earlier run of it (bf16 policy, earlier code), 5e-6 ended 9-10 greedy points below 2e-6 on
-    three of four same-seed pairs, at ten times the KL to the start (docs/changelog.md, "Earlier
-    measurements"); on today's code the comparison is not recorded (docs/benchmarks.md, "Why the
-    benchmark runs these settings"). The paper's 1e-6 goes with batches of hundreds."""
+    ``benchmarks/bench_learning.py``). 2e-6 is the learning benchmark's rate at 320 tokens: with a
+    bf16 policy, 5e-6 ended 9-10 greedy points below 2e-6 on three of four same-seed pairs, at ten
+    times the KL to the start (docs/changelog.md, "Earlier measurements"); with the fp32 policy the
+    comparison is not yet recorded (docs/benchmarks.md, "Why the benchmark runs these settings").
+    The paper's 1e-6 goes with batches of hundreds."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW's decoupled weight decay (scaled by the learning rate, so 0 at learning rate 0)."""
     clip_low: float = Field(0.2, gt=0, lt=1)

@@ -136,7 +136,7 @@ STEP_VERDICTS_SCHEMA = pa.schema(
         pa.field("n_flagged", pa.int32()),
         pa.field("weight", pa.float32()),  # w_s in [0, 1]: the sources' verdicts combined (the larger)
         pa.field("majority_threshold", pa.float32()),
-        pa.field("sources", pa.string()),  # the sources whose verdicts vote, "+"-joined: llm, arithmetic, llm+arithmetic
+        pa.field("sources", pa.string()),  # the sources whose verdicts vote (vote.sources), "+"-joined: e.g. llm, arithmetic+logprob
         pa.field("llm_weight", pa.float32()),  # the LLM critiques voted under the rule (whether or not they vote)
         pa.field("arithmetic_flag", pa.bool_()),  # the arithmetic check flags the step (null: no arithmetic row)
         pa.field("logprob_score", pa.float32()),  # the log-prob readout's calibrated P(wrong) (null: no readout)

@@ -104,24 +104,29 @@ SELECT run_id, round, source, parse_status, count(*) AS critiques
 FROM critiques
 GROUP BY ALL ORDER BY run_id, round, source, critiques DESC;
 
--- 2. Share of steps each voting rule flags, and of steps with at least one valid critique
-SELECT run_id, round, variant, rule, round(avg((weight > 0)::INT), 3) AS share_steps_flagged,
-       round(avg((n_valid > 0)::INT), 3) AS share_with_valid_critique
-FROM step_verdicts GROUP BY ALL ORDER BY run_id, round, variant, share_steps_flagged;
+-- 2. Share of steps flagged per variant and rule, and by each source: the sampled critiques'
+--    vote (llm), the arithmetic check, the readout's P(wrong) above 0.8 (the default
+--    vote.logprob_threshold); a source the variant does not vote on still shows what it says
+SELECT run_id, round, variant, rule, sources, round(avg((weight > 0)::INT), 3) AS share_steps_flagged,
+       round(avg((llm_weight > 0)::INT), 3) AS llm, round(avg(arithmetic_flag::INT), 3) AS arithmetic,
+       round(avg((logprob_score > 0.8)::INT), 3) AS readout
+FROM step_verdicts GROUP BY ALL ORDER BY ALL;
 
 -- 3. Does a penalty land on wrong responses more than on right ones? Per outcome, the share of
---    responses with a step flagged by the critic's vote (under the variant's rule) and by the
---    arithmetic check
+--    responses with a penalized step (under the variant's rule and sources), and with a step the
+--    arithmetic check or the readout (above 0.8) flags
 WITH per_response AS (
     SELECT v.run_id, v.round, v.variant, v.rollout_id,
-           bool_or(v.llm_weight > 0) AS critic_flags,
-           bool_or(coalesce(v.arithmetic_flag, false)) AS arithmetic_flags
+           bool_or(v.weight > 0) AS penalized,
+           bool_or(coalesce(v.arithmetic_flag, false)) AS arithmetic_flags,
+           bool_or(coalesce(v.logprob_score > 0.8, false)) AS readout_flags
     FROM step_verdicts v JOIN token_rewards t USING (run_id, round, variant, rollout_id)
     WHERE v.rule = t.rule
     GROUP BY ALL)
 SELECT p.run_id, p.round, p.variant, o.outcome_correct, count(*) AS responses,
-       round(avg(critic_flags::INT), 3) AS share_critic_flagged,
-       round(avg(arithmetic_flags::INT), 3) AS share_arithmetic_flagged
+       round(avg(penalized::INT), 3) AS share_penalized,
+       round(avg(arithmetic_flags::INT), 3) AS share_arithmetic_flagged,
+       round(avg(readout_flags::INT), 3) AS share_readout_flagged
 FROM per_response p JOIN outcomes o USING (run_id, round, rollout_id)
 GROUP BY ALL ORDER BY ALL;
 
