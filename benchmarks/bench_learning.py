@@ -450,7 +450,9 @@ def _finished(a: argparse.Namespace, cfg, k: int) -> bool:
 
 def _prune_checkpoint(cfg, k: int) -> None:
     """Delete round k's checkpoint (round k+1 is finished: nothing reads it again); its manifest
-    stays, marked pruned, so later rounds' keys still resolve."""
+    stays, marked pruned, so later rounds' keys still resolve. Superseded checkpoints and training
+    states of round k (a re-trained round's, gigabytes each) go too, with their manifests; every
+    other superseded output (an eval, token rewards) is kept."""
     from pipeline import storage
     from pipeline.stages.base import round_paths
 
@@ -458,7 +460,21 @@ def _prune_checkpoint(cfg, k: int) -> None:
     if k >= 1 and ckpt.is_dir():
         shutil.rmtree(ckpt)
         storage.mark_pruned(ckpt)
-        shutil.rmtree(ckpt.parent / "superseded", ignore_errors=True)
+        _prune_superseded_weights(ckpt.parent / "superseded")
+
+
+def _prune_superseded_weights(folder: Path) -> list[Path]:
+    """Delete the superseded checkpoints and training states in ``folder`` (``checkpoint-<stamp>``,
+    ``train_state-<stamp>`` and their manifests, as :func:`pipeline.storage.supersede` names them);
+    keep everything else. Returns what was deleted."""
+    gone = []
+    if not folder.is_dir():
+        return gone
+    for p in sorted(folder.iterdir()):
+        if p.name.startswith(("checkpoint-", "train_state-")):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            gone.append(p)
+    return gone
 
 
 def _prune_final_state(a: argparse.Namespace, cfg) -> bool:

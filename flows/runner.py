@@ -254,13 +254,20 @@ def write_round_summary(cfg: CAPOConfig, round_idx: int, results: list[dict], wa
     """``variants/<variant>/round_summary.json``: what each stage of this invocation did.
 
     Records per stage skipped/ran, seconds and critic calls, so "re-training a cached round made
-    zero critic calls" is a fact in a file (and in the catalog's ``manifests`` neighbours).
+    zero critic calls" is a fact in a file (and in the catalog's ``manifests`` neighbours). An
+    invocation that skipped every stage writes ``round_summary.resume.json`` instead, keeping the
+    real run's times and memory; one that ran some stages moves an earlier summary to
+    ``superseded/`` (:func:`pipeline.storage.supersede`) before writing its own.
     """
     from pipeline.precision import precision_record
+    from pipeline.storage import supersede
 
     path = round_paths(cfg, round_idx)["run_summary"]
-    if path.exists() and all(r.get("skipped") for r in results):
-        path = path.with_name("round_summary.resume.json")  # keep the real run's times and memory
+    if path.exists():
+        if all(r.get("skipped") for r in results):
+            path = path.with_name("round_summary.resume.json")  # keep the real run's times and memory
+        else:
+            supersede(path)  # e.g. a --force eval: the whole round's figures stay readable
     path.parent.mkdir(parents=True, exist_ok=True)
     summary = {
         "run_id": cfg.run_id, "round": round_idx, "variant": cfg.variant, "config_hash": section_hash(cfg),
