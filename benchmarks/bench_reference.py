@@ -18,6 +18,7 @@ Prints one JSON line per arm x rule x scope. Resumable: the critique stage keeps
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import shutil
 import time
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rules", nargs="+", default=["majority", "union"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.out and os.path.exists(args.out):  # evidence already written is never overwritten
+        ap.error(f"--out {args.out} exists: give a new path (or delete it first)")
 
     from flows.runner import run_stage
     from pipeline import storage
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         print(json.dumps(r))
     if args.out:
-        with open(args.out, "w") as f:
+        with open(args.out, "x") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     return rows
 

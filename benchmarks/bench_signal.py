@@ -19,6 +19,7 @@ the flagged steps with the equation that failed) so every flag can be read.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import time
 
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "<preset>-t<threshold> with vote.logprob_threshold=<threshold>")
     ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     args = ap.parse_args(argv)
+    if args.out and os.path.exists(args.out):  # evidence already written is never overwritten
+        ap.error(f"--out {args.out} exists: give a new path (or delete it first)")
     if args.problems < 1:
         ap.error(f"--problems must be >= 1, got {args.problems}")
 
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if v["rule"] == vdir.name.removeprefix("capo-"):
                     d.setdefault(f"llm_{v['rule']}", {})[v["step_idx"]] = v["llm_weight"]
                 d.setdefault("logprob", {})[v["step_idx"]] = v["logprob_score"]
-        with open(args.out, "w") as f:
+        with open(args.out, "x") as f:
             for r in rows:
                 f.write(json.dumps({"kind": "summary", **r}) + "\n")
             for rid in sorted(outc):

@@ -231,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
                          "bf16 GPU, the GPU choice and the setting of the H100 lines in docs/benchmarks.md) or fp32 "
                          "(the shipped defaults: no autocast, fp32 export)")
     args = ap.parse_args(argv)
+    if args.out and os.path.exists(args.out):  # evidence already written is never overwritten
+        ap.error(f"--out {args.out} exists: give a new path (or delete it first)")
     if args.only_distributed and not (args.fsdp or args.deepspeed):
         ap.error("--only-distributed needs --fsdp and/or --deepspeed")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -401,7 +403,8 @@ def run(args, work: Path) -> None:
 def write_out(args) -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("".join(json.dumps(x) + "\n" for x in OUT_LINES))
+        with open(args.out, "x") as f:
+            f.write("".join(json.dumps(x) + "\n" for x in OUT_LINES))
 
 
 DISTRIBUTED_TIMEOUT_S = 900

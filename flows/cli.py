@@ -270,7 +270,10 @@ def report(
         report_run_dir(Path(cfg.runs_dir), cfg.run_id)
     except FileNotFoundError as e:
         raise typer.BadParameter(str(e)) from None
-    out = write_report(Path(cfg.runs_dir), cfg.run_id, Path(out_dir) if out_dir else None)
+    try:
+        out = write_report(Path(cfg.runs_dir), cfg.run_id, Path(out_dir) if out_dir else None)
+    except FileExistsError as e:
+        raise typer.BadParameter(str(e), param_hint="--out-dir") from None
     typer.echo(json.dumps({k: str(v) for k, v in out.items()}, indent=1))
 
 
@@ -428,7 +431,7 @@ def browse(
         raise typer.BadParameter(f"--round {round_idx}: round 0 is the starting policy (no rollouts); give a round >= 1")
     try:
         page = build_browser(run_dir, round_idx, variant, Path(out) if out else None)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
         raise typer.BadParameter(str(e)) from None
     typer.echo(str(page))
     if serve:

@@ -433,17 +433,26 @@ def browser_dir(run_dir: Path, round_idx: int, variant: str) -> Path:
     return Path(run_dir) / "browse" / f"round_{round_idx:03d}-{variant}"
 
 
+BROWSER_MARKER = ".capo-browser"
+
+
 def build_browser(run_dir: Path, round_idx: int, variant: str | None = None, out: Path | None = None) -> Path:
     """Write the browser of round ``round_idx`` (and ``variant``; default: the round's first) of the
     run at ``run_dir``; returns its ``index.html``. Written atomically (a temporary file, then a
-    rename), so an open page is never half-written.
+    rename), so an open page is never half-written. The folder gets a ``.capo-browser`` marker; a
+    given ``out`` folder whose ``index.html`` has no marker beside it (not a browser's) is refused.
 
     Raises:
         FileNotFoundError / ValueError: see :func:`collect`.
+        FileExistsError: ``out`` holds an ``index.html`` the browser did not write.
     """
+    if out is not None and (Path(out) / "index.html").exists() and not (Path(out) / BROWSER_MARKER).exists():
+        raise FileExistsError(f"{Path(out) / 'index.html'} exists and was not written by `capo browse` (no "
+                              f"{BROWSER_MARKER} marker beside it): give an empty or new folder as --out")
     data = collect(Path(run_dir), round_idx, variant)
     folder = Path(out) if out else browser_dir(run_dir, round_idx, data["meta"]["variant"])
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / BROWSER_MARKER).write_text(f"{Path(run_dir).name} round {round_idx}\n")
     page = folder / "index.html"
     tmp = folder / ".index.html.tmp"
     tmp.write_text(render(data), encoding="utf-8")

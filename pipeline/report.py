@@ -616,17 +616,43 @@ def report_run_dir(runs_dir: Path, run_id: str) -> Path:
     return run_dir
 
 
+REPORT_MARKER = ".capo-report"
+REPORT_FILES = ("report.md", "report.html", "table.md", "accuracy.json")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed into place (an open report is
+    never half-written)."""
+    import os
+
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> dict[str, Path]:
     """Write the plots, ``report.md``, ``report.html``, ``table.md`` and ``accuracy.json`` of a run.
+
+    Every file is written to a temporary name and renamed into place. ``out_dir`` (default
+    ``<run>/report``) holds a ``.capo-report`` marker once a report is written there; a given
+    ``out_dir`` whose report files were not written by a report (no marker) is refused, so a
+    user's own ``report.md`` is never overwritten.
 
     Returns ``{"report_md", "report_html", "table_md", "accuracy_json", <plot name>...: path}``.
 
     Raises:
         FileNotFoundError: no run directory ``<runs_dir>/<run_id>``.
+        FileExistsError: ``out_dir`` holds files of the report's names and no ``.capo-report`` marker.
     """
     run_dir = report_run_dir(runs_dir, run_id)
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
+    if out_dir is not None and out.is_dir() and not (out / REPORT_MARKER).exists():
+        clash = sorted(p.name for p in out.iterdir() if p.name in REPORT_FILES or p.suffix == ".png")
+        if clash:
+            raise FileExistsError(f"{out} already holds {', '.join(clash)}, not written by `capo report` (no "
+                                  f"{REPORT_MARKER} marker there): give an empty or new folder as --out-dir")
     out.mkdir(parents=True, exist_ok=True)
+    (out / REPORT_MARKER).write_text(run_id + "\n")
     data, read_notes = collect(run_dir)
     if data.get("items"):
         data["changes"] = paired_changes(data["items"])
@@ -645,10 +671,10 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
     browsers = write_browsers(run_dir, out, notes)
     files = {"report_md": out / "report.md", "report_html": out / "report.html", "table_md": out / "table.md",
              "accuracy_json": out / "accuracy.json"}
-    files["report_md"].write_text(_report_markdown(run_id, table_md, browsers, plots, notes))
-    files["table_md"].write_text(table_md + "\n")
-    files["accuracy_json"].write_text(json.dumps(raw, indent=1))
-    files["report_html"].write_text(_html(run_id, sections, plots, notes, browsers))
+    _write_atomic(files["report_md"], _report_markdown(run_id, table_md, browsers, plots, notes))
+    _write_atomic(files["table_md"], table_md + "\n")
+    _write_atomic(files["accuracy_json"], json.dumps(raw, indent=1))
+    _write_atomic(files["report_html"], _html(run_id, sections, plots, notes, browsers))
     log.info("report of run %s: %s", run_id, out)
     return {**files, **plots}
 

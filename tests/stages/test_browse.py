@@ -147,6 +147,19 @@ def test_bad_requests_name_what_would_be_valid(toy_run):
         collect(toy_run.run_dir(), 2)
 
 
+def test_a_given_folder_with_someone_elses_index_html_is_refused_and_a_browser_folder_rewritten(toy_run, tmp_path):
+    mine = tmp_path / "site"
+    mine.mkdir()
+    (mine / "index.html").write_text("<p>my page</p>")
+    with pytest.raises(FileExistsError, match=r"index\.html exists and was not written by `capo browse`"):
+        build_browser(toy_run.run_dir(), 1, out=mine)
+    assert (mine / "index.html").read_text() == "<p>my page</p>"
+    ours = tmp_path / "ours"
+    build_browser(toy_run.run_dir(), 1, out=ours)
+    page = build_browser(toy_run.run_dir(), 1, out=ours)  # its own page: written again
+    assert "<p>my page</p>" not in page.read_text() and (ours / ".capo-browser").exists()
+
+
 def test_the_same_prompt_in_another_round_is_linked(toy_run):
     """Round 2 made of round 1's tables with round = 2 and the second response now correct: the
     browser of round 2 lists round 1 (1/2 correct, 1 step flagged) and links its page."""

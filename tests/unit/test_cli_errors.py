@@ -219,3 +219,13 @@ def test_check_browse_and_signal_find_a_run_by_one_rule(tmp_path, monkeypatch):
                  ["signal", "nope", "--runs-dir", str(runs)]):
         out = _usage_error(_invoke(args))
         assert "no run 'nope' in" in out and "runs there: ['r']" in out, (args, out)
+
+
+def test_report_into_a_folder_holding_the_users_report_md_is_a_usage_error(catalog, tmp_path):
+    runs, _ = catalog
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.md").write_text("my notes")
+    out = _usage_error(_invoke(["report", "--out-dir", str(mine), f"runs_dir={runs}", "run_id=default"]))
+    assert "already holds report.md, not written by `capo report`" in out
+    assert (mine / "report.md").read_text() == "my notes"

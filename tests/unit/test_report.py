@@ -264,3 +264,20 @@ def test_a_variants_rows_are_one_family_under_holm():
     assert g["p_mcnemar"] == pytest.approx(2 / 2**7) and g["lo"] > 0 and g["significant_unadjusted"]
     assert g["p_holm"] == pytest.approx(4 * 2 / 2**7) and not g["significant"]
     assert out[("svamp", 1, 0)]["significant"] and out[("svamp", 2, 1)]["p_holm"] == pytest.approx(1.0)
+
+
+def test_a_given_report_folder_with_a_users_files_is_refused_and_a_report_folder_is_rewritten(runs, tmp_path):
+    """--out-dir pointing at a folder with the user's own report.md: refused, the file untouched;
+    a folder a report wrote (it holds the marker) is written again; the default folder always is."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.md").write_text("my notes")
+    with pytest.raises(FileExistsError, match=r"already holds report\.md, not written by `capo report`"):
+        write_report(runs, RUN, mine)
+    assert (mine / "report.md").read_text() == "my notes" and not list(mine.glob("*.png"))
+    first = write_report(runs, RUN, tmp_path / "ours")
+    again = write_report(runs, RUN, tmp_path / "ours")
+    assert again["report_md"] == first["report_md"] and (tmp_path / "ours" / ".capo-report").read_text() == f"{RUN}\n"
+    assert not list((tmp_path / "ours").glob(".*.tmp*"))  # no temporary file left behind
+    write_report(runs, RUN)
+    write_report(runs, RUN)
