@@ -494,7 +494,8 @@ def mc_labels_cmd(
         records = mc_label_records(cfg, round, drop)
     except (FileNotFoundError, ValueError) as e:
         raise typer.BadParameter(str(e)) from None
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    with open(path, "x", encoding="utf-8") as f:  # "x": a file made meanwhile is not overwritten either
+        f.write("".join(json.dumps(r) + "\n" for r in records))
     labels = Counter("right" if r["label"] < 0 else f"step {r['label']}" for r in records)
     typer.echo(json.dumps({"out": str(path), "items": len(records), "labels": dict(sorted(labels.items()))}))
 

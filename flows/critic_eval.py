@@ -154,7 +154,7 @@ def bench(
     cfg = _config(config, overrides)
     res = ces.benchmark_stage(cfg)
     if out:
-        with open(out, "w") as f:
+        with open(out, "x") as f:  # "x": a file made while the benchmark was built is not overwritten
             for row in ces.read_benchmark(cfg):
                 f.write(json.dumps(row) + "\n")
     typer.echo(res.line())

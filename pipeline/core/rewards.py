@@ -258,7 +258,8 @@ def grpo_sequence_advantages(
     scale_by_std: bool = True,
     eps: float = 1e-4,
 ) -> np.ndarray:
-    """Standard GRPO advantage, one per response (the GRPO-Rule / GenORM baselines).
+    """Standard GRPO advantage, one per response (the GRPO-Rule / GenORM baselines; Shao et al. 2024,
+    DeepSeekMath, arXiv 2402.03300 §4.1.2, outcome supervision).
 
     ``A_i = (r_i - mean_g(r)) / (std_g(r) + eps)`` with ddof=1 and eps 1e-4, as in TRL's
     GRPOTrainer (``rewards.view(-1, G).mean(1)``, ``.std(1)``). Unlike TRL, a group of one gives

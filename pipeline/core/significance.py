@@ -56,7 +56,8 @@ def mcnemar_exact(a, b) -> float:
     """Two-sided exact McNemar p-value for paired 0/1 outcomes ``a`` (before) and ``b`` (after).
 
     With n01 items wrong-then-right and n10 right-then-wrong, p = min(1, 2 * P(X <= min(n01, n10)))
-    for X ~ Binomial(n01 + n10, 1/2). p = 1 when no item changed.
+    for X ~ Binomial(n01 + n10, 1/2). p = 1 when no item changed (McNemar 1947, the exact binomial
+    form).
 
     Args:
         a: (n,) bool or 0/1, the outcomes before.
@@ -76,7 +77,8 @@ def mcnemar_exact(a, b) -> float:
 
 
 def paired_bootstrap(a, b, n_boot: int = 10_000, level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
-    """``mean(b) - mean(a)`` and its percentile bootstrap interval, resampling items (pairs kept together).
+    """``mean(b) - mean(a)`` and its percentile bootstrap interval, resampling items (pairs kept together;
+    Efron & Tibshirani 1993, ch. 13).
 
     Args:
         a: (n,) bool or 0/1, the outcomes before (n >= 1).
