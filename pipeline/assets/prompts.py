@@ -350,7 +350,10 @@ def read_prompts(path: Path) -> pa.Table:
         raise ValueError(f"{path}: schema differs from PROMPTS_SCHEMA; has {found}, expected {wanted}")
     ids = table.column("prompt_id")
     if len(ids.unique()) != table.num_rows:
-        raise ValueError(f"{path}: prompt_id values are not unique")
+        from collections import Counter
+
+        dup = [k for k, c in Counter(ids.to_pylist()).items() if c > 1]
+        raise ValueError(f"{path}: prompt_id values are not unique: {len(dup)} repeat, e.g. {dup[:5]}")
     return table
 
 

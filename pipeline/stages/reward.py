@@ -219,7 +219,10 @@ def _step_runs(p, rid: pa.Array, offsets: np.ndarray, rule: str | None) -> tuple
         j = steps.join(verd, keys=["rollout_id", "step_idx"], join_type="left outer")
     pos_arr = pc.index_in(j.column("rollout_id"), value_set=rid)
     if pos_arr.null_count:
-        raise ValueError(f"steps.parquet has {pos_arr.null_count} steps of rollouts not in rollouts.parquet")
+        strays = sorted(set(pc.filter(j.column("rollout_id"), pc.is_null(pos_arr)).to_pylist()))
+        raise ValueError(f"steps.parquet has {pos_arr.null_count} steps of rollouts not in rollouts.parquet "
+                         f"(e.g. {strays[:3]}): the steps were made from other rollouts; run the round again "
+                         "(`capo round`), which segments the current rollouts first")
     pos = pos_arr.to_numpy(zero_copy_only=False).astype(np.int64)
     order = np.lexsort((j.column("step_idx").to_numpy(), pos))
     pos = pos[order]

@@ -647,3 +647,36 @@ def test_random_credit_moves_each_responses_penalty_to_random_steps_of_it(tmp_pa
     off = _cfg(tmp_path / "5", "vote.sources=[llm,arithmetic]", "seed=5")
     assert "random_credit" not in vote_key(off, 1)  # keys written before the option stay valid
     assert "random_credit" not in reward_key(off, 1)["vote"] and reward_key(cfg, 1)["vote"]["random_credit"]  # keys written before the option stay valid
+
+
+def test_steps_of_other_rollouts_name_them_and_the_command_that_fixes_it(tmp_path):
+    """Steps written for rollouts the rollouts table no longer has (stale steps): the reward stage
+    names the strays and says to run the round again, instead of crediting unknown responses."""
+    import pyarrow as pa
+
+    from pipeline.schemas import SCHEMAS
+
+    cfg = toy_config(tmp_path, "vote.rule=majority", "variant=capo-majority")
+    _write_round(cfg)
+    vote_stage(cfg, 1)
+    p = round_paths(cfg, 1)
+    steps = storage.read_table(p["steps"], "steps").to_pylist()
+    stray = {**steps[0], "rollout_id": "Z"}
+    storage.write_table(pa.Table.from_pylist(steps + [stray], schema=SCHEMAS["steps"]), p["steps"], "steps",
+                        stage="segment", key={"hand": "steps+stray"})
+    vote_stage(cfg, 1)
+    with pytest.raises(ValueError, match=r"1 steps of rollouts not in rollouts\.parquet \(e\.g\. \['Z'\]\).*`capo round`"):
+        reward_stage(cfg, 1)
+
+
+def test_a_prompt_table_with_repeated_ids_names_them(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.assets.prompts import PROMPTS_SCHEMA, read_prompts
+
+    row = {f.name: (0 if pa.types.is_integer(f.type) else "x") for f in PROMPTS_SCHEMA}
+    rows = [{**row, "prompt_id": pid} for pid in ("p1", "p2", "p1", "p3", "p3", "p3")]
+    pq.write_table(pa.Table.from_pylist(rows, schema=PROMPTS_SCHEMA), tmp_path / "t.parquet")
+    with pytest.raises(ValueError, match=r"prompt_id values are not unique: 2 repeat, e\.g\. \['p1', 'p3'\]"):
+        read_prompts(tmp_path / "t.parquet")
