@@ -26,7 +26,17 @@ class Example:
 
 
 def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad prompt+response into (B, L); response positions as (B, T) index/mask tensors."""
+    """Right-pad prompt+response into (B, L); response positions as (B, T) index/mask tensors.
+
+    Returns a dict of: ``input_ids`` (B, L) long, prompt then response, ``pad_id`` after;
+    ``attention_mask`` (B, L) long; ``pos`` (B, T) long, the logit position that predicts each
+    response token (P - 1 + t); ``target`` (B, T) long, the response token ids; ``mask`` (B, T)
+    bool, real response tokens; ``advantages`` (B, T) float32; ``engine_logprobs`` (B, T) float32,
+    NaN where unknown. L is the longest prompt+response, T the longest response of the batch.
+
+    Raises:
+        ValueError: ``batch`` is empty (no longest sequence).
+    """
     L = max(len(e.prompt_ids) + len(e.response_ids) for e in batch)
     T = max(len(e.response_ids) for e in batch)
     ids = torch.full((len(batch), L), pad_id, dtype=torch.long)  # (B, L)

@@ -393,7 +393,9 @@ def compute_loss(
     ratio_trace: tuple[float, str] | None = None,
     future_kl: dict | None = None,
 ) -> LossOutputs:
-    """``ppo_clip_loss`` on a ``LossInputs`` bundle (prime-rl style entry point)."""
+    """``ppo_clip_loss`` on a ``LossInputs`` bundle (prime-rl style entry point): every tensor of
+    ``inputs`` is (B, T) over response tokens; shapes, formulas (PPO-clip, Schulman et al. 2017,
+    eq. 7; the aggregation modes) and errors as :func:`ppo_clip_loss`."""
     return ppo_clip_loss(
         inputs.logprobs,
         inputs.old_logprobs,

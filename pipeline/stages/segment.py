@@ -28,7 +28,15 @@ def segment_key(cfg: CAPOConfig, round_idx: int) -> dict:
 
 
 def segment_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> StageResult:
-    """Split responses into steps and map tokens to steps -> ``steps.parquet``."""
+    """Split responses into steps and map tokens to steps -> ``steps.parquet`` (one row per step:
+    its text, character span and token span ``[token_start, token_end)`` of the response; design
+    notes §1.2 for the splitting rules, ``steps.mode``).
+
+    Raises:
+        FileNotFoundError: the round has no committed ``rollouts.parquet`` (run the rollout stage).
+        ValueError: a response's tokens do not decode to its text byte for byte
+            (:func:`pipeline.core.segment.segment_response`).
+    """
     from pipeline.core.tokenization import decode_with_bytes
     from pipeline.engines.base import load_tokenizer
 

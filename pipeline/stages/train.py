@@ -90,7 +90,13 @@ def load_examples(cfg: CAPOConfig, round_idx: int) -> list:
 
     The engine's log-probs ride along for the mismatch diagnostic only when the rollouts were
     sampled without top-p truncation (``rollout.sampling.top_p == 1``): the engine reports log-probs
-    renormalized over the nucleus, the trainer the untruncated ones."""
+    renormalized over the nucleus, the trainer the untruncated ones.
+
+    Raises:
+        FileNotFoundError: ``rollouts.parquet`` or the variant's ``token_rewards.parquet`` is missing.
+        ValueError: a rollout without token advantages, or with another number of them than its
+            response tokens (the reward stage ran on other rollouts: run it again).
+    """
     from train.examples import Example
 
     p = round_paths(cfg, round_idx)
