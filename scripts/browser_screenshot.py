@@ -19,7 +19,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("page", type=Path)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--filter", default="all", help="all | wrong_unflagged | right_flagged | split | parse_failures")
+    ap.add_argument("--filter", default="all", choices=["all", "wrong_unflagged", "right_flagged", "split", "parse_failures"],
+                    help="the browser filter to check before the screenshot")
     ap.add_argument("--width", type=int, default=1400)
     ap.add_argument("--height", type=int, default=1000)
     a = ap.parse_args()
