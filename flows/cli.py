@@ -181,12 +181,21 @@ def stage(
                    "ids, e.g. 0,3,5), not the table: what a fan-out worker runs (flows/fanout.py); it takes "
                    "no run lock (the chunks of one fan-out run at once), so run it by hand only on a run "
                    "nothing else writes"),
+    allow_stale_inputs: bool = typer.Option(
+        False, help="run even when an input is not current (made from an earlier version of its own inputs, "
+                    "or under other settings): the check before the run is skipped"),
     overrides: Optional[list[str]] = typer.Argument(None),
 ) -> None:
     """Run a single stage in this process (the critique stage with scale.critique.runner=dask|ray
     fans its shards out to the cluster and finalizes here; the train stage with train.launcher set
-    runs under that launcher, as in a round)."""
+    runs under that launcher, as in a round).
+
+    Before the run lock, every input table the stage reads must be current, as a round would find
+    it (:func:`flows.runner.require_current_inputs`): a stale one is a usage error naming it and the
+    stages to run first. A stage child of the runner skips the check (the round ran the stages
+    before it), and so does ``--allow-stale-inputs``."""
     _setup_logging()
+    import os
     import resource
 
     from flows.runner import run_stage, stage_function
@@ -215,6 +224,13 @@ def stage(
         out["peak_rss_mb"] = float(f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f}")
         print(RESULT_TAG + json.dumps(out), flush=True)
         return
+    if not allow_stale_inputs and os.environ.get("CAPO_CHILD") != "1" and not st.not_applicable(cfg):
+        from flows.runner import StaleInputsError, require_current_inputs
+
+        try:  # before the lock and any model: a stage on stale inputs writes wrong tables as current
+            require_current_inputs(name, cfg, round)
+        except StaleInputsError as e:
+            raise typer.BadParameter(str(e), param_hint="NAME") from None
     with _writing(cfg):  # a no-op in a stage child of the runner (it inherits its parent's lock)
         if st.fans_out(cfg) or st.launcher(cfg):
             # skips when current, else fans out (flows/fanout.py) or starts the trainer under train.launcher

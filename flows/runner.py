@@ -39,6 +39,104 @@ def check_current(name: str, cfg: CAPOConfig, round_idx: int) -> storage.Currenc
     return storage.outputs_current([paths[out] for out in get_stage(name).outputs], stage_key(name, cfg, round_idx))
 
 
+@dataclasses.dataclass(frozen=True)
+class StaleInput:
+    """An output upstream of a stage that is not current: ``stage`` writes it at ``path``, and
+    ``reason`` says why it is not current (:class:`pipeline.storage.Currency`)."""
+
+    stage: str
+    path: Path
+    reason: str
+
+
+class StaleInputsError(ValueError):
+    """A stage run on its own (``capo stage NAME``) would read inputs that are not current
+    (:func:`require_current_inputs`); ``stale`` lists them, ``run_first`` the stages to run
+    before it, in round order."""
+
+    def __init__(self, message: str, stale: list[StaleInput], run_first: list[str]) -> None:
+        super().__init__(message)
+        self.stale = stale
+        self.run_first = run_first
+
+
+def _writer(table: str) -> Stage | None:
+    """The round stage whose outputs include ``table`` (None: no stage of the round writes it)."""
+    from pipeline.stages import REGISTRY
+
+    return next((s for s in REGISTRY.values() if table in s.outputs), None)
+
+
+def _visit_upstream(stage: Stage, cfg: CAPOConfig, round_idx: int, seen: dict[str, storage.Currency | None]) -> None:
+    """Record in ``seen`` the currency (:func:`check_current`, the runner's test) of every stage
+    that writes a committed input of ``stage``, and of theirs, up the round."""
+    paths = round_paths(cfg, round_idx)
+    for table in stage.inputs:
+        writer = _writer(table)
+        if writer is None or writer.name in seen or writer.not_applicable(cfg):
+            continue
+        if storage.read_manifest(paths[table]) is None:
+            continue  # never committed: not read (round 0's checkpoint); a missing input the stage reads fails in it
+        try:
+            seen[writer.name] = check_current(writer.name, cfg, round_idx)
+        except (FileNotFoundError, ValueError) as e:  # an input of the writer is gone
+            seen[writer.name] = storage.Currency(False, f"its key cannot be computed: {e}")
+        _visit_upstream(writer, cfg, round_idx, seen)
+
+
+def stale_inputs(name: str, cfg: CAPOConfig, round_idx: int) -> tuple[list[StaleInput], list[str]]:
+    """The inputs of stage ``name`` of round ``round_idx`` (and their inputs, up the round) that
+    are not current, and the stages to run before it.
+
+    Each committed table the stage may read (:attr:`Stage.inputs`) is checked as the runner checks
+    a stage before it runs it (:func:`check_current`): its stage's key, which holds the
+    fingerprints of the tables it was made from, against its manifest; so is every input of that
+    stage, up to the rollouts. A table made from an earlier version of its own inputs (steps
+    segmented again after the critiques were sampled) or under other settings than ``cfg``'s is not
+    current. Reads manifests and hashes tables only (no model, no lock). Tables that were never
+    committed are left out (the stage's own key names a missing one it reads).
+
+    Returns:
+        ``(stale, run_first)``: the outputs that are not current, in round order; the stages to run
+        first, in round order: every stage upstream of ``name`` from the first stale one on (a
+        current one is skipped when run). Both empty when every input is current.
+    Raises:
+        ValueError: unknown stage (lists the valid ones).
+    """
+    from pipeline.stages import REGISTRY
+
+    seen: dict[str, storage.Currency | None] = {}
+    _visit_upstream(get_stage(name), cfg, round_idx, seen)
+    order = [s for s in REGISTRY if s in seen and s != name]
+    paths = round_paths(cfg, round_idx)
+    stale = [StaleInput(s, paths[get_stage(s).output], seen[s].reason) for s in order if not seen[s].current]
+    first = order.index(stale[0].stage) if stale else len(order)
+    return stale, order[first:]
+
+
+def require_current_inputs(name: str, cfg: CAPOConfig, round_idx: int) -> None:
+    """Refuse to run stage ``name`` of round ``round_idx`` on its own when an input it reads is not
+    current (:func:`stale_inputs`): a stage's key holds its input tables' fingerprints but not
+    whether those tables were made from the current version of their own inputs, so, e.g., votes
+    of old critiques onto steps segmented again would be written as current. A round
+    (``capo round``) recomputes the stale tables in order; run it, or the listed stages first.
+
+    Raises:
+        StaleInputsError: an input is not current (a ValueError; the message names each stale
+            table, why, and the stages to run first).
+        ValueError: unknown stage (lists the valid ones).
+    """
+    stale, run_first = stale_inputs(name, cfg, round_idx)
+    if not stale:
+        return
+    what = "; ".join(f"{s.path.name} (stage {s.stage}): {s.reason}" for s in stale)
+    steps = ", then ".join(f"capo stage {s} --round {round_idx}" for s in run_first)
+    raise StaleInputsError(
+        f"stage {name} of round {round_idx} would read inputs that are not current under this config: {what}. "
+        f"Run first, with the same config and overrides: {steps}; or the whole round: capo round --round {round_idx}",
+        stale, run_first)
+
+
 def not_applicable(name: str, cfg: CAPOConfig) -> str | None:
     """Why stage ``name`` has nothing to do under ``cfg`` (None: it applies)."""
     return get_stage(name).not_applicable(cfg)

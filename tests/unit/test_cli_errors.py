@@ -229,3 +229,89 @@ def test_report_into_a_folder_holding_the_users_report_md_is_a_usage_error(catal
     out = _usage_error(_invoke(["report", "--out-dir", str(mine), f"runs_dir={runs}", "run_id=default"]))
     assert "already holds report.md, not written by `capo report`" in out
     assert (mine / "report.md").read_text() == "my notes"
+
+
+# ------------------------------------------------------------------ capo stage on stale inputs
+def _hand_round(tmp_path, *extra: str):
+    """Round 1's rollouts, steps and critiques (tests/toy_round.py's rows) committed under the keys
+    their stages compute for configs/tiny.yaml with these overrides (no model: hub ids the keys
+    only name): ``(overrides, cfg)``."""
+    from pipeline import storage
+    from pipeline.config import load_config
+    from pipeline.stages.base import round_paths
+    from pipeline.stages.critique import critique_key
+    from pipeline.stages.rollout import rollout_key
+    from pipeline.stages.segment import segment_key
+    from tests.toy_round import toy_config, write_round
+
+    toy_config(tmp_path)  # writes the prompt file toy.jsonl
+    over = [f"runs_dir={tmp_path / 'runs'}", f"data_dir={tmp_path / 'data'}", "run_id=toy",
+            f"data.train_prompts={tmp_path / 'toy.jsonl'}", "rollout.policy=org/hand-policy",
+            "critique.critic=org/hand-critic", "rollout.instruction=Solve it step by step.", *extra]
+    cfg = load_config("configs/tiny.yaml", over)
+    write_round(cfg)
+    p = round_paths(cfg, 1)
+    for table, stage, key in (("rollouts", "rollout", rollout_key), ("steps", "segment", segment_key),
+                              ("critiques", "critique", critique_key)):
+        storage.commit_manifest(p[table], stage=stage, key=key(cfg, 1), rows=storage.read_manifest(p[table])["rows"])
+    return over, cfg
+
+
+def test_capo_stage_refuses_inputs_made_from_older_inputs(tmp_path):
+    """Steps segmented again (another steps.mode) after the critiques were sampled: ``capo stage
+    vote`` would vote the old critiques onto the new steps; it is a usage error naming the stale
+    critiques and the stages to run first, and nothing is written."""
+    from pipeline import storage
+    from pipeline.config import load_config
+    from pipeline.stages.base import round_paths
+    from pipeline.stages.segment import segment_key
+
+    over, cfg = _hand_round(tmp_path)
+    args = ["stage", "vote", "--round", "1", "--config", "configs/tiny.yaml"]
+    res = _invoke([*args, *over])  # consistent inputs: the vote runs
+    assert res.exit_code == 0, (res.output, res.exception)
+    verdicts = round_paths(cfg, 1)["step_verdicts"]
+    before = verdicts.read_bytes()
+    # `capo stage segment --force steps.mode=line`: two steps per response instead of three
+    line = load_config("configs/tiny.yaml", [*over, "steps.mode=line"])
+    steps = round_paths(cfg, 1)["steps"]
+    rows = [{**r, "n_steps": 2} for r in storage.read_table(steps, "steps").to_pylist() if r["step_idx"] < 2]
+    storage.write_table(pa.Table.from_pylist(rows, schema=pq.read_schema(steps)), steps, "steps", stage="segment",
+                        key=segment_key(line, 1))
+    out = _usage_error(_invoke([*args, *over, "steps.mode=line"]))
+    assert "critiques.parquet (stage critique)" in out and "changed: ['steps']" in out, out
+    assert "Run first, with the same config and overrides: capo stage critique --round 1" in out, out
+    assert "or the whole round: capo round --round 1" in out
+    assert "steps.parquet" not in out.split("not current under this config:")[1].split(". Run first")[0]  # current
+    assert verdicts.read_bytes() == before  # nothing voted
+    # the same under the config the steps were not made with: the steps are stale too, and listed first
+    out = _usage_error(_invoke([*args, *over]))
+    assert "steps.parquet (stage segment)" in out and "changed: ['steps']" in out, out
+    assert "capo stage segment --round 1, then capo stage critique --round 1" in out, out
+    # --allow-stale-inputs skips the check: the vote then meets the old critiques' step numbers
+    res = _invoke([*args, "--allow-stale-inputs", *over, "steps.mode=line"])
+    assert isinstance(res.exception, ValueError) and "wrong step indices" in str(res.exception), res.output
+
+
+def test_a_missing_input_of_an_input_is_named_with_its_stage(tmp_path, monkeypatch):
+    from pipeline.stages.base import round_paths
+
+    over, cfg = _hand_round(tmp_path)
+    round_paths(cfg, 1)["rollouts"].unlink()  # the critiques' and steps' rollouts are gone
+    monkeypatch.setattr(cli, "_writing", lambda cfg: (_ for _ in ()).throw(AssertionError("took the lock")))
+    out = _usage_error(_invoke(["stage", "vote", "--round", "1", "--config", "configs/tiny.yaml", *over]))
+    assert "rollouts.parquet (stage rollout): rollouts.parquet does not exist" in out, out
+    assert "capo stage rollout --round 1, then capo stage segment --round 1, then capo stage critique" in out, out
+
+
+def test_a_stage_child_of_the_runner_does_not_check_its_inputs(tmp_path, monkeypatch):
+    over, cfg = _hand_round(tmp_path)
+
+    def lock(cfg):
+        raise typer.Exit(7)  # reached the run lock: no input check refused it
+
+    monkeypatch.setattr(cli, "_writing", lock)
+    args = ["stage", "vote", "--round", "1", "--config", "configs/tiny.yaml", *over, "steps.mode=line"]
+    assert _invoke(args).exit_code == 2  # the steps are stale under steps.mode=line
+    monkeypatch.setenv("CAPO_CHILD", "1")
+    assert _invoke(args).exit_code == 7
