@@ -401,19 +401,29 @@ def _readout_rows(cfg: CriticEvalConfig, setup: str, items: list[dict]) -> tuple
     return rows, {**stats, "seconds": round(time.perf_counter() - t0, 3)}
 
 
+def check_setup(cfg: CriticEvalConfig, setup: str) -> None:
+    """Refuse a critic setup that ``cfg`` does not have.
+
+    Raises:
+        ValueError: ``setup`` is not one of ``cfg.setups()`` (names it and the valid ones).
+    """
+    if setup not in cfg.setups():
+        raise ValueError(f"unknown setup {setup!r}; valid: {', '.join(cfg.setups())} (<critic name>+gold, "
+                         "<critic name>+nogold, or the name alone for a check)")
+
+
 def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> StageResult:
     """One setup's verdicts on every benchmark item -> ``critiques/<setup>.parquet``: ``n_max``
     sampled critiques per item (``llm``), or one readout / check row per item (``logprob``,
     ``arithmetic``).
 
     Raises:
-        KeyError: unknown setup (lists the valid ones).
+        ValueError: unknown setup (:func:`check_setup`: names it and the valid ones).
     """
     from pipeline.core.critique import build_critique_messages, critique_regex, parse_critique
     from pipeline.engines import make_engine
 
-    if setup not in cfg.setups():
-        raise KeyError(f"unknown setup {setup!r}; valid: {list(cfg.setups())}")
+    check_setup(cfg, setup)
     critic, gold = cfg.setups()[setup]
     out, key = critique_path(cfg, setup), critique_key(cfg, setup)
     if (res := check_outputs("critique", [out], key, force)).skipped:

@@ -211,6 +211,8 @@ def stage(
     if round == 0 and 0 not in st.rounds(1):  # before the lock: round 0 is the starting policy, evaluated only
         raise typer.BadParameter(f"--round 0 is the starting policy, which only the eval stage takes; {name} "
                                  "needs a round >= 1", param_hint="--round")
+    if name != "eval":  # round k's stages follow round k-1's checkpoint (the eval reads round k's own)
+        _require_round_start(cfg, round, "--round")
     if shards is not None:
         # no run lock here: a fan-out's chunks run at once as workers of one stage, each committing only its
         # own shards' part files, on cluster workers that need not inherit the holder's lock (docs/resume.md)
@@ -220,7 +222,12 @@ def stage(
             ids = [int(x) for x in shards.split(",") if x.strip()]
         except ValueError:
             raise typer.BadParameter(f"--shards takes comma-separated shard ids (e.g. 0,3,5), got {shards!r}")
-        out = st.load_shards()(cfg, round, ids)
+        from pipeline.stages.base import ShardIdError
+
+        try:
+            out = st.load_shards()(cfg, round, ids)
+        except ShardIdError as e:  # raised before any engine is loaded
+            raise typer.BadParameter(str(e), param_hint="--shards") from None
         out["peak_rss_mb"] = float(f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f}")
         print(RESULT_TAG + json.dumps(out), flush=True)
         return
@@ -244,7 +251,7 @@ def stage(
 
 @app.command("noise-floor")
 def noise_floor_cmd(
-    round: int = typer.Option(0, "--round", "-r", help="the round whose eval policy is measured (0 = the start)"),
+    round: int = typer.Option(0, "--round", "-r", min=0, help="the round whose eval policy is measured (0 = the start)"),
     config: str = typer.Option(DEFAULT_CONFIG),
     preset: Optional[str] = typer.Option(None),
     force: bool = typer.Option(False, help="re-evaluate even when the arms' tables are current"),
@@ -252,16 +259,21 @@ def noise_floor_cmd(
 ) -> None:
     """Measure the held-out eval's noise floor of a round: its eval policy evaluated again, and a copy
     one bf16 rounding away, each paired with the round's eval table (pipeline/noise_floor.py); the
-    report prints it. Run after the round's eval stage."""
+    report prints it. Run after the round's eval stage: a round whose eval table is not written or
+    not current is a usage error, before the run lock."""
     import os
 
     _setup_logging()
     from pipeline.engines.base import batch_invariant_env
 
     os.environ.update(batch_invariant_env())  # before vLLM is imported, as the runner gives the eval stage
-    from pipeline.noise_floor import measure_noise_floor
+    from pipeline.noise_floor import measure_noise_floor, require_eval_table
 
     cfg = _cfg(config, overrides, preset)
+    try:  # before the lock and any model: the round's eval table must be written and current
+        require_eval_table(cfg, round)
+    except FileNotFoundError as e:
+        raise typer.BadParameter(str(e), param_hint="--round") from None
     with _writing(cfg):
         summary = measure_noise_floor(cfg, round, force=force)
         typer.echo(json.dumps(summary, indent=1))
@@ -466,7 +478,7 @@ def signal_cmd(
     run: str = typer.Argument(..., help="run id (a folder of --runs-dir) or the path of a run folder"),
     runs_dir: str = typer.Option("runs", help="directory holding the runs"),
     rounds: Optional[list[int]] = typer.Option(None, "--round", "-r", help="rounds to measure (default: every one)"),
-    n_boot: int = typer.Option(2000, help="bootstrap resamples for the AUROC's 95 % interval"),
+    n_boot: int = typer.Option(2000, min=1, help="bootstrap resamples for the AUROC's 95 % interval"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object per row"),
 ) -> None:
     """Measure a finished run's process signal where it is used: per round, variant, signal source
@@ -481,7 +493,7 @@ def signal_cmd(
     run_dir = _run_folder(run, runs_dir)
     try:
         rows = measure_run(run_dir, rounds or None, n_boot=n_boot)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:  # no such round; tables that do not fit together
         raise typer.BadParameter(str(e)) from None
     typer.echo("\n".join(json.dumps(r) for r in rows) if as_json else format_rows(rows))
 

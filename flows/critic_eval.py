@@ -135,9 +135,15 @@ def critique(
     force: bool = typer.Option(False),
     overrides: Optional[list[str]] = typer.Argument(None),
 ) -> None:
-    """Sample one setup's critiques in this process (what the flow runs as a child)."""
+    """Sample one setup's critiques in this process (what the flow runs as a child); an unknown
+    setup is a usage error naming the valid ones."""
     _setup_logging()
-    res = ces.critique_stage(_config(config, overrides), setup, force=force)
+    cfg = _config(config, overrides)
+    try:
+        ces.check_setup(cfg, setup)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--setup") from None
+    res = ces.critique_stage(cfg, setup, force=force)
     print(RESULT_TAG + json.dumps(dataclasses.asdict(res)), flush=True)  # what flows.runner reads
 
 

@@ -138,16 +138,15 @@ def paired_rows(base: pa.Table, other: pa.Table) -> list[dict]:
     return out
 
 
-def measure_noise_floor(cfg: CAPOConfig, round_idx: int, force: bool = False) -> dict:
-    """Evaluate round ``round_idx``'s eval policy twice more (``repeat``, ``one_rounding``) with the
-    round's eval settings and compare each with the round's eval table -> the summary dict, also
-    written to ``noise_floor.json`` (:func:`noise_floor_dir`).
-
-    Each arm is a table with a manifest (resumable: an arm whose key is current is not recomputed
-    unless ``force``). The key is the round's eval key plus the arm.
+def require_eval_table(cfg: CAPOConfig, round_idx: int) -> dict:
+    """Check that round ``round_idx``'s eval table, which the noise floor is measured against, is
+    written and current for the round's policy; return its key (:func:`eval_key`). Reads manifests
+    and fingerprints only (``capo noise-floor`` calls it before the run lock and any model).
 
     Raises:
-        FileNotFoundError: the round's eval table is not written yet (run the eval stage first).
+        FileNotFoundError: the eval table is not written yet, is not current (re-trained since?), or
+            round ``round_idx``'s checkpoint does not exist; the message names the command to run first.
+        ValueError: ``round_idx`` below 0.
     """
     src = eval_path(cfg, round_idx)
     if storage.read_manifest(src) is None:
@@ -157,6 +156,23 @@ def measure_noise_floor(cfg: CAPOConfig, round_idx: int, force: bool = False) ->
     if not storage.is_current(src, key).current:
         raise FileNotFoundError(f"round {round_idx}'s eval table {src} is not current for its policy (re-trained "
                                 f"since?): run `capo stage eval --round {round_idx}` first, then measure the noise floor")
+    return key
+
+
+def measure_noise_floor(cfg: CAPOConfig, round_idx: int, force: bool = False) -> dict:
+    """Evaluate round ``round_idx``'s eval policy twice more (``repeat``, ``one_rounding``) with the
+    round's eval settings and compare each with the round's eval table -> the summary dict, also
+    written to ``noise_floor.json`` (:func:`noise_floor_dir`).
+
+    Each arm is a table with a manifest (resumable: an arm whose key is current is not recomputed
+    unless ``force``). The key is the round's eval key plus the arm.
+
+    Raises:
+        FileNotFoundError: the round's eval table is not written yet or not current (run the eval
+            stage first; :func:`require_eval_table`).
+    """
+    src = eval_path(cfg, round_idx)
+    key = require_eval_table(cfg, round_idx)
     base = storage.read_table(src, "eval")
     out_dir = noise_floor_dir(cfg, round_idx)
     out_dir.mkdir(parents=True, exist_ok=True)

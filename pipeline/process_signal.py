@@ -390,7 +390,11 @@ def measure_run(run_dir: Path, rounds: list[int] | None = None, n_boot: int = 20
     Raises:
         FileNotFoundError: ``run_dir`` has no finished round (names what is there), or a round asked
             for is missing.
+        ValueError: ``n_boot`` below 1, or a round's tables that do not fit together (step weights
+            for another number of steps).
     """
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1 (bootstrap resamples of the AUROC's interval), got {n_boot}")
     run_dir = Path(run_dir)
     have = sorted(p for p in run_dir.glob("round_*") if (p / "outcomes.parquet").exists())
     if not have:

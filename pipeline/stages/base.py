@@ -63,6 +63,11 @@ def round_paths(cfg: CAPOConfig, round_idx: int) -> dict[str, Path]:
     return paths
 
 
+class ShardIdError(ValueError):
+    """A shard id outside the round's plan of a stage with shards (``capo stage NAME --shards``);
+    the message names the ids and the valid range."""
+
+
 def input_fp(path: Path) -> str:
     """Fingerprint of a committed input table, from its manifest.
 

@@ -44,6 +44,7 @@ from pipeline.core.critique import (
 from pipeline.engines import make_engine
 from pipeline.schemas import CRITIQUES_SCHEMA
 from pipeline.stages.base import (
+    ShardIdError,
     Stage,
     StageResult,
     input_fp,
@@ -479,7 +480,8 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
         ``critic_calls`` (critic requests, one per live rollout), ``engine`` (engine stats or None),
         ``seed``, ``pid``, ``ppid``, ``host`` and ``seconds``.
     Raises:
-        ValueError: a shard id outside the round's plan.
+        pipeline.stages.base.ShardIdError: a shard id outside the round's plan (a ValueError;
+            raised before any engine is loaded).
         FileNotFoundError: the round's rollouts or steps table is missing.
         pipeline.engines.openai_engine.EngineReplyError: an OpenAI critic's request failed after
             its retries; the message names the shard and its rollouts. The shard's finished replies
@@ -490,7 +492,7 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
     inp = _inputs or _critique_inputs(cfg, round_idx)
     bad = [s for s in shard_ids if not 0 <= s < len(inp.plan)]
     if bad:
-        raise ValueError(f"critique shards {bad} are not in round {round_idx}'s plan (shards 0..{len(inp.plan) - 1})")
+        raise ShardIdError(f"critique shards {bad} are not in round {round_idx}'s plan (shards 0..{len(inp.plan) - 1})")
     todo = [s for s in shard_ids if not _shard_committed(inp.parts_dir, s, inp.shard_key, inp.plan[s])]
     n_todo = sum(len(inp.plan[s]) for s in todo)
     mode, n = critique_mode(cfg.critique), cfg.critique.num_critiques

@@ -315,3 +315,56 @@ def test_a_stage_child_of_the_runner_does_not_check_its_inputs(tmp_path, monkeyp
     assert _invoke(args).exit_code == 2  # the steps are stale under steps.mode=line
     monkeypatch.setenv("CAPO_CHILD", "1")
     assert _invoke(args).exit_code == 7
+
+
+# ------------------------------------------------------------------ usage errors, not tracebacks
+def test_stage_of_a_round_without_the_previous_checkpoint_fails_before_the_lock(tmp_path):
+    out = _usage_error(_invoke(["stage", "rollout", "--round", "3", "--config", "configs/tiny.yaml",
+                                f"runs_dir={tmp_path}"]))
+    assert "run round 2 first (capo round --round 2)" in out and "--round" in out, out
+    assert not any(tmp_path.iterdir())
+
+
+def test_stage_shards_outside_the_plan_is_a_usage_error(tmp_path):
+    over, cfg = _hand_round(tmp_path)  # 2 rollouts, critique.batch_rollouts=2: one shard
+    out = _usage_error(_invoke(["stage", "critique", "--round", "1", "--shards", "0,99", "--config",
+                                "configs/tiny.yaml", *over]))
+    assert "critique shards [99] are not in round 1's plan (shards 0..0)" in out and "--shards" in out, out
+
+
+@pytest.mark.parametrize("rnd, message", [("-1", "greater than or equal to 0"),
+                                          ("2", "run `capo stage eval --round 2` first")])
+def test_noise_floor_of_a_round_without_its_eval_fails_before_the_lock(tmp_path, rnd, message):
+    out = _usage_error(_invoke(["noise-floor", "--round", rnd, "--config", "configs/tiny.yaml",
+                                f"runs_dir={tmp_path}"]))
+    assert message in out, out
+    assert not any(tmp_path.iterdir())  # no lock file, no folder
+
+
+def test_signal_n_boot_below_1_is_a_usage_error(tmp_path):
+    (tmp_path / "r" / "round_001").mkdir(parents=True)
+    out = _usage_error(_invoke(["signal", "r", "--runs-dir", str(tmp_path), "--n-boot", "0"]))
+    assert "--n-boot" in out and "greater than or equal to 1" in out, out
+
+
+def test_signal_of_tables_that_do_not_fit_is_a_usage_error(tmp_path, monkeypatch):
+    import pipeline.process_signal as ps
+
+    (tmp_path / "r" / "round_001").mkdir(parents=True)
+
+    def misfit(*a, **kw):
+        raise ValueError("3 step weights for 2 steps")
+
+    monkeypatch.setattr(ps, "measure_run", misfit)
+    out = _usage_error(_invoke(["signal", "r", "--runs-dir", str(tmp_path)]))
+    assert "3 step weights for 2 steps" in out
+
+
+def test_critic_eval_critique_of_an_unknown_setup_names_the_valid_ones(tmp_path):
+    from critic_eval import stages as ces
+    from flows.critic_eval import app as critic_eval_app
+
+    out = _usage_error(_invoke(["critique", "--setup", "typo", f"runs_dir={tmp_path}"], critic_eval_app))
+    assert "unknown setup 'typo'; valid: " in out and "--setup" in out, out
+    with pytest.raises(ValueError, match="unknown setup 'typo'; valid: "):  # the stage itself, called directly
+        ces.critique_stage(ces.load_eval_config("configs/critic_eval.yaml", [f"runs_dir={tmp_path}"]), "typo")
