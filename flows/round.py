@@ -25,6 +25,19 @@ from pipeline.stages import round_plan
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.yaml")
 
 
+def _require_at_least(low: int, **values: int) -> None:
+    """Refuse a flow parameter below ``low`` (the CLI's ``min=1``), naming it and its value.
+
+    Raises:
+        ValueError: the first of ``values`` below ``low``.
+    """
+    for name, value in values.items():
+        if value < low:
+            why = "the number of rounds to run" if name == "rounds" else \
+                "a round number; round 0 is the starting policy, evaluated only, and round 1 samples from it"
+            raise ValueError(f"{name}={value}: must be >= {low} ({why})")
+
+
 @task(cache_policy=NO_CACHE, task_run_name="{name}-round-{round_idx}")
 def stage_task(name: str, config: str, overrides: list[str], round_idx: int, preset: Optional[str] = None) -> dict:
     """One stage of one round; returns what happened (skipped and why, or rows written)."""
@@ -60,7 +73,12 @@ def capo_round(round: int = 1, config: str = DEFAULT_CONFIG, overrides: Optional
         preset: a name from ``configs/presets/`` (capo-intersection, capo-union, capo-majority,
             capo-average, capo-majority-arithmetic, capo-arithmetic, capo-logprob-arithmetic, capo-readout, grpo, grpo-genorm, grpo-lambda, fipo, vineppo,
             densr); it also names the variant.
+
+    Raises:
+        ValueError: ``round`` below 1 (checked first, before the config is read), or a bad config.
+        FileNotFoundError: round ``round - 1``'s checkpoint is missing (before the run lock).
     """
+    _require_at_least(1, round=round)
     overrides = list(overrides or [])
     cfg = load_config(config, overrides, preset)  # fail before any work on a bad config
     from pipeline.precision import describe, precision_record
@@ -88,7 +106,13 @@ def capo_run(rounds: int = 2, start_round: int = 1, config: str = DEFAULT_CONFIG
 
     With ``scale.policy_engine=persistent`` one vLLM policy engine serves every round's rollout
     and eval stages, loading each new checkpoint in place (:mod:`pipeline.engines.host`).
+
+    Raises:
+        ValueError: ``rounds`` or ``start_round`` below 1 (checked first, before the config is
+            read), or a bad config.
+        FileNotFoundError: round ``start_round - 1``'s checkpoint is missing (before the run lock).
     """
+    _require_at_least(1, rounds=rounds, start_round=start_round)
     cfg = load_config(config, list(overrides or []), preset)
     if start_round > 1:
         from pipeline.stages.base import policy_for_round

@@ -4,6 +4,7 @@ statements that read; nothing is overwritten or made up silently. No model is lo
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -368,3 +369,21 @@ def test_critic_eval_critique_of_an_unknown_setup_names_the_valid_ones(tmp_path)
     assert "unknown setup 'typo'; valid: " in out and "--setup" in out, out
     with pytest.raises(ValueError, match="unknown setup 'typo'; valid: "):  # the stage itself, called directly
         ces.critique_stage(ces.load_eval_config("configs/critic_eval.yaml", [f"runs_dir={tmp_path}"]), "typo")
+
+
+@pytest.mark.parametrize("flow, kwargs, message", [
+    ("capo_run", {"rounds": 0}, "rounds=0: must be >= 1 (the number of rounds to run)"),
+    ("capo_run", {"rounds": -2}, "rounds=-2: must be >= 1"),
+    ("capo_run", {"rounds": 1, "start_round": 0}, "start_round=0: must be >= 1 (a round number; round 0 is"),
+    ("capo_round", {"round": 0}, "round=0: must be >= 1 (a round number; round 0 is the starting policy"),
+])
+def test_the_flows_refuse_round_numbers_below_1_before_any_work(tmp_path, monkeypatch, flow, kwargs, message):
+    import flows.round as fr
+
+    def no_config(*a, **kw):
+        raise AssertionError("the config was read: the numbers were not checked first")
+
+    monkeypatch.setattr(fr, "load_config", no_config)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        getattr(fr, flow).fn(config="configs/tiny.yaml", overrides=[f"runs_dir={tmp_path}"], **kwargs)
+    assert not any(tmp_path.iterdir())
