@@ -156,8 +156,9 @@ def rollout_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stage
     """Sample G responses per prompt from the round's policy -> ``rollouts.parquet``.
 
     Raises:
-        ValueError: ``data.prompts_per_round`` exceeds the prompt table, or the round would hold a
-            rollout id twice.
+        ValueError: ``data.prompts_per_round`` exceeds the prompt table (before the policy engine
+            is started), or the round would hold a rollout id twice. The engine is closed on every
+            path out once started.
         FileNotFoundError: round k-1's checkpoint is missing (:func:`policy_for_round`).
     """
     p = round_paths(cfg, round_idx)
@@ -169,30 +170,34 @@ def rollout_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stage
         policy = policy_for_round(cfg, round_idx)
         prompts = pq.read_table(prompts_path(cfg))
         per, rc = cfg.data.prompts_per_round, cfg.rollout
+        idx = select_prompt_indices(prompts.num_rows, per, round_idx, cfg.seed)  # too few prompts: before the engine
         engine = policy_engine(policy, rc.engine, seed=round_seed(cfg, round_idx, 1))
-        groups: list[tuple[dict, object, list[str]]] = []  # (prompt row, generation, response texts)
-        correct: list[list[bool]] = []
-        idx = select_prompt_indices(prompts.num_rows, per, round_idx, cfg.seed)
-        tried: list[int] = []
-        n_batches = 0
-        for batch in range(rc.max_gen_batches if rc.dynamic_sampling else 1):
-            if batch:
-                idx = extra_prompt_indices(prompts.num_rows, per, round_idx, cfg.seed, batch, tried)
-                if not len(idx):
+        try:
+            groups: list[tuple[dict, object, list[str]]] = []  # (prompt row, generation, response texts)
+            correct: list[list[bool]] = []
+            tried: list[int] = []
+            n_batches = 0
+            for batch in range(rc.max_gen_batches if rc.dynamic_sampling else 1):
+                if batch:
+                    idx = extra_prompt_indices(prompts.num_rows, per, round_idx, cfg.seed, batch, tried)
+                    if not len(idx):
+                        break
+                tried += idx.tolist()
+                n_batches += 1
+                chosen = prompts.take(pa.array(idx)).to_pylist()
+                gens = engine.generate([policy_messages(r["question"], cfg.instruction()) for r in chosen],
+                                       rc.group_size, rc.sampling)
+                new = [(r, g, [decode_with_bytes(engine.tokenizer, s.token_ids)[0] for s in g.samples])
+                       for r, g in zip(chosen, gens, strict=True)]
+                groups += new
+                if not rc.dynamic_sampling:
                     break
-            tried += idx.tolist()
-            n_batches += 1
-            chosen = prompts.take(pa.array(idx)).to_pylist()
-            gens = engine.generate([policy_messages(r["question"], cfg.instruction()) for r in chosen],
-                                   rc.group_size, rc.sampling)
-            new = [(r, g, [decode_with_bytes(engine.tokenizer, s.token_ids)[0] for s in g.samples])
-                   for r, g in zip(chosen, gens, strict=True)]
-            groups += new
-            if not rc.dynamic_sampling:
-                break
-            correct += _grade_groups(cfg, new)
-            if sum(map(has_signal, correct)) >= per:
-                break
+                correct += _grade_groups(cfg, new)
+                if sum(map(has_signal, correct)) >= per:
+                    break
+            stats = engine.stats.as_dict()
+        finally:  # a failed generation or grading returns the engine's memory too
+            engine.close()
         extra = {}
         if rc.dynamic_sampling:
             keep, n_flat = filter_groups(correct, per)
@@ -221,8 +226,6 @@ def rollout_stage(cfg: CAPOConfig, round_idx: int, force: bool = False) -> Stage
         dup = [rid for rid, n in Counter(r["rollout_id"] for r in rows).items() if n > 1]
         if dup:  # a round holds each prompt once (select_prompt_indices, extra_prompt_indices)
             raise ValueError(f"round {round_idx} would hold rollout ids twice: {dup[:3]}")
-        stats = engine.stats.as_dict()
-        engine.close()
         log.info("rollout engine: %s", json.dumps(stats))
         return (pa.Table.from_pylist(rows, schema=ROLLOUTS_SCHEMA),
                 provenance(cfg, {"engine": stats, "policy": policy, **extra}))

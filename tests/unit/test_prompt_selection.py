@@ -128,3 +128,52 @@ def test_the_rollout_key_holds_the_instruction_that_steps_mode_picks(tmp_path):
     # an empty instruction is no instruction: the mode's default is given, and keyed
     empty = rollout_settings(load_config(None, base + ["steps.mode=step_tag", "rollout.instruction=''"]))
     assert empty["instruction"] == DEFAULT_INSTRUCTIONS["step_tag"]
+
+
+class _FakeEngine:
+    """A policy engine that records its life (no model); ``generate`` fails like a dead engine."""
+
+    made: list["_FakeEngine"] = []
+
+    def __init__(self, *a, **kw) -> None:
+        self.closed = False
+        _FakeEngine.made.append(self)
+
+    def generate(self, *a, **kw):
+        raise RuntimeError("engine died")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def fake_engine(tmp_path, monkeypatch):
+    import pipeline.engines.host as host
+    from pipeline.config import load_config
+    from tests.toy_round import toy_config
+
+    toy_config(tmp_path)  # the two-prompt file toy.jsonl
+    _FakeEngine.made = []
+    monkeypatch.setattr(host, "policy_engine", _FakeEngine)
+
+    def cfg(*extra: str):
+        return load_config(None, [f"runs_dir={tmp_path / 'runs'}", f"data_dir={tmp_path / 'data'}",
+                                  f"data.train_prompts={tmp_path / 'toy.jsonl'}", "rollout.policy=org/hand-policy",
+                                  *extra])
+    return cfg
+
+
+def test_too_many_prompts_per_round_fail_before_the_policy_engine_starts(fake_engine):
+    from pipeline.stages.rollout import rollout_stage
+
+    with pytest.raises(ValueError, match="data.prompts_per_round=5 exceeds the 2 prompts available"):
+        rollout_stage(fake_engine("data.prompts_per_round=5"), 1)
+    assert _FakeEngine.made == []
+
+
+def test_the_policy_engine_is_closed_when_sampling_fails(fake_engine):
+    from pipeline.stages.rollout import rollout_stage
+
+    with pytest.raises(RuntimeError, match="engine died"):
+        rollout_stage(fake_engine("data.prompts_per_round=2"), 1)
+    assert len(_FakeEngine.made) == 1 and _FakeEngine.made[0].closed
