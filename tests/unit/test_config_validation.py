@@ -42,6 +42,14 @@ BAD_OVERRIDES = [
     (["data.train_prompts=math", "data.train_split=dev"], ["data.train_split='dev'", "embedded math"]),
     (["critique.structured_output=true", "critique.engine.type=transformers"],
      ["critique.structured_output=true needs an engine", "vllm, or openai", "'transformers'"]),
+    (["eval.benchmarks=[gsm8k, aime24, gsm8k]"], ["eval.benchmarks=['gsm8k', 'aime24', 'gsm8k'] names 'gsm8k' more than once"]),
+    (["eval.pass_k=4", "eval.pass_k_benchmarks=[aime24, aime24]"], ["eval.pass_k_benchmarks", "names 'aime24' more than once"]),
+    (["eval.pass_k=4", "eval.pass_k_benchmarks=[aime24]"],
+     ["eval.pass_k_benchmarks names 'aime24', which eval.benchmarks ['gsm8k', 'math500'] does not hold",
+      "valid: a subset of eval.benchmarks"]),
+    (["eval.pass_k_benchmarks=[gsm8k]"], ["eval.pass_k_benchmarks=['gsm8k'] has no effect with eval.pass_k=1",
+                                          "set eval.pass_k > 1"]),
+    (["eval.pass_k=4", "eval.pass_k_benchmarks=[]"], ["eval.pass_k_benchmarks=[] gives no benchmark the eval.pass_k=4 samples"]),
 ]
 
 
@@ -126,3 +134,9 @@ def test_valid_references_still_load(tmp_path):
     assert load_config(None, ["scale.child_silence_s=null"]).scale.child_silence_s is None  # never stopped
     assert load_config(None, ["scale.child_silence_s=90"]).scale.child_silence_s == 90.0
     assert load_config(None, ["train.learning_rate=1e-5"]).train.learning_rate == 1e-5  # YAML 1.1 reads 1e-5 as text
+
+
+def test_pass_k_benchmarks_that_are_a_subset_still_load():
+    cfg = load_config(None, ["eval.benchmarks=[gsm8k, aime24]", "eval.pass_k=4", "eval.pass_k_benchmarks=[aime24]"])
+    assert cfg.eval.pass_k_benchmarks == ["aime24"]
+    assert load_config(None, ["eval.pass_k=4"]).eval.pass_k_benchmarks is None  # unset: all of them
