@@ -86,12 +86,16 @@ def setup(
         raise typer.BadParameter(f"{', '.join(map(repr, unknown))}: not an embedded model nor an existing checkpoint "
                                  f"folder; embedded: {', '.join(sorted(EMBEDDED_MODELS))}", param_hint="--model")
     cfg = _cfg(config, overrides, preset)
+    try:  # first: a mistyped data.train_prompts is a usage error before minutes of model conversion
+        prompts = str(prompts_path(cfg))
+    except (FileNotFoundError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="data.train_prompts") from None
     out = {"policy": resolve_model(cfg.rollout.policy, cfg)}
     if cfg.critique.enabled:
         out["critic"] = resolve_model(cfg.critique.critic, cfg)
     for m in models or []:
         out[m] = resolve_model(m, cfg)
-    out["train_prompts"] = str(prompts_path(cfg))
+    out["train_prompts"] = prompts
     typer.echo(json.dumps(out, indent=1))
 
 

