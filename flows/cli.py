@@ -215,8 +215,8 @@ def stage(
     if round == 0 and 0 not in st.rounds(1):  # before the lock: round 0 is the starting policy, evaluated only
         raise typer.BadParameter(f"--round 0 is the starting policy, which only the eval stage takes; {name} "
                                  "needs a round >= 1", param_hint="--round")
-    if name != "eval":  # round k's stages follow round k-1's checkpoint (the eval reads round k's own)
-        _require_round_start(cfg, round, "--round")
+    if 0 not in st.rounds(1):  # a training stage of round k follows round k-1's checkpoint (the eval, which
+        _require_round_start(cfg, round, "--round")  # also takes round 0, reads round k's own)
     if shards is not None:
         # no run lock here: a fan-out's chunks run at once as workers of one stage, each committing only its
         # own shards' part files, on cluster workers that need not inherit the holder's lock (docs/resume.md)
