@@ -99,12 +99,17 @@ def browser_queries(run_id: str, round_idx: int, variant: str, rule: str) -> dic
 
 def _register_views(con: duckdb.DuckDBPyConnection, run_dir: Path, prompts: Path | None) -> list[str]:
     """Views named as in the catalog over this run's tables (every round); an absent table is an
-    empty view of its schema (a GRPO variant has no critiques). Returns the absent tables."""
+    empty view of its schema (a GRPO variant has no critiques). A Parquet file whose footer does
+    not read (truncated, overwritten) is left out of its view and logged. Returns the absent
+    tables, then one entry ``"<table>: <file> unreadable (<why>)"`` per file left out."""
     globs = {name: pattern.split("/", 1)[1] for name, pattern in storage.CATALOG_GLOBS.items()}
-    missing = []
+    missing, unreadable = [], []
     for name, pattern in [*globs.items(), ("prompts", None)]:
         files = sorted(run_dir.glob(pattern)) if pattern else ([prompts] if prompts and prompts.exists() else [])
-        files = [f for f in files if "superseded" not in f.parts]
+        files, bad = storage.split_unreadable([f for f in files if "superseded" not in f.parts])
+        for f, why in bad.items():
+            log.warning("browse: view %s leaves out %s (%s); recompute its stage (--force) or delete it", name, f, why)
+            unreadable.append(f"{name}: {f} unreadable ({why})")
         con.register(f"_{name}_empty", SCHEMAS[name].empty_table())
         if files:  # over the current schema, columns an older table lacks filled as the catalog fills them
             paths = "[" + ", ".join(sql_literal(str(f)) for f in files) + "]"
@@ -113,7 +118,7 @@ def _register_views(con: duckdb.DuckDBPyConnection, run_dir: Path, prompts: Path
         else:
             missing.append(name)
             con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}_empty")
-    return missing
+    return missing + unreadable
 
 
 def _rows(con: duckdb.DuckDBPyConnection, sql: str) -> list[dict]:

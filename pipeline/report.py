@@ -79,7 +79,10 @@ def _rows(con, sql: str) -> list[dict]:
 def collect(run_dir: Path) -> tuple[dict[str, list[dict]], list[str]]:
     """Per-round aggregates of a run's tables, and notes on tables that could not be read.
 
-    A key is absent when its table has no file yet or cannot be read (then a note says why).
+    A key is absent when its table has no file yet or cannot be read (then a note says why). A
+    Parquet file whose footer does not read (truncated, overwritten) is left out of its table and
+    named, with the reason, in a note; the table's other files are still read. Never raises for a
+    bad table file.
     """
     import duckdb
     import pyarrow as pa
@@ -87,35 +90,55 @@ def collect(run_dir: Path) -> tuple[dict[str, list[dict]], list[str]]:
     con = duckdb.connect()
     out: dict[str, list[dict]] = {}
     notes: list[str] = []
+
+    def note(msg: str) -> None:
+        notes.append(msg)
+        log.warning("report of %s: %s", run_dir.name, msg)
+
     try:
         present = set()
         for name, patterns in TABLE_GLOBS.items():
-            files = sorted(str(p) for pat in patterns for p in run_dir.glob(pat) if "superseded" not in p.parts)
+            files = sorted(p for pat in patterns for p in run_dir.glob(pat) if "superseded" not in p.parts)
+            files, bad = storage.split_unreadable(files)
+            for f, why in bad.items():
+                note(f"{name}: {f.relative_to(run_dir)} left out, unreadable ({why}); recompute its stage "
+                     "(--force) or delete it")
             if files:
-                lit = "[" + ", ".join(storage.sql_literal(f) for f in files) + "]"
-                # columns older tables lack read at the value the stages' reader gives them (ADDED_COLUMNS)
-                con.execute(f"CREATE VIEW {name} AS {storage.view_select(con, name, lit)}")
+                lit = "[" + ", ".join(storage.sql_literal(str(f)) for f in files) + "]"
+                try:
+                    # columns older tables lack read at the value the stages' reader gives them (ADDED_COLUMNS)
+                    con.execute(f"CREATE VIEW {name} AS {storage.view_select(con, name, lit)}")
+                except duckdb.Error as e:  # files that do not union: report it, draw the rest
+                    note(f"{name} could not be read: {str(e).splitlines()[0]}")
+                    continue
                 present.add(name)
         for key, sql in _SQL.items():
             if _NEEDS[key] in present:
                 try:
                     out[key] = _rows(con, sql)
                 except duckdb.Error as e:  # an older or foreign schema: report it, draw the rest
-                    notes.append(f"{_NEEDS[key]} could not be read: {str(e).splitlines()[0]}")
-                    log.warning("report of %s: %s", run_dir.name, notes[-1])
+                    note(f"{_NEEDS[key]} could not be read: {str(e).splitlines()[0]}")
         if "critiques" in present:
-            out["critique_rows"] = _rows(con, """SELECT round, rollout_id, parse_status, wrong_steps, steps_wrong_lines
-                                                 FROM critiques WHERE mode = 'process' AND source = 'llm'""")
+            try:
+                out["critique_rows"] = _rows(con, """SELECT round, rollout_id, parse_status, wrong_steps, steps_wrong_lines
+                                                     FROM critiques WHERE mode = 'process' AND source = 'llm'""")
+            except duckdb.Error as e:
+                note(f"critiques could not be read: {str(e).splitlines()[0]}")
         if "eval" in present:
-            reader = con.sql("SELECT * FROM eval").arrow()
-            table = reader.read_all() if isinstance(reader, pa.RecordBatchReader) else reader
-            out["accuracy"] = sorted(summarize_eval(table).to_pylist(),
-                                     key=lambda r: (r["variant"] is not None, r["variant"] or "", r["round"]))
-            out["items"] = _rows(con, """SELECT variant, round, benchmark, prompt_id, bool_and(correct) AS correct
-                                         FROM eval WHERE decoding = 'greedy' GROUP BY ALL""")
-            out["sampled_items"] = _rows(con, """SELECT variant, round, benchmark, prompt_id,
-                                                        avg(CAST(correct AS DOUBLE)) AS rate
-                                                 FROM eval WHERE decoding = 'sample' GROUP BY ALL""")
+            try:
+                reader = con.sql("SELECT * FROM eval").arrow()
+                table = reader.read_all() if isinstance(reader, pa.RecordBatchReader) else reader
+                accuracy = sorted(summarize_eval(table).to_pylist(),
+                                  key=lambda r: (r["variant"] is not None, r["variant"] or "", r["round"]))
+                items = _rows(con, """SELECT variant, round, benchmark, prompt_id, bool_and(correct) AS correct
+                                      FROM eval WHERE decoding = 'greedy' GROUP BY ALL""")
+                sampled = _rows(con, """SELECT variant, round, benchmark, prompt_id,
+                                               avg(CAST(correct AS DOUBLE)) AS rate
+                                        FROM eval WHERE decoding = 'sample' GROUP BY ALL""")
+            except duckdb.Error as e:
+                note(f"eval could not be read: {str(e).splitlines()[0]}")
+            else:
+                out["accuracy"], out["items"], out["sampled_items"] = accuracy, items, sampled
         return out, notes
     finally:
         con.close()
@@ -664,6 +687,8 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
     raw: list[dict] = []
     if "accuracy" in data:
         sections, raw = _accuracy_sections(data, run_dir, notes)
+    elif any(n.startswith("eval") for n in read_notes):
+        notes.insert(0, "no readable eval table: see the notes on its files below")
     else:
         notes.insert(0, "no eval table yet: run the eval stage (round 0 = the starting policy)")
     sections += _signal_sections(data, run_dir, notes)

@@ -569,6 +569,20 @@ def _unreadable_parquet(path: Path) -> str | None:
     return None
 
 
+def split_unreadable(files) -> tuple[list[Path], dict[Path, str]]:
+    """``files`` split into those whose Parquet footer reads and ``{path: why}`` for the others
+    (truncated, overwritten, not Parquet at all), so that one bad file does not fail a query over
+    all of them. Order is kept; never raises for a bad file."""
+    good, bad = [], {}
+    for f in files:
+        why = _unreadable_parquet(f)
+        if why is None:
+            good.append(f)
+        else:
+            bad[f] = why
+    return good, bad
+
+
 def _remove_dead_temporaries(runs_dir: Path) -> None:
     """Delete catalog temporaries (``.catalog.duckdb.<pid>.tmp[.wal]``) whose process is gone (killed
     mid-refresh); a live process's (another run refreshing now) is left alone."""
@@ -630,7 +644,7 @@ def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
             files = sorted(Path("/").glob(glob.lstrip("/")))
             if not files:
                 continue
-            bad = {f: why for f in files if (why := _unreadable_parquet(f))}
+            _, bad = split_unreadable(files)
             skipped += [(name, str(f), why) for f, why in bad.items()]
             if not bad:  # a glob: tables written after this refresh show up too
                 source = sql_literal(glob)

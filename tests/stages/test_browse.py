@@ -65,6 +65,17 @@ def test_the_browser_shows_the_round_as_worked_by_hand(toy_run):
     assert ov["filters"] == {"wrong_unflagged": 1, "right_flagged": 1, "split": 2, "parse_failures": 1}
 
 
+def test_an_unreadable_table_file_is_named_not_a_crash(toy_run):
+    """A truncated or overwritten Parquet file of the run is left out of its view and named on the page."""
+    bad = toy_run.run_dir() / "round_001" / "variants" / "capo-intersection" / "eval.parquet"
+    bad.write_bytes(b"PAR1x")
+    data = collect(toy_run.run_dir(), 1)
+    assert [len(p["responses"]) for p in data["prompts"]] == [2]  # the round's own tables still read
+    (entry,) = [m for m in data["meta"]["missing_tables"] if m.startswith("eval: ")]
+    assert str(bad) in entry and "unreadable" in entry
+    assert str(bad) in build_browser(toy_run.run_dir(), 1).read_text()
+
+
 def test_every_stated_query_runs_unchanged_in_the_catalog(toy_run):
     """What the page says it came from is what ``capo sql`` answers."""
     cfg = toy_run

@@ -148,6 +148,23 @@ def test_report_missing_tables_never_crash(tmp_path):
         write_report(tmp_path / "runs", "nope")
 
 
+def test_one_unreadable_table_file_is_a_note_not_a_crash(runs, tmp_path):
+    """A truncated or overwritten Parquet file is left out and named in the report's notes; the
+    table's other files (and every other table) are still read and shown."""
+    bad_eval = runs / RUN / "round_001" / "variants" / GRPO / "eval.parquet"
+    bad_eval.write_bytes(b"PAR1x")
+    (runs / RUN / "round_001" / "critiques.parquet").write_bytes(b"PAR1x")  # every file of a table
+    data, notes = collect(runs / RUN)
+    assert {r["variant"] for r in data["accuracy"]} == {None, CAPO}  # the start policy and CAPO still read
+    assert "critique_rows" not in data and "parse" not in data
+    assert any(n.startswith("eval: round_001/variants/grpo/eval.parquet left out, unreadable") for n in notes), notes
+    assert any(n.startswith("critiques: round_001/critiques.parquet left out, unreadable") for n in notes), notes
+    out = write_report(runs, RUN, tmp_path / "rep")
+    page = out["report_html"].read_text()
+    assert f"<td>{CAPO}</td><td>1</td><td>75.0</td><td>100.0</td>" in page and f"<td>{GRPO}</td><td>1</td><td>25.0</td>" not in page
+    assert "round_001/variants/grpo/eval.parquet left out, unreadable" in out["report_md"].read_text()
+
+
 def test_publish_artifacts(runs, tmp_path, monkeypatch, caplog):
     import prefect.artifacts
     from prefect.context import FlowRunContext
