@@ -569,6 +569,50 @@ def _unreadable_parquet(path: Path) -> str | None:
     return None
 
 
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")  # Python reads NaN/Infinity, DuckDB's JSON reader does not
+
+
+_MANIFEST_TYPES = {"VARCHAR": (str,), "BIGINT": (int,), "DOUBLE": (int, float), "JSON": (object,),
+                   "TIMESTAMPTZ": (str,)}
+
+
+def _manifest_problem(path: Path) -> tuple[dict | None, str | None]:
+    """The manifest ``path`` and None, or None and why it cannot be a row of the catalog's
+    ``manifests`` view (not UTF-8, not JSON, not an object, a column of the wrong type)."""
+    try:
+        man = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_reject_constant)
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        return None, f"{type(e).__name__}: {str(e)[:200]}"
+    if not isinstance(man, dict):
+        return None, f"not a JSON object but a JSON {type(man).__name__}"
+    for col, typ in _MANIFEST_COLUMNS.items():
+        v = man.get(col)
+        if v is not None and ((isinstance(v, bool) and typ != "JSON") or not isinstance(v, _MANIFEST_TYPES[typ])):
+            return None, f"{col} is {json.dumps(v)[:80]}, not a {typ}"
+        if typ == "BIGINT" and v is not None and not -(2 ** 63) <= v < 2 ** 63:
+            return None, f"{col} is {v}, out of a BIGINT's range"
+    return man, None
+
+
+def _manifest_problems(paths: list[Path], con) -> dict[Path, str]:
+    """``{path: why}`` for each manifest the ``manifests`` view could not read (see
+    :func:`_manifest_problem`; ``created_at`` must also cast to DuckDB's TIMESTAMPTZ)."""
+    bad, stamps = {}, []
+    for p in paths:
+        man, why = _manifest_problem(p)
+        if why is not None:
+            bad[p] = why
+        elif isinstance(man.get("created_at"), str):
+            stamps.append((p, man["created_at"]))
+    if stamps:
+        nulls = [r[1] for r in con.execute(
+            "SELECT i, TRY_CAST(($l::VARCHAR[])[i] AS TIMESTAMPTZ) IS NULL FROM range(1, len($l::VARCHAR[]) + 1) t(i) "
+            "ORDER BY i", {"l": [v for _, v in stamps]}).fetchall()]
+        bad.update({p: f"created_at is {json.dumps(v)[:80]}, not a TIMESTAMPTZ" for (p, v), n in zip(stamps, nulls) if n})
+    return bad
+
+
 def split_unreadable(files) -> tuple[list[Path], dict[Path, str]]:
     """``files`` split into those whose Parquet footer reads and ``{path: why}`` for the others
     (truncated, overwritten, not Parquet at all), so that one bad file does not fail a query over
@@ -623,6 +667,8 @@ def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
     open read-only is never blocked and never sees a half-built one. A table whose Parquet footer
     does not read (truncated, overwritten) is left out of its view and named, with the reason, in
     the view ``skipped_tables`` and the log, so one bad file does not break every run's catalog.
+    A manifest that is not a JSON object with columns of the ``manifests`` view's types (torn,
+    hand-edited) is left out of that view and named in ``skipped_tables`` the same way.
     """
     import duckdb
 
@@ -653,23 +699,29 @@ def refresh_catalog(runs_dir: Path, data_dir: Path | None = None) -> Path:
             else:  # the readable files only; the others are named in skipped_tables
                 source = "[" + ", ".join(sql_literal(str(f)) for f in files if f not in bad) + "]"
             con.execute(f"CREATE OR REPLACE VIEW cat.{name} AS {view_select(con, name, source)}")
+        man_glob = str(runs_dir / "*" / "round_*" / "**" / f"*{MANIFEST_SUFFIX}")
+        mans = sorted(p for p in runs_dir.glob(f"*/round_*/**/*{MANIFEST_SUFFIX}") if "superseded" not in p.parts)
+        # one torn or hand-edited manifest would fail read_json over all of them: check each first
+        bad_mans = _manifest_problems(mans, con)
+        skipped += [("manifests", str(p), why) for p, why in bad_mans.items()]
+        if len(bad_mans) < len(mans):
+            # Explicit columns: a manifest lacking one (e.g. no elapsed_s) reads as NULL instead of
+            # failing the bind; superseded outputs' manifests are left out like their tables.
+            types = ", ".join(f"'{c}': '{t}'" for c, t in _MANIFEST_COLUMNS.items())
+            names = ", ".join(f'"{c}"' for c in _MANIFEST_COLUMNS)
+            source = (sql_literal(man_glob) if not bad_mans  # a glob: manifests written later show up too
+                      else "[" + ", ".join(sql_literal(str(p)) for p in mans if p not in bad_mans) + "]")
+            con.execute(
+                f"CREATE OR REPLACE VIEW cat.manifests AS SELECT {names} "
+                f"FROM read_json({source}, columns = {{{types}}}, format = 'auto', filename = true) "
+                "WHERE filename NOT LIKE '%/superseded/%'"
+            )
         if skipped:
             for view, f, why in skipped:
                 log.warning("catalog: view %s leaves out %s (%s); recompute its stage (--force) or delete it", view, f, why)
             rows = ", ".join(f"({sql_literal(v)}, {sql_literal(f)}, {sql_literal(w)})" for v, f, w in skipped)
             con.execute(f"CREATE OR REPLACE VIEW cat.skipped_tables AS SELECT * FROM (VALUES {rows}) "
                         "AS t(view_name, path, reason)")
-        man_glob = str(runs_dir / "*" / "round_*" / "**" / f"*{MANIFEST_SUFFIX}")
-        if any(runs_dir.glob(f"*/round_*/**/*{MANIFEST_SUFFIX}")):
-            # Explicit columns: a manifest lacking one (e.g. no elapsed_s) reads as NULL instead of
-            # failing the bind; superseded outputs' manifests are left out like their tables.
-            types = ", ".join(f"'{c}': '{t}'" for c, t in _MANIFEST_COLUMNS.items())
-            names = ", ".join(f'"{c}"' for c in _MANIFEST_COLUMNS)
-            con.execute(
-                f"CREATE OR REPLACE VIEW cat.manifests AS SELECT {names} "
-                f"FROM read_json({sql_literal(man_glob)}, columns = {{{types}}}, format = 'auto', filename = true) "
-                "WHERE filename NOT LIKE '%/superseded/%'"
-            )
         if "token_rewards" in _present(con):
             con.execute(VARIANT_SUMMARY_SQL.format(metrics="cat.train_metrics" if "train_metrics" in _present(con)
                                                    else "(SELECT NULL::VARCHAR run_id, NULL::INT round, NULL::VARCHAR variant, "

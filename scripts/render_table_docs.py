@@ -87,7 +87,9 @@ extensions and settings are refused. The DuckDB shell opens the file too
 The views are unions over files (`read_parquet(..., union_by_name = true)`) and read file
 patterns, so a table written after the last rebuild shows up in its view. A table whose Parquet
 footer does not read is left out of its view and listed in the view `skipped_tables` (`view_name`,
-`path`, `reason`). That view then reads an explicit list of files until the next rebuild. Rows identify their run by the `run_id` column, so a run folder copied under
+`path`, `reason`). That view then reads an explicit list of files until the next rebuild. A
+manifest that is not a JSON object with columns of the right types (torn, hand-edited) is left
+out of `manifests` and listed in `skipped_tables` the same way. Rows identify their run by the `run_id` column, so a run folder copied under
 another name shows its rows twice, with the same `run_id`. The critic-eval tables are not in the
 catalog. Read them with `read_parquet`, which `capo sql` allows inside the runs folder:
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import duckdb
 import pyarrow as pa
@@ -377,6 +378,33 @@ def test_one_corrupt_table_is_left_out_of_the_catalog_and_named(tmp_path):
         assert skipped[0][2]  # the reason pyarrow gave
     finally:
         con.close()
+
+
+def test_one_bad_manifest_is_left_out_of_the_manifests_view_and_named(tmp_path):
+    """A torn or hand-edited manifest does not break ``SELECT * FROM manifests``: the good ones are
+    listed, each bad one is named with its reason in ``skipped_tables``."""
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    _populate_runs(runs, data)
+    torn = storage.manifest_path(runs / "r1" / "round_002" / "rollouts.parquet")
+    torn.write_bytes(torn.read_bytes()[:40])
+    edited = storage.manifest_path(runs / "r2" / "round_001" / "rollouts.parquet")
+    edited.write_text(edited.read_text().replace('"rows": 4', '"rows": "many"'))
+    late = storage.manifest_path(runs / "r1" / "round_001" / "outcomes.parquet")
+    late.write_text(json.dumps({**json.loads(late.read_text()), "created_at": "yesterday"}))
+    listed = runs / "r3" / "round_001" / "steps.parquet.manifest.json"
+    listed.parent.mkdir(parents=True)
+    listed.write_text("[1, 2]")
+    with duckdb.connect(str(storage.refresh_catalog(runs, data)), read_only=True) as con:
+        assert con.execute('SELECT "table", rows FROM manifests').fetchall() == [("rollouts", 3)]
+        skipped = {Path(p).relative_to(runs.resolve()).as_posix(): (v, why)
+                   for v, p, why in con.execute("SELECT view_name, path, reason FROM skipped_tables").fetchall()}
+    assert {p: v for p, (v, _) in skipped.items()} == {
+        "r1/round_002/rollouts.parquet.manifest.json": "manifests", "r2/round_001/rollouts.parquet.manifest.json": "manifests",
+        "r1/round_001/outcomes.parquet.manifest.json": "manifests", "r3/round_001/steps.parquet.manifest.json": "manifests"}
+    assert skipped["r1/round_002/rollouts.parquet.manifest.json"][1].startswith("JSONDecodeError")
+    assert skipped["r2/round_001/rollouts.parquet.manifest.json"][1] == 'rows is "many", not a BIGINT'
+    assert skipped["r1/round_001/outcomes.parquet.manifest.json"][1] == 'created_at is "yesterday", not a TIMESTAMPTZ'
+    assert skipped["r3/round_001/steps.parquet.manifest.json"][1] == "not a JSON object but a JSON list"
 
 
 def test_capo_sql_reads_the_catalog_and_nothing_else(tmp_path, repo):
