@@ -341,6 +341,12 @@ def critique_path(cfg: CriticEvalConfig, setup: str) -> Path:
     return paths(cfg)["critiques_dir"] / f"{setup}.parquet"
 
 
+def replies_path(cfg: CriticEvalConfig, setup: str) -> Path:
+    """The OpenAI engine's reply cache of ``setup`` (beside its critiques table, removed once the
+    table is written): the replies finished before a request failed, reused by the next run."""
+    return paths(cfg)["critiques_dir"] / f".{setup}.replies.jsonl"
+
+
 def critique_key(cfg: CriticEvalConfig, setup: str) -> dict:
     critic, gold = cfg.setups()[setup]
     bench = _benchmark_fingerprint(cfg)
@@ -417,15 +423,22 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
     sampled critiques per item (``llm``), or one readout / check row per item (``logprob``,
     ``arithmetic``).
 
+    A served critic (the OpenAI engine) keeps each finished reply in :func:`replies_path` as it
+    arrives, so a request that fails after its retries loses no other reply: running the stage
+    again sends only the failed requests. The file is removed once the table is written.
+
     Raises:
         ValueError: unknown setup (:func:`check_setup`: names it and the valid ones).
+        pipeline.engines.openai_engine.EngineReplyError: a served critic's request failed after its
+            retries (names the requests; the finished replies are kept).
     """
-    from pipeline.core.critique import build_critique_messages, critique_regex, parse_critique
+    from pipeline.core.critique import build_critique_messages, critique_regex, parse_critique, reply_tokens
     from pipeline.engines import make_engine
 
     check_setup(cfg, setup)
     critic, gold = cfg.setups()[setup]
     out, key = critique_path(cfg, setup), critique_key(cfg, setup)
+    replies = replies_path(cfg, setup)
     if (res := check_outputs("critique", [out], key, force)).skipped:
         return res
     items = read_benchmark(cfg)
@@ -439,12 +452,16 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
         model = resolve_model(critic.model, cfg)
         seed = int(np.random.default_rng([cfg.seed, zlib.crc32(setup.encode())]).integers(0, 2**31 - 1))
         engine = make_engine(model, critic.engine, seed=seed)
+        if hasattr(engine, "reply_cache"):  # the OpenAI engine keeps finished replies across a failed request
+            engine.reply_cache = replies
         convs = [build_critique_messages(it["problem"], it["steps"], it["gold_answer"] if gold else None, critic.template)
                  for it in items]
         constraints = [critique_regex(len(it["steps"])) for it in items] if critic.structured_output else None
-        gens = engine.generate(convs, cfg.n_max, critic.sampling, constraints=constraints)
-        stats = engine.stats.as_dict()
-        engine.close()
+        try:
+            gens = engine.generate(convs, cfg.n_max, critic.sampling, constraints=constraints)
+        finally:
+            stats = engine.stats.as_dict()
+            engine.close()
         rows = []
         for it, gen in zip(items, gens):
             for k, s in enumerate(gen.samples):
@@ -454,13 +471,14 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
                              "n_steps": len(it["steps"]), "raw_text": s.text,
                              "wrong_steps": None if parsed.wrong_steps is None else list(parsed.wrong_steps),
                              "steps_judged": list(parsed.judged), "steps_wrong_lines": list(parsed.wrong_by_lines),
-                             "parse_status": parsed.status, "critic_tokens": len(s.token_ids),
+                             "parse_status": parsed.status, "critic_tokens": reply_tokens(s),
                              "finish_reason": s.finish_reason, "source": "llm"})
     secs = time.perf_counter() - t0
     log.info("[critique] %s: %s", setup, json.dumps(stats))
     man = storage.write_table(pa.Table.from_pylist(rows, schema=CRITIC_EVAL_CRITIQUES_SCHEMA), out,
                               "critic_eval_critiques", stage="critique", key=key, extra={"elapsed_s": round(secs, 3), "engine": stats,
                                                          "critic": model, "setup": setup, "source": critic.source})
+    replies.unlink(missing_ok=True)  # the table holds them now
     return StageResult("critique", str(out), False, "sampled" if critic.source == "llm" else "scored", man["rows"], secs)
 
 

@@ -50,6 +50,7 @@ from pipeline.core.critique.mode import (
     critique_mode,
     critique_requests,
     critique_rows,
+    reply_tokens,
 )
 from pipeline.core.critique.parse import (
     OUTCOME_PARSE_STATUSES,
@@ -127,6 +128,7 @@ __all__ = [
     "critique_regex",
     "critique_requests",
     "critique_rows",
+    "reply_tokens",
     "critique_votes",
     "defuse_tags",
     "parse_critique",

@@ -65,6 +65,12 @@ class Reply(Protocol):
     finish_reason: str | None
 
 
+def reply_tokens(reply: Reply) -> int:
+    """The tokens a critic generated for ``reply``: its token ids, or where the engine has none (an
+    OpenAI endpoint returns no ids) its per-token log-probs; 0 when it has neither."""
+    return len(reply.token_ids) or len(reply.logprobs or [])
+
+
 @dataclass(frozen=True)
 class ProcessCritique:
     """GenPRM: judge every step of the response in one generation (CAPO §3).
@@ -218,7 +224,7 @@ def critique_rows(mode: ProcessCritique | OutcomeCritique, jobs: Sequence[Critiq
                            wrong_steps=None, steps_judged=None, steps_wrong_lines=None, parse_status=SKIPPED_EMPTY)
             else:
                 s = got[k]
-                row.update(raw_text=s.text, critic_tokens=len(s.token_ids) or len(s.logprobs or []),
+                row.update(raw_text=s.text, critic_tokens=reply_tokens(s),
                            finish_reason=s.finish_reason, **mode.read(s.text, len(job.steps)))
             rows.append(row)
     return rows
