@@ -266,3 +266,69 @@ def test_a_constrained_request_is_another_request_in_the_reply_cache():
     free = eng.request_key(conv, 2, SAMPLING, 0)
     assert eng.request_key(conv, 2, SAMPLING, 0, None) == free  # free-text keys as before the option
     assert eng.request_key(conv, 2, SAMPLING, 0, "Step 0: correct\\nWrong step list: \\[\\]") != free
+
+
+def _processbench_eval(tmp_path, url: str, data_dir, n_items: int = 3):
+    """A critic-eval of ``n_items`` hand-made ProcessBench items, one setup: a served critic at ``url``."""
+    from critic_eval import stages as ces
+
+    items = [{"id": f"q{i}", "problem": f"Problem number {i}?", "steps": ["a", "b"], "label": -1,
+              "step_labels": [0, 0]} for i in range(n_items)]
+    bench = tmp_path / "pb.jsonl"
+    bench.write_text("\n".join(json.dumps(it) for it in items))
+    conf = tmp_path / "ce.yaml"
+    conf.write_text(json.dumps({
+        "name": "served", "runs_dir": str(tmp_path / "runs"), "benchmark": {"source": str(bench)},
+        "critics": [{"name": "served", "model": "served-critic",
+                     "sampling": {"temperature": 0.7, "top_p": 0.95, "max_tokens": 32},
+                     "engine": {"type": "openai", "base_url": url, "max_retries": 0, "max_concurrency": 1}}],
+        "include_gold_answer": [False], "n_values": [1, 2]}))
+    cfg = ces.load_eval_config(conf, [f"data_dir={data_dir}"])
+    ces.benchmark_stage(cfg)
+    return cfg
+
+
+def test_critic_eval_keeps_a_served_critics_replies_across_a_failed_request(judge_server, monkeypatch, tmp_path, data_dir):
+    """critic-eval through the OpenAI engine: one of three requests fails; the other two replies are
+    kept beside the critiques table, the run again sends only the failed one, the kept file is
+    removed once the table is written, and tokens per item count the log-probs (no token ids in
+    the OpenAI API)."""
+    import pyarrow.parquet as pq
+
+    from critic_eval import stages as ces
+    from pipeline.core.critique import build_critique_messages
+
+    url, failing, hits = judge_server
+    monkeypatch.setattr("pipeline.engines.openai_engine.time.sleep", lambda s: None)
+    cfg = _processbench_eval(tmp_path, url, data_dir)
+    (setup,) = cfg.setups()
+    texts = {it["id"]: build_critique_messages(it["problem"], it["steps"], None)[-1]["content"]
+             for it in ces.read_benchmark(cfg)}
+    failing.add(texts["q1"])
+    with pytest.raises(EngineReplyError, match=r"1 of 3 requests failed .*the 2 finished replies are kept"):
+        ces.critique_stage(cfg, setup)
+    kept = ces.replies_path(cfg, setup)
+    assert kept.is_file() and len(kept.read_text().splitlines()) == 2
+    failing.clear()
+    res = ces.critique_stage(cfg, setup)
+    assert not res.skipped and hits == {texts["q0"]: 1, texts["q1"]: 2, texts["q2"]: 1}  # only q1 sent again
+    assert not kept.exists()
+    rows = pq.read_table(res.path).to_pylist()
+    assert len(rows) == 3 * 2 and {r["item_id"] for r in rows} == {"q0", "q1", "q2"}
+
+
+def test_critic_eval_counts_a_served_critics_tokens_by_its_logprobs(judge_server, monkeypatch, tmp_path, data_dir):
+    """The OpenAI API returns no token ids: a served critic's tokens are its per-token log-probs
+    (as in training's critiques), so tokens/item and s/item are not 0 for it."""
+    import pyarrow.parquet as pq
+
+    from critic_eval import stages as ces
+
+    url, _, _ = judge_server
+    cfg = _processbench_eval(tmp_path, url, data_dir)
+    (setup,) = cfg.setups()
+    rows = pq.read_table(ces.critique_stage(cfg, setup).path).to_pylist()
+    assert [r["critic_tokens"] for r in rows] == [2] * 6  # the two log-probs of each reply (_reply)
+    ces.score_stage(cfg)
+    scores = pq.read_table(cfg.run_dir() / "scores.parquet").to_pylist()
+    assert {s["critic_tokens_per_item"] for s in scores if s["subset"] == "all"} == {2.0, 4.0}  # N = 1, 2
