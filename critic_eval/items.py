@@ -730,42 +730,83 @@ def build_benchmark(problems: list[dict], n_problems: int, seed: int, adversaria
 
 
 # ------------------------------------------------------------------------------ ProcessBench files
-def processbench_rows(records: list[dict], source: str) -> list[dict]:
+def _step_labels(value, n_steps: int, label: int, where: str) -> list[int] | None:
+    """A record's ``step_labels`` as 0/1 ints (None when absent), checked against its steps and label."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple, np.ndarray)):
+        raise ValueError(f"{where}: `step_labels` must be a list of 0/1, one per step; got {value!r}")
+    out = []
+    for j, x in enumerate(value):
+        if isinstance(x, (bool, np.bool_, int, np.integer, float, np.floating)) and x in (0, 1):
+            out.append(int(x))
+        else:
+            raise ValueError(f"{where}: `step_labels[{j}]` must be 0 (right) or 1 (wrong); got {x!r}")
+    first = next((j for j, x in enumerate(out) if x), -1)
+    if len(out) != n_steps or first != label:
+        raise ValueError(f"{where}: `step_labels` must be 0/1 per step ({n_steps} steps) with its first 1 at "
+                         f"`label` ({label}), got {out}")
+    return out
+
+
+def _optional_str(r: dict, field: str) -> str | None:
+    v = r.get(field)
+    return None if v is None else str(v)
+
+
+def processbench_rows(records: list[dict], source: str, where: list[str] | None = None) -> list[dict]:
     """Check and normalize ProcessBench-format records into ``pipeline.schemas.CRITIC_EVAL_BENCHMARK_SCHEMA`` rows.
 
-    Each record needs ``problem`` (str), ``steps`` (non-empty list of str) and ``label`` (int in
-    [-1, len(steps))); optional ``id`` (default ``<source>-<row>``), ``gold_answer``,
-    ``step_labels`` (0/1 per step; its first 1 must be at ``label``), ``kind`` (default
-    ``external``). Other fields are ignored.
+    Each record is an object (dict) and needs ``problem`` (str), ``steps`` (non-empty list of
+    str) and ``label`` (int in [-1, len(steps))); optional ``id`` (default ``<source>-<row>``),
+    ``gold_answer``, ``step_labels`` (0/1 per step; its first 1 must be at ``label``), ``kind``
+    (default ``external``), ``source_id``, ``annotated_steps`` (list), ``corruption``. Scalar
+    fields other than ``label`` are stored as strings (an int ``id`` or ``source_id`` reads as
+    its digits). Other fields are ignored.
+
+    Args:
+        records: the items, in file order.
+        source: the file's name, for default ids and error messages.
+        where: per record, where it is (e.g. ``<file>: line 3``) for error messages; default
+            ``<source> row <i>``.
 
     Raises:
-        ValueError: a record breaks these rules (names the row and the field).
+        ValueError: a record breaks these rules (names the record's place and the field, and what
+            would be valid), or two records share an id (names the ids and their places).
     """
-    rows = []
+    if where is not None and len(where) != len(records):
+        raise ValueError(f"{len(where)} places for {len(records)} records")
+    rows, places = [], []
     for i, r in enumerate(records):
-        where = f"{source} row {i}"
+        at = where[i] if where is not None else f"{source} row {i}"
+        if not isinstance(r, dict):
+            raise ValueError(f"{at}: an item must be a JSON object with problem, steps and label; "
+                             f"got a {type(r).__name__}")
         problem, steps, label = r.get("problem"), r.get("steps"), r.get("label")
         if not isinstance(problem, str) or not problem.strip():
-            raise ValueError(f"{where}: `problem` must be a non-empty string")
+            raise ValueError(f"{at}: `problem` must be a non-empty string")
         if not isinstance(steps, (list, tuple)) or not steps or not all(isinstance(s, str) for s in steps):
-            raise ValueError(f"{where}: `steps` must be a non-empty list of strings")
+            raise ValueError(f"{at}: `steps` must be a non-empty list of strings")
         if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or not -1 <= label < len(steps):
-            raise ValueError(f"{where}: `label` must be an int in [-1, {len(steps)}) (first wrong step, -1 "
+            raise ValueError(f"{at}: `label` must be an int in [-1, {len(steps)}) (first wrong step, -1 "
                              f"if all are right), got {label!r}")
-        step_labels = r.get("step_labels")
-        if step_labels is not None:
-            step_labels = [int(x) for x in step_labels]
-            first = next((j for j, x in enumerate(step_labels) if x), -1)
-            if len(step_labels) != len(steps) or set(step_labels) - {0, 1} or first != label:
-                raise ValueError(f"{where}: `step_labels` must be 0/1 per step with its first 1 at `label` "
-                                 f"({label}), got {step_labels}")
-        gold = r.get("gold_answer")
+        step_labels = _step_labels(r.get("step_labels"), len(steps), int(label), at)
+        annotated = r.get("annotated_steps")
+        if annotated is not None and not isinstance(annotated, (list, tuple)):
+            raise ValueError(f"{at}: `annotated_steps` must be a list of strings (or absent); got {annotated!r}")
         rows.append({"id": str(r.get("id") if r.get("id") is not None else f"{source}-{i:05d}"),
                      "problem": problem, "steps": [str(s) for s in steps], "label": int(label),
-                     "gold_answer": None if gold is None else str(gold), "step_labels": step_labels,
-                     "kind": str(r.get("kind") or "external"), "source_id": r.get("source_id"),
-                     "annotated_steps": r.get("annotated_steps"), "corruption": r.get("corruption")})
-    ids = [r["id"] for r in rows]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{source}: item ids must be unique")
+                     "gold_answer": _optional_str(r, "gold_answer"), "step_labels": step_labels,
+                     "kind": str(r.get("kind") or "external"), "source_id": _optional_str(r, "source_id"),
+                     "annotated_steps": None if annotated is None else [str(s) for s in annotated],
+                     "corruption": _optional_str(r, "corruption")})
+        places.append(at)
+    seen: dict[str, list[str]] = {}
+    for row, at in zip(rows, places):
+        seen.setdefault(row["id"], []).append(at)
+    dups = {i: ats for i, ats in seen.items() if len(ats) > 1}
+    if dups:
+        named = "; ".join(f"{i!r} at {', '.join(ats)}" for i, ats in list(dups.items())[:10])
+        more = f" and {len(dups) - 10} more" if len(dups) > 10 else ""
+        raise ValueError(f"{source}: item ids must be unique; repeated: {named}{more}")
     return rows

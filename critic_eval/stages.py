@@ -274,23 +274,29 @@ def paths(cfg: CriticEvalConfig) -> dict[str, Path]:
 
 
 # ---------------------------------------------------------------------------------------- benchmark
-def _read_records(path: Path) -> list[dict]:
-    from pipeline.assets.prompts import read_text_utf8
+def _read_records(path: Path) -> list[tuple[str, dict]]:
+    """The items of a ProcessBench file, each with where it is (file and line or row):
+    :func:`pipeline.assets.prompts.read_records`.
 
-    if path.suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in read_text_utf8(path, "benchmark file").split("\n") if line.strip()]
-    if path.suffix == ".json":
-        data = json.loads(read_text_utf8(path, "benchmark file"))
-        if isinstance(data, list):
-            return data
-    raise ValueError(f"benchmark file {path} must be .jsonl, .parquet or a .json array of items")
+    Raises:
+        ValueError: not .jsonl, .json or .parquet, empty, not UTF-8, a line that is not a JSON
+            object, or a Parquet file that does not read (names the file, the line and the reason).
+    """
+    from pipeline.assets.prompts import read_records
+
+    return read_records(path, "benchmark file")
 
 
 def benchmark_stage(cfg: CriticEvalConfig, unit: None = None, force: bool = False) -> StageResult:
     """Build the built-in benchmark, or load and check a ProcessBench file -> ``benchmark.parquet``
-    (one per evaluation: ``unit`` is None)."""
+    (one per evaluation: ``unit`` is None).
+
+    Raises:
+        FileNotFoundError: the ProcessBench file does not exist.
+        ValueError: the file cannot be read as items (:func:`_read_records`) or an item breaks
+            :func:`critic_eval.items.processbench_rows`'s rules (names the file, line and field);
+            the built-in benchmark cannot give ``n_problems`` problems.
+    """
     from critic_eval import items as critic_bench
 
     b, out = cfg.benchmark, paths(cfg)["benchmark"]
@@ -315,7 +321,8 @@ def benchmark_stage(cfg: CriticEvalConfig, unit: None = None, force: bool = Fals
         rows = critic_bench.build_benchmark(pq.read_table(src).to_pylist(), b.n_problems, cfg.seed, b.adversarial,
                                             critic_bench.KINDS_REASONING if b.reasoning_errors else ())
     else:
-        rows = critic_bench.processbench_rows(_read_records(src)[: b.max_items], src.stem)
+        records = _read_records(src)[: b.max_items]
+        rows = critic_bench.processbench_rows([r for _, r in records], src.stem, where=[w for w, _ in records])
     table = pa.Table.from_pylist(rows, schema=CRITIC_EVAL_BENCHMARK_SCHEMA)
     man = storage.write_table(table, out, "critic_eval_benchmark", stage="benchmark", key=key)
     return StageResult("benchmark", str(out), False, "built", man["rows"], time.perf_counter() - t0)

@@ -141,8 +141,8 @@ def read_text_utf8(path: Path, what: str = "prompt file") -> str:
                          f"{raw[e.start:e.start + 4]!r}); save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
 
 
-def _read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
-    for number, line in enumerate(read_text_utf8(path).split("\n"), start=1):  # (not splitlines: U+2028 is JSON text)
+def _read_jsonl(path: Path, what: str = "prompt file") -> Iterator[tuple[str, dict]]:
+    for number, line in enumerate(read_text_utf8(path, what).split("\n"), start=1):  # (not splitlines: U+2028 is JSON text)
         if not line.strip():
             continue
         where = f"{path}: line {number}"
@@ -155,9 +155,9 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
         yield where, row
 
 
-def _read_json(path: Path) -> Iterator[tuple[str, dict]]:
+def _read_json(path: Path, what: str = "prompt file") -> Iterator[tuple[str, dict]]:
     try:
-        rows = json.loads(read_text_utf8(path))
+        rows = json.loads(read_text_utf8(path, what))
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(rows, list):
@@ -168,7 +168,7 @@ def _read_json(path: Path) -> Iterator[tuple[str, dict]]:
         yield f"{path}: row {number}", row
 
 
-def _read_parquet(path: Path) -> Iterator[tuple[str, dict]]:
+def _read_parquet(path: Path, what: str = "prompt file") -> Iterator[tuple[str, dict]]:
     try:
         table = pq.read_table(path)
     except Exception as error:  # not Parquet, truncated
@@ -177,14 +177,27 @@ def _read_parquet(path: Path) -> Iterator[tuple[str, dict]]:
         yield f"{path}: row {number}", row
 
 
-def _read_file(path: Path) -> list[tuple[str, dict]]:
+def _read_file(path: Path, what: str = "prompt file") -> list[tuple[str, dict]]:
     readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
     reader = readers.get(path.suffix.lower())
     if reader is None:
-        raise ValueError(f"unknown file extension {path.suffix!r} for {path}; expected one of {FILE_SUFFIXES}")
+        raise ValueError(f"unknown file extension {path.suffix!r} for {what} {path}; expected one of {FILE_SUFFIXES}")
     if path.stat().st_size == 0:
-        raise ValueError(f"{path} is empty: no rows to ingest")
-    return list(reader(path))
+        raise ValueError(f"{what} {path} is empty: no rows to ingest")
+    return list(reader(path, what))
+
+
+def read_records(path: Path, what: str = "prompt file") -> list[tuple[str, dict]]:
+    """The rows of a ``.jsonl`` (one JSON object a line), ``.json`` (an array of objects) or
+    ``.parquet`` file, each as ``(where, row)``: ``where`` names the file and the line (row) for
+    error messages about that row.
+
+    Raises:
+        ValueError: an unknown extension, an empty file, text that is not UTF-8, a line (or the
+            file) that is not valid JSON, a row that is not a JSON object, or a Parquet file that
+            does not read; the message names ``what``, the file, the line or row and the reason.
+    """
+    return _read_file(Path(path), what)
 
 
 def last_boxed(text: str) -> str | None:

@@ -169,6 +169,37 @@ def test_a_processbench_file_and_a_perfect_critic(tmp_path, scripted, data_dir):
     assert {c["item_id"] for c in crit} == {f"q{i}" for i in range(5)}
 
 
+def test_a_malformed_processbench_file_is_named_by_file_line_and_reason(tmp_path, data_dir):
+    """Each way a hand-made ProcessBench file can be wrong gives an error naming the file, the line
+    (or row) and what would be valid; an int ``source_id`` is read as its digits."""
+    item = {"problem": "Problem?", "steps": ["a", "b"], "label": 1, "step_labels": [0, 1]}
+
+    def bench(name: str, content: bytes | str):
+        path = tmp_path / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        cfg = ces.load_eval_config(_cfg(tmp_path), [f"data_dir={data_dir}", f"benchmark.source={path}"])
+        return cfg, ces.benchmark_stage(cfg, force=True)
+
+    lines = lambda *recs: "\n".join(r if isinstance(r, str) else json.dumps(r) for r in recs)  # noqa: E731
+    cases = [
+        ("torn.jsonl", lines({**item, "id": "q0"}, "", '{"problem": "P", "steps": ['),
+         r"torn\.jsonl: line 3: not valid JSON"),
+        ("list.jsonl", lines({**item, "id": "q0"}, ["a", "b"]), r"list\.jsonl: line 2: expected a JSON object, got list"),
+        ("labels.jsonl", lines({**item, "step_labels": ["right", "wrong"]}),
+         r"labels\.jsonl: line 1: `step_labels\[0\]` must be 0 \(right\) or 1 \(wrong\); got 'right'"),
+        ("dups.jsonl", lines({**item, "id": "q1"}, {**item, "id": "q2"}, {**item, "id": "q1"}),
+         r"item ids must be unique; repeated: 'q1' at .*dups\.jsonl: line 1, .*dups\.jsonl: line 3"),
+        ("bad.parquet", b"PAR1x", r"bad\.parquet: not a readable Parquet file"),
+        ("array.json", json.dumps([item, 5]), r"array\.json: row 2: expected a JSON object, got int"),
+    ]
+    for name, content, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            bench(name, content)
+    cfg, res = bench("ids.jsonl", lines({**item, "id": 7, "source_id": 17, "gold_answer": 3, "corruption": 1.5}))
+    (row,) = pq.read_table(res.path).to_pylist()
+    assert (row["id"], row["source_id"], row["gold_answer"], row["corruption"]) == ("7", "17", "3", "1.5")
+
+
 def test_cli_exports_the_benchmark_as_processbench_jsonl(tmp_path, data_dir, monkeypatch):
     from typer.testing import CliRunner
 

@@ -114,3 +114,10 @@ def test_processbench_rows_checks_every_field():
             processbench_rows([bad], "pb")
     with pytest.raises(ValueError, match="unique"):
         processbench_rows([good[1], good[1]], "pb")
+    for bad, msg in ((["p", ["a"], 0], r"pb row 0: an item must be a JSON object .*got a list"),
+                     ({"problem": "p", "steps": ["a"], "label": 0, "step_labels": "1"}, r"`step_labels` must be a list"),
+                     ({"problem": "p", "steps": ["a"], "label": 0, "step_labels": [2]}, r"`step_labels\[0\]` must be 0")):
+        with pytest.raises(ValueError, match=msg):
+            processbench_rows([bad], "pb")
+    with pytest.raises(ValueError, match=r"repeated: 'z' at f: line 2, f: line 5"):
+        processbench_rows([good[1], good[1]], "pb", where=["f: line 2", "f: line 5"])
