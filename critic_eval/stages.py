@@ -439,7 +439,13 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
         pipeline.engines.openai_engine.EngineReplyError: a served critic's request failed after its
             retries (names the requests; the finished replies are kept).
     """
-    from pipeline.core.critique import build_critique_messages, critique_regex, parse_critique, reply_tokens
+    from pipeline.core.critique import (
+        MALFORMED_REPLY,
+        build_critique_messages,
+        critique_regex,
+        parse_critique,
+        reply_tokens,
+    )
     from pipeline.engines import make_engine
 
     check_setup(cfg, setup)
@@ -461,6 +467,7 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
         engine = make_engine(model, critic.engine, seed=seed)
         if hasattr(engine, "reply_cache"):  # the OpenAI engine keeps finished replies across a failed request
             engine.reply_cache = replies
+            engine.malformed_as_data = True  # a reply that stays malformed is a malformed_reply critique
         convs = [build_critique_messages(it["problem"], it["steps"], it["gold_answer"] if gold else None, critic.template)
                  for it in items]
         constraints = [critique_regex(len(it["steps"])) for it in items] if critic.structured_output else None
@@ -472,14 +479,16 @@ def critique_stage(cfg: CriticEvalConfig, setup: str, force: bool = False) -> St
         rows = []
         for it, gen in zip(items, gens):
             for k, s in enumerate(gen.samples):
-                parsed = parse_critique(s.text, len(it["steps"]))
+                bad = getattr(s, "malformed", None)  # a served critic's reply that stayed malformed: data
+                parsed = parse_critique("" if bad else s.text, len(it["steps"]))
                 rows.append({**base, "item_id": it["id"], "critique_idx": k,
                              "critic_model": model, "template_version": critic.template, "include_gold_answer": gold,
-                             "n_steps": len(it["steps"]), "raw_text": s.text,
+                             "n_steps": len(it["steps"]), "raw_text": bad or s.text,
                              "wrong_steps": None if parsed.wrong_steps is None else list(parsed.wrong_steps),
                              "steps_judged": list(parsed.judged), "steps_wrong_lines": list(parsed.wrong_by_lines),
-                             "parse_status": parsed.status, "critic_tokens": reply_tokens(s),
-                             "finish_reason": s.finish_reason, "source": "llm"})
+                             "parse_status": MALFORMED_REPLY if bad else parsed.status,
+                             "critic_tokens": 0 if bad else reply_tokens(s),
+                             "finish_reason": None if bad else s.finish_reason, "source": "llm"})
     secs = time.perf_counter() - t0
     log.info("[critique] %s: %s", setup, json.dumps(stats))
     man = storage.write_table(pa.Table.from_pylist(rows, schema=CRITIC_EVAL_CRITIQUES_SCHEMA), out,

@@ -105,7 +105,7 @@ class OpenAIEngineConfig(Strict):
     timeout_s: float = Field(600.0, gt=0)
     """Seconds one request may take before it is retried or fails."""
     max_retries: int = Field(3, ge=0)
-    """Retries of a request that failed with a transport error, 429, a 5xx status or a malformed reply (waiting 1, 2, 4 ... s, or the server's Retry-After up to 60 s) before the stage fails."""
+    """Retries of a request that failed with a transport error, 429, a 5xx status or a malformed reply (waiting 1, 2, 4 ... s, or the server's Retry-After up to 60 s) before the stage fails. A critic's reply whose choices stay malformed does not fail the stage: its critiques are recorded as `malformed_reply`."""
 
 
 EngineConfig = Annotated[

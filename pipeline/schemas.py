@@ -119,6 +119,9 @@ CRITIQUES_SCHEMA = pa.schema(
         pa.field("steps_wrong_lines", pa.list_(pa.int32())),  # process mode: steps their own line calls wrong
         pa.field("step_scores", pa.list_(pa.float32())),  # logprob source: calibrated P(wrong) per step; else null
         pa.field("outcome_verdict", pa.bool_()),  # outcome mode: "final answer correct", null unless ok
+        # the parser's status (pipeline.core.critique.PARSE_STATUSES / OUTCOME_PARSE_STATUSES), or
+        # skipped_empty_response (nothing judged) | malformed_reply (the served critic's reply stayed
+        # malformed after its retries; raw_text keeps why and the body's excerpt; votes nothing)
         pa.field("parse_status", pa.string(), nullable=False),
         pa.field("critic_tokens", pa.int32()),  # generated tokens
         pa.field("finish_reason", pa.string()),

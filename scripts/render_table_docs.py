@@ -289,7 +289,10 @@ COLUMN_NOTES: dict[tuple[str | None, str], str] = {
     ("steps", "step_text"): "the step's text as shown to the critic",
     ("critiques", "critique_idx"): "0..N-1 for the critic's critiques; 0 for the arithmetic and log-prob rows",
     ("critiques", "parse_status"): "complete | incomplete | inconsistent | empty | no_verdict | not_a_list | "
-                                   "out_of_range | duplicate (GenORM: ok | not_yes_no | ...)",
+                                   "out_of_range | duplicate (GenORM: ok | not_yes_no | ...); "
+                                   "skipped_empty_response (nothing to judge); malformed_reply (a served critic's "
+                                   "reply stayed malformed after its retries: raw_text keeps why and an excerpt of "
+                                   "the body; no vote)",
     ("critic_eval_critiques", "parse_status"): "as `critiques.parse_status`",
     ("step_verdicts", "rule"): "intersection | union | majority | average",
     ("step_verdicts", "n_valid"): "valid critiques of the response (those that vote)",

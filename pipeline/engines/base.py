@@ -40,7 +40,11 @@ class Sample:
     text: str
     token_ids: list[int]  # (T,) generated ids, EOS included when the sample stopped on it
     logprobs: list[float] | None  # (T,) log-prob of each generated token, nats
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str | None  # "stop" | "length"; None for a malformed reply
+    malformed: str | None = None
+    """Set when the engine's reply stayed malformed after its retries (an OpenAI endpoint answered
+    fewer choices than asked, or a choice without its text): why, with an excerpt of the reply's
+    body. The text is then empty; the critique stage records it as ``malformed_reply``."""
 
 
 @dataclass(frozen=True)

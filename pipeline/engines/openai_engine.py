@@ -26,7 +26,10 @@ class OpenAIEngine(Engine):
     generated tokens is known; token ids are not part of the OpenAI API and stay empty (critiques
     need the text only). Requests run concurrently (``max_concurrency``), each with a timeout and
     retries with exponential backoff on transport errors, 429 and 5xx answers and malformed replies;
-    every reply is validated (:func:`parse_reply`).
+    every reply is validated (:func:`parse_reply`). With :attr:`malformed_as_data` (a critic: the
+    critique stages set it), a reply whose choices stay malformed after the retries is the judge's
+    output, recorded as data: the request's ``n`` samples come back empty, with
+    :attr:`~pipeline.engines.base.Sample.malformed` set (why, and an excerpt of the body).
     """
 
     name = "openai"
@@ -36,6 +39,12 @@ class OpenAIEngine(Engine):
         self.model, self.cfg, self.seed = model, cfg, seed
         self.tokenizer = None
 
+    malformed_as_data: bool = False
+    """Return a reply whose choices stay malformed after the retries as ``n`` empty samples marked
+    :attr:`~pipeline.engines.base.Sample.malformed` instead of failing the request (set by the
+    critique stages: a judge's malformed output is data). Off for a policy (rollouts, eval): its
+    reply then fails the request as before."""
+
     supports_constraints = True
     """Sent as vLLM's ``structured_outputs: {"regex": ...}`` request field; a server without it
     answers 400, and the error then says so."""
@@ -43,10 +52,14 @@ class OpenAIEngine(Engine):
     def _one(self, client, conv, n, sampling, request: int = 0, regex: str | None = None) -> Generation:
         """One conversation's ``n`` samples: one request, retried with exponential backoff (1, 2, 4 ...
         s, or the server's ``Retry-After`` up to 60 s) on a transport error, 429, a 5xx status or a
-        malformed reply.
+        malformed reply. With :attr:`malformed_as_data`, when the last attempt's reply is a chat
+        completion whose choices are malformed (:attr:`EngineReplyError.malformed`), the ``n``
+        samples are returned empty with :attr:`~pipeline.engines.base.Sample.malformed` set.
 
         Raises:
-            EngineReplyError: the last attempt failed; names the request, the endpoint and why.
+            EngineReplyError: the last attempt failed (with :attr:`malformed_as_data`: on a
+                transport error, an HTTP status, or a body that is not a chat completion: not
+                JSON, no ``choices`` list); names the request, the endpoint and why.
         """
         import httpx
 
@@ -76,6 +89,10 @@ class OpenAIEngine(Engine):
             except EngineReplyError as e:
                 err = e
             if not err.retry or attempt == self.cfg.max_retries:
+                if err.malformed and self.malformed_as_data:
+                    log.warning("%s after %d attempts; recorded as %d malformed_reply critiques", err, attempt + 1, n)
+                    note = f"[malformed reply after {attempt + 1} attempts] {err}\n{err.body}"
+                    return Generation([], [Sample("", [], None, None, malformed=note) for _ in range(n)])
                 raise err
             log.warning("%s; retry %d of %d in %.0f s", err, attempt + 1, self.cfg.max_retries, wait)
             time.sleep(wait)
@@ -84,7 +101,9 @@ class OpenAIEngine(Engine):
     reply_cache: Path | None = None
     """A JSON-lines file of finished replies (set per critique shard by the critique stage): each
     request's reply is appended as it finishes, and a request already in the file is not sent again,
-    so a request that fails after its retries does not cost the shard's other finished requests."""
+    so a request that fails after its retries does not cost the shard's other finished requests.
+    A malformed reply recorded as data (:attr:`~pipeline.engines.base.Sample.malformed`) is not
+    kept: a run after a failure asks for it again."""
 
     def request_key(self, conv, n: int, sampling, index: int, regex: str | None = None) -> str:
         """sha256 of what decides a reply: endpoint, model, messages, n, sampling, seed, the output
@@ -133,7 +152,7 @@ class OpenAIEngine(Engine):
                     errors.append((i, e))
                 return
             gens[i] = g
-            if self.reply_cache is not None:
+            if self.reply_cache is not None and not any(s.malformed for s in g.samples):
                 with lock:
                     _append_reply(self.reply_cache, keys[i], g)
 
@@ -159,6 +178,9 @@ class OpenAIEngine(Engine):
             err.failed, err.kept = failed, kept
             raise err
         self._account([gens[i] for i in todo], time.perf_counter() - t0)
+        bad = sum(any(s.malformed for s in gens[i].samples) for i in todo)
+        if bad:
+            self.stats.extra["malformed_replies"] = self.stats.extra.get("malformed_replies", 0) + bad
         return gens
 
 
@@ -201,9 +223,14 @@ def _read_replies(path: Path) -> dict[str, Generation]:
 class EngineReplyError(RuntimeError):
     """An OpenAI-compatible endpoint failed a request or answered something that is not a reply."""
 
-    def __init__(self, message: str, retry: bool = False) -> None:
+    def __init__(self, message: str, retry: bool = False, malformed: bool = False, body: str = "") -> None:
         super().__init__(message)
         self.retry = retry
+        self.malformed = malformed
+        """The reply is a chat completion (JSON with a ``choices`` list) whose content is malformed:
+        the judge's output, recorded as data after the retries (never a transport or HTTP error)."""
+        self.body = body
+        """For a malformed reply: an excerpt of its body (what the critique row keeps as raw text)."""
         self.failed: list[int] = []
         """For a batch (:meth:`OpenAIEngine.generate`): the indices of the requests that failed."""
         self.kept = 0
@@ -217,12 +244,20 @@ def _retry_after(response, default: float) -> float:
         return default
 
 
+MAX_PROMPT_TOKENS = 10_000_000
+"""The largest ``usage.prompt_tokens`` read as a count (a larger one is a malformed reply)."""
+MALFORMED_EXCERPT = 500
+"""Characters of a malformed reply's body kept (in the critique row's raw text)."""
+
+
 def parse_reply(content: bytes, n: int, where: str = "request") -> Generation:
     """A ``/chat/completions`` reply body -> a :class:`Generation` of its ``n`` choices, in index order.
 
     Raises:
-        EngineReplyError (retryable): the body is not JSON, has no ``choices`` list, has another
-            number of choices than ``n``, or a choice lacks its index or message text.
+        EngineReplyError (retryable): the body is not JSON or has no ``choices`` list (not a chat
+            completion); or (``malformed`` set, with an excerpt of the body) it has another number
+            of choices than ``n``, a choice lacks its index or message text, its text is not a
+            string, or ``usage.prompt_tokens`` is not a count (a number in [0, MAX_PROMPT_TOKENS]).
     """
     import json
 
@@ -233,8 +268,13 @@ def parse_reply(content: bytes, n: int, where: str = "request") -> Generation:
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list):
         raise EngineReplyError(f"{where}: the reply has no 'choices' list: {str(data)[:200]}", retry=True)
+    excerpt = content[:MALFORMED_EXCERPT].decode("utf-8", errors="replace")
+
+    def malformed(why: str) -> EngineReplyError:
+        return EngineReplyError(f"{where}: {why}", retry=True, malformed=True, body=excerpt)
+
     if len(choices) != n:
-        raise EngineReplyError(f"{where}: asked for n={n} samples, the reply has {len(choices)}", retry=True)
+        raise malformed(f"asked for n={n} samples, the reply has {len(choices)}")
     samples = []
     try:
         for ch in sorted(choices, key=lambda c: int(c["index"])):
@@ -244,7 +284,13 @@ def parse_reply(content: bytes, n: int, where: str = "request") -> Generation:
             content_lps = ((ch.get("logprobs") or {}).get("content")) or []  # standard OpenAI per-token log-probs
             lps = [float(t["logprob"]) for t in content_lps] or None
             samples.append(Sample(text or "", [], lps, finish_reason(ch.get("finish_reason"))))
-    except (KeyError, TypeError, ValueError) as e:
-        raise EngineReplyError(f"{where}: a choice is malformed ({type(e).__name__}: {e})", retry=True) from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise malformed(f"a choice is malformed ({type(e).__name__}: {e})") from None
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
-    return Generation([0] * int(usage.get("prompt_tokens") or 0), samples)
+    try:
+        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise malformed(f"usage.prompt_tokens is not a number ({type(e).__name__}: {e})") from None
+    if not 0 <= prompt_tokens <= MAX_PROMPT_TOKENS:
+        raise malformed(f"usage.prompt_tokens is {prompt_tokens}, not in [0, {MAX_PROMPT_TOKENS}]")
+    return Generation([0] * prompt_tokens, samples)

@@ -508,6 +508,7 @@ def critique_shards(cfg: CAPOConfig, round_idx: int, shard_ids: list[int], _inpu
                 engine = make_engine(inp.critic, cfg.critique.engine, seed=seed)
             if hasattr(engine, "reply_cache"):  # the OpenAI engine keeps finished replies across a failed request
                 engine.reply_cache = _replies_path(inp.parts_dir, shard)
+                engine.malformed_as_data = True  # a reply that stays malformed is a malformed_reply critique
             replies = _critique_replies(engine, mode, jobs, n, cfg.critique.sampling, shard, round_idx)
             critic_calls += len(replies)
         rows = critique_rows(mode, jobs, replies, n, {"run_id": cfg.run_id, "round": round_idx, "critic_model": inp.critic})

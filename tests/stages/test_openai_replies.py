@@ -6,6 +6,7 @@ error naming the request and the endpoint. A real vLLM server: tests/slow/test_o
 from __future__ import annotations
 
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -81,16 +82,48 @@ def test_429_and_5xx_are_retried_then_the_reply_is_used(server, monkeypatch):
 @pytest.mark.parametrize("body,why", [
     (b"<html>bad gateway</html>", "not JSON"),
     (json.dumps({"error": "x"}).encode(), "no 'choices' list"),
-    (json.dumps(_reply(1)).encode(), "asked for n=2 samples, the reply has 1"),
-    (json.dumps({"choices": [{"index": 0}, {"index": 1}]}).encode(), "a choice is malformed"),
 ])
-def test_a_malformed_reply_is_retried_and_finally_named(server, monkeypatch, body, why):
+def test_a_body_that_is_not_a_chat_completion_is_retried_and_finally_named(server, monkeypatch, body, why):
     url, script, _ = server
     monkeypatch.setattr("pipeline.engines.openai_engine.time.sleep", lambda s: None)
     script += [(200, body, {})] * 2
     with pytest.raises(EngineReplyError, match=rf"request 0 \(http://127.0.0.1:\d+/v1/chat/completions, model 'critic'\): .*{why}"):
         _engine(url, retries=1).generate([[{"role": "user", "content": "judge"}]], 2, SAMPLING)
     assert script == []  # both attempts were made
+
+
+def _malformed(body: dict) -> bytes:
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("body,why", [
+    (_malformed(_reply(1)), "asked for n=2 samples, the reply has 1"),
+    (_malformed({"choices": [{"index": 0}, {"index": 1}]}), r"a choice is malformed \(KeyError: 'message'\)"),
+    (_malformed({"choices": [{"index": i, "message": {"content": [{"type": "text", "text": "hi"}]}} for i in range(2)]}),
+     "message content is list"),
+    (_malformed({**_reply(2), "usage": {"prompt_tokens": "seven"}}), "usage.prompt_tokens is not a number"),
+])
+def test_a_reply_that_stays_malformed_is_recorded_as_data(server, monkeypatch, tmp_path, body, why):
+    """A chat completion whose choices stay malformed after the retries is the judge's output: the
+    request's n samples come back empty and marked (why, and an excerpt of the body), counted in
+    the stats, and not kept in the reply cache (a later run asks again). Only for a critic
+    (``malformed_as_data``): a policy's engine still fails the request."""
+    url, script, seen = server
+    monkeypatch.setattr("pipeline.engines.openai_engine.time.sleep", lambda s: None)
+    script += [(200, body, {})] * 2 + [(200, json.dumps(_reply(2)).encode(), {})]
+    eng = _engine(url, retries=1)
+    eng.reply_cache, eng.malformed_as_data = tmp_path / "replies.jsonl", True  # as the critique stages set it
+    bad, good = eng.generate([[{"role": "user", "content": "judge"}], [{"role": "user", "content": "other"}]], 2, SAMPLING)
+    assert len(seen) == 3 and script == []  # both attempts were made, then the next request
+    assert [s.text for s in bad.samples] == ["", ""] and all(s.malformed for s in bad.samples)
+    assert re.search(why, bad.samples[0].malformed) and body.decode()[:100] in bad.samples[0].malformed
+    assert bad.samples[0].malformed.startswith("[malformed reply after 2 attempts] request 0 (")
+    assert [s.malformed for s in good.samples] == [None, None] and good.samples[0].text.startswith("Step 0")
+    assert eng.stats.as_dict()["malformed_replies"] == 1
+    assert len(eng.reply_cache.read_text().splitlines()) == 1  # the good reply only
+    script += [(200, body, {})] * 2  # a policy's engine (rollouts, eval) still fails the request
+    with pytest.raises(EngineReplyError, match=why):
+        _engine(url, retries=1).generate([[{"role": "user", "content": "judge"}]], 2, SAMPLING)
 
 
 def test_a_client_error_is_not_retried(server, monkeypatch):
@@ -332,3 +365,65 @@ def test_critic_eval_counts_a_served_critics_tokens_by_its_logprobs(judge_server
     ces.score_stage(cfg)
     scores = pq.read_table(cfg.run_dir() / "scores.parquet").to_pylist()
     assert {s["critic_tokens_per_item"] for s in scores if s["subset"] == "all"} == {2.0, 4.0}  # N = 1, 2
+
+
+def test_the_critique_stage_records_a_malformed_reply_and_the_vote_does_not_count_it(server, monkeypatch, tmp_path):
+    """A served critic whose reply for rollout A stays malformed (one choice of two): the stage
+    commits the round's critiques, A's two rows read ``malformed_reply`` with the body's excerpt as
+    raw text, the manifest counts them as parse failures, and the vote counts no valid critique of A."""
+    import pyarrow.parquet as pq
+
+    from pipeline import storage
+    from pipeline.stages.base import round_paths
+    from pipeline.stages.critique import critique_stage
+    from pipeline.stages.vote import vote_stage
+    from tests.toy_round import toy_config, write_round
+
+    url, script, seen = server
+    monkeypatch.setattr("pipeline.engines.openai_engine.time.sleep", lambda s: None)
+    cfg = toy_config(tmp_path, "critique.engine.type=openai", f"critique.engine.base_url={url}",
+                     "critique.engine.max_retries=1", "critique.engine.max_concurrency=1",
+                     "critique.critic=served-critic", "critique.num_critiques=2", "critique.batch_rollouts=2")
+    write_round(cfg)
+    critiques = round_paths(cfg, 1)["critiques"]
+    critiques.unlink()  # the hand-written table: the stage computes its own
+    one_choice = json.dumps(_reply(1, "Wrong step list: [0]")).encode()
+    script += [(200, one_choice, {})] * 2
+    script += [(200, json.dumps(_reply(2, "Step 0: correct\nStep 1: wrong - no\nStep 2: correct\nWrong step list: [1]\n")).encode(), {})]
+    critique_stage(cfg, 1)
+    assert len(seen) == 3 and script == []
+    rows = [r for r in pq.read_table(critiques).to_pylist() if r["source"] == "llm"]
+    by = {(r["rollout_id"], r["critique_idx"]): r for r in rows}
+    for k in (0, 1):
+        a = by[("A", k)]
+        assert a["parse_status"] == "malformed_reply" and a["wrong_steps"] is None and a["critic_tokens"] == 0
+        assert "asked for n=2 samples, the reply has 1" in a["raw_text"] and "Wrong step list: [0] #0" in a["raw_text"]
+        assert by[("B", k)]["parse_status"] == "complete"
+    man = storage.read_manifest(critiques)
+    assert man["engine"]["malformed_replies"] == 1 and man["statuses"]["malformed_reply"] == 2 and man["parse_failures"] == 2
+    vote_stage(cfg, 1)
+    verdicts = pq.read_table(round_paths(cfg, 1)["step_verdicts"]).to_pylist()
+    assert {r["n_valid"] for r in verdicts if r["rollout_id"] == "A"} == {0}  # no vote from a malformed reply
+    assert {r["llm_weight"] for r in verdicts if r["rollout_id"] == "A"} == {0.0}
+    assert {r["n_valid"] for r in verdicts if r["rollout_id"] == "B"} == {2}
+
+
+def test_critic_eval_records_a_malformed_reply_as_a_parse_failure(server, monkeypatch, tmp_path, data_dir):
+    import pyarrow.parquet as pq
+
+    from critic_eval import stages as ces
+
+    url, script, seen = server
+    cfg = _processbench_eval(tmp_path, url, data_dir)
+    (setup,) = cfg.setups()
+    good = (200, json.dumps(_reply(2, "Step 0: correct\nStep 1: correct\nWrong step list: []\n")).encode(), {})
+    script += [(200, json.dumps(_reply(1)).encode(), {}), good, good]
+    rows = pq.read_table(ces.critique_stage(cfg, setup).path).to_pylist()
+    assert [(r["item_id"], r["parse_status"]) for r in rows] == [
+        ("q0", "malformed_reply"), ("q0", "malformed_reply"), ("q1", "complete"), ("q1", "complete"),
+        ("q2", "complete"), ("q2", "complete")]
+    assert "the reply has 1" in rows[0]["raw_text"] and rows[0]["critic_tokens"] == 0
+    ces.score_stage(cfg)
+    (s,) = [s for s in pq.read_table(cfg.run_dir() / "scores.parquet").to_pylist()
+            if (s["subset"], s["rule"], s["n"]) == ("all", "majority", 2) and s["setup"].endswith("/list")]
+    assert s["parse_failure_rate"] == pytest.approx(1 / 3)

@@ -101,6 +101,28 @@ def test_rows_of_outcome_critiques_hold_the_verdict_and_no_steps():
     assert {(r["mode"], r["template_version"], r["include_gold_answer"]) for r in rows} == {("outcome", None, False)}
 
 
+def test_a_reply_marked_malformed_is_a_row_that_votes_nothing():
+    """A reply the engine marked malformed (after its retries) is recorded, not parsed: status
+    malformed_reply, the marker's text (why, and the body's excerpt) as raw text, no verdict."""
+    from pipeline.core.critique import MALFORMED_REPLY, critique_votes
+    from pipeline.engines.base import Sample
+
+    note = "[malformed reply after 2 attempts] request 0: asked for n=2 samples, the reply has 1\n{\"choices\": []}"
+    bad = Sample("", [], None, None, malformed=note)
+    replies = {"r0": [bad, _Reply("Step 0: correct\nStep 1: correct\nWrong step list: []", [1])], "r2": [bad, bad]}
+    rows = critique_rows(ProcessCritique("capo-genprm-v1"), _jobs(), replies, 2, {"run_id": "r", "round": 1, "critic_model": "c"})
+    got = [(r["rollout_id"], r["parse_status"], r["wrong_steps"], r["raw_text"] == note, r["critic_tokens"]) for r in rows]
+    assert got == [("r0", MALFORMED_REPLY, None, True, 0), ("r0", "complete", [], False, 1),
+                   ("r1", SKIPPED_EMPTY, None, False, 0), ("r1", SKIPPED_EMPTY, None, False, 0),
+                   ("r2", MALFORMED_REPLY, None, True, 0), ("r2", MALFORMED_REPLY, None, True, 0)]
+    assert all(critique_votes(r["parse_status"], r["wrong_steps"], r["steps_wrong_lines"], p) is None
+               for r in rows if r["parse_status"] == MALFORMED_REPLY for p in ("list", "lines", "drop"))
+    outcome = critique_rows(OutcomeCritique(), _jobs(), {"r0": [bad], "r2": [bad]}, 1, {"run_id": "r", "round": 0, "critic_model": "c"})
+    assert [(r["parse_status"], r["outcome_verdict"]) for r in outcome] == [
+        (MALFORMED_REPLY, None), (SKIPPED_EMPTY, None), (MALFORMED_REPLY, None)]
+    assert pa.Table.from_pylist(rows + outcome, schema=CRITIQUES_SCHEMA).num_rows == 9
+
+
 def test_a_judged_response_with_too_few_replies_is_a_clear_error():
     with pytest.raises(ValueError, match="rollout r0 has 1 critiques, 2 were asked for"):
         critique_rows(ProcessCritique("capo-genprm-v1"), _jobs()[:1], {"r0": [_Reply("x", [1])]}, 2,

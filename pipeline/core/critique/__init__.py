@@ -41,6 +41,7 @@ from pipeline.core.critique.escape import (
 )
 from pipeline.core.critique.health import ECHO_SHARE, signal_health
 from pipeline.core.critique.mode import (
+    MALFORMED_REPLY,
     SKIPPED_EMPTY,
     CritiqueJob,
     CritiqueMode,
@@ -97,6 +98,7 @@ __all__ = [
     "PARSE_STATUSES",
     "PARTIAL_POLICIES",
     "REASON_CHARS",
+    "MALFORMED_REPLY",
     "SKIPPED_EMPTY",
     "STATUS_COMPLETE",
     "STATUS_DUPLICATE",

@@ -31,6 +31,10 @@ from pipeline.core.critique.templates import build_critique_messages, build_outc
 
 SKIPPED_EMPTY = "skipped_empty_response"
 """``parse_status`` of a critique row of an empty response: nothing was sent to the critic."""
+MALFORMED_REPLY = "malformed_reply"
+"""``parse_status`` of a critique whose reply stayed malformed after the engine's retries (a served
+critic answered fewer choices than asked, or a choice without its text): nothing to parse, no
+vote; ``raw_text`` keeps why and an excerpt of the reply's body (:attr:`Reply.malformed`)."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,9 @@ class CritiqueJob:
 
 
 class Reply(Protocol):
-    """One sampled critique as the engines return it (:class:`pipeline.engines.base.Sample`)."""
+    """One sampled critique as the engines return it (:class:`pipeline.engines.base.Sample`).
+    ``malformed`` (optional: read with ``getattr``) is set, with why and an excerpt of the reply,
+    when the engine's reply stayed malformed after its retries; ``text`` is then empty."""
 
     text: str
     token_ids: Sequence[int]
@@ -193,8 +199,10 @@ def critique_rows(mode: ProcessCritique | OutcomeCritique, jobs: Sequence[Critiq
     """Critiques-table rows (:data:`pipeline.schemas.CRITIQUES_SCHEMA`, ``source = 'llm'``): ``n`` per job,
     in job order then ``critique_idx``.
 
-    A job with replies gets one parsed row per reply (``mode.read``); a job without (an empty
-    response) gets ``n`` rows ``skipped_empty_response`` with empty text. Pure: no engine, no I/O.
+    A job with replies gets one parsed row per reply (``mode.read``); a reply the engine marked
+    malformed (``malformed`` set) gets a row ``malformed_reply`` (:data:`MALFORMED_REPLY`) that
+    votes nothing, its ``raw_text`` the marker's text; a job without replies (an empty response)
+    gets ``n`` rows ``skipped_empty_response`` with empty text. Pure: no engine, no I/O.
 
     Args:
         mode: the critique mode.
@@ -222,6 +230,9 @@ def critique_rows(mode: ProcessCritique | OutcomeCritique, jobs: Sequence[Critiq
             if got is None:
                 row.update(raw_text="", critic_tokens=0, finish_reason=None, outcome_verdict=None,
                            wrong_steps=None, steps_judged=None, steps_wrong_lines=None, parse_status=SKIPPED_EMPTY)
+            elif bad := getattr(got[k], "malformed", None):
+                row.update(raw_text=bad, critic_tokens=0, finish_reason=None,
+                           **{**mode.read("", len(job.steps)), "parse_status": MALFORMED_REPLY})
             else:
                 s = got[k]
                 row.update(raw_text=s.text, critic_tokens=reply_tokens(s),
