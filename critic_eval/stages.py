@@ -396,8 +396,9 @@ def _check_rows(cfg: CriticEvalConfig, setup: str, items: list[dict]) -> tuple[l
 
 def _readout_rows(cfg: CriticEvalConfig, setup: str, items: list[dict]) -> tuple[list[dict], dict]:
     """The log-prob readout of every item: one row each with ``step_scores``
-    (:func:`pipeline.stages.critique.readout_scores`)."""
-    from pipeline.core.readout import readout_text
+    (:func:`pipeline.stages.critique.readout_scores`); an item whose readout is not finite gets a
+    ``readout_nonfinite`` row with null ``step_scores`` (no score, a parse failure in the scores)."""
+    from pipeline.core.readout import READOUT_NONFINITE, nonfinite_text, readout_text
     from pipeline.stages.critique import ReadoutJob, readout_scores
 
     critic, gold = cfg.setups()[setup]
@@ -406,11 +407,19 @@ def _readout_rows(cfg: CriticEvalConfig, setup: str, items: list[dict]) -> tuple
     t0 = time.perf_counter()
     results, stats = readout_scores(model, critic.engine.dtype, critic.template, jobs, label=f"readout {setup}")
     thr = 0.5  # the list shown and stored, as training's readout rows; scoring applies logprob_threshold
-    rows = [{"critic_model": model, "template_version": critic.template, "include_gold_answer": gold,
-             "item_id": it["id"], "n_steps": len(it["steps"]), "raw_text": readout_text(q, raw, cf, thr),
-             "wrong_steps": [i for i, x in enumerate(q) if x > thr], "steps_judged": list(range(len(q))),
-             "steps_wrong_lines": [i for i, x in enumerate(q) if x > thr], "parse_status": "complete",
-             "source": "logprob", "step_scores": q} for it, (q, raw, cf) in zip(items, results)]
+    rows = []
+    for it, (q, raw, cf) in zip(items, results):
+        row = {"critic_model": model, "template_version": critic.template, "include_gold_answer": gold,
+               "item_id": it["id"], "n_steps": len(it["steps"]), "source": "logprob"}
+        if q is None:
+            log.warning("[critique] %s: the log-prob readout of item %s is not finite; recorded as %s", setup,
+                        it["id"], READOUT_NONFINITE)
+            rows.append({**row, "raw_text": nonfinite_text(raw, cf), "wrong_steps": None, "steps_judged": None,
+                         "steps_wrong_lines": None, "parse_status": READOUT_NONFINITE, "step_scores": None})
+            continue
+        rows.append({**row, "raw_text": readout_text(q, raw, cf, thr), "wrong_steps": [i for i, x in enumerate(q) if x > thr],
+                     "steps_judged": list(range(len(q))), "steps_wrong_lines": [i for i, x in enumerate(q) if x > thr],
+                     "parse_status": "complete", "step_scores": q})
     return rows, {**stats, "seconds": round(time.perf_counter() - t0, 3)}
 
 

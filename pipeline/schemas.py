@@ -121,7 +121,8 @@ CRITIQUES_SCHEMA = pa.schema(
         pa.field("outcome_verdict", pa.bool_()),  # outcome mode: "final answer correct", null unless ok
         # the parser's status (pipeline.core.critique.PARSE_STATUSES / OUTCOME_PARSE_STATUSES), or
         # skipped_empty_response (nothing judged) | malformed_reply (the served critic's reply stayed
-        # malformed after its retries; raw_text keeps why and the body's excerpt; votes nothing)
+        # malformed after its retries; raw_text keeps why and the body's excerpt; votes nothing);
+        # a logprob row: complete | readout_nonfinite (a NaN/inf readout: step_scores null, no score)
         pa.field("parse_status", pa.string(), nullable=False),
         pa.field("critic_tokens", pa.int32()),  # generated tokens
         pa.field("finish_reason", pa.string()),

@@ -292,7 +292,8 @@ COLUMN_NOTES: dict[tuple[str | None, str], str] = {
                                    "out_of_range | duplicate (GenORM: ok | not_yes_no | ...); "
                                    "skipped_empty_response (nothing to judge); malformed_reply (a served critic's "
                                    "reply stayed malformed after its retries: raw_text keeps why and an excerpt of "
-                                   "the body; no vote)",
+                                   "the body; no vote); logprob rows: complete, or readout_nonfinite (a NaN/inf "
+                                   "readout: null step_scores, no score)",
     ("critic_eval_critiques", "parse_status"): "as `critiques.parse_status`",
     ("step_verdicts", "rule"): "intersection | union | majority | average",
     ("step_verdicts", "n_valid"): "valid critiques of the response (those that vote)",

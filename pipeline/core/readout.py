@@ -115,6 +115,31 @@ def calibrate(p_wrong: float, content_free: float, eps: float = 1e-6) -> float:
     return w / (w + r)
 
 
+READOUT_NONFINITE = "readout_nonfinite"
+"""``parse_status`` of a ``logprob`` critique row whose readout was not finite (a NaN or inf
+probability, e.g. an overflow in the critic's forward pass): ``step_scores`` is null and the row
+gives no score (the vote reads it as no readout)."""
+
+
+def binary_readout(probs: Sequence[tuple[float, float]]) -> list[float]:
+    """:func:`binary_wrong` of each step's ``(P(correct), P(wrong))``; NaN at a step whose two
+    probabilities are not finite and >= 0 (never raises: :func:`calibrated_scores` then gives None)."""
+    out = []
+    for p_correct, p_wrong in probs:
+        pc, pw = float(p_correct), float(p_wrong)
+        ok = math.isfinite(pc) and math.isfinite(pw) and pc >= 0 and pw >= 0
+        out.append(binary_wrong(pc, pw) if ok else math.nan)
+    return out
+
+
+def calibrated_scores(raw: Sequence[float], content_free: Sequence[float]) -> list[float] | None:
+    """:func:`calibrate` at every step, or None when a raw or content-free readout is not a finite
+    probability in [0, 1] (the row is then :data:`READOUT_NONFINITE`)."""
+    if not all(math.isfinite(x) and 0.0 <= x <= 1.0 for x in (*raw, *content_free)):
+        return None
+    return [calibrate(p, c) for p, c in zip(raw, content_free)]
+
+
 def readout_text(scores: Sequence[float], raw: Sequence[float], content_free: Sequence[float],
                  threshold: float = 0.5) -> str:
     """The readout as the critique browser and SQL show it: one line per step (numbered from 0 like a
@@ -124,3 +149,12 @@ def readout_text(scores: Sequence[float], raw: Sequence[float], content_free: Se
              for i, (q, p, c) in enumerate(zip(scores, raw, content_free))]
     lines.append(f"Wrong step list: [{', '.join(str(i) for i, q in enumerate(scores) if q > threshold)}]")
     return "\n".join(lines)
+
+
+def nonfinite_text(raw: Sequence[float], content_free: Sequence[float]) -> str:
+    """The raw text of a :data:`READOUT_NONFINITE` row: each step's raw and content-free P(wrong)
+    (``nan`` where the critic's probabilities were not finite), and no list."""
+    lines = [f"Step {i}: raw P(wrong) {p:.3f}, content-free {c:.3f}"
+             + ("" if math.isfinite(p) and math.isfinite(c) else " (not finite)")
+             for i, (p, c) in enumerate(zip(raw, content_free))]
+    return "\n".join([*lines, "Readout not finite: no step scores"])

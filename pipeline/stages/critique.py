@@ -153,14 +153,24 @@ def readout_scores(critic: str, dtype: str, template: str, jobs: list[ReadoutJob
 
     Returns:
         ``(results, stats)``: per job ``(calibrated, raw, content_free)``, three lists of S floats
-        in [0, 1]; and the engine stats (``readout_seconds``, ``prefill_tokens``, ``load_seconds``).
+        in [0, 1], except that ``calibrated`` is None when the critic's probabilities were not
+        finite at some step of the job or of its content-free input (raw and content-free then
+        hold NaN there: :func:`pipeline.core.readout.calibrated_scores`); and the engine stats
+        (``readout_seconds``, ``prefill_tokens``, ``load_seconds``, ``nonfinite``: the jobs
+        whose calibrated scores are None).
 
     Raises:
         ValueError: a job without steps, or a critic tokenizer that cannot tell the verdicts apart.
     """
     from pipeline.config import TransformersEngineConfig
     from pipeline.core.critique import build_critique_messages
-    from pipeline.core.readout import CONTENT_FREE, binary_wrong, calibrate, forced_answer, verdict_token_ids
+    from pipeline.core.readout import (
+        CONTENT_FREE,
+        binary_readout,
+        calibrated_scores,
+        forced_answer,
+        verdict_token_ids,
+    )
     from pipeline.engines.base import apply_chat_template
     from pipeline.engines.transformers_engine import TransformersEngine
 
@@ -174,8 +184,7 @@ def readout_scores(critic: str, dtype: str, template: str, jobs: list[ReadoutJob
 
         def binary(messages: list[dict], n_steps: int) -> list[float]:
             ids, pos = forced_answer(apply_chat_template(tok, messages), n_steps, tok)
-            probs = engine.token_probs([ids], [pos], cand)[0]
-            return [binary_wrong(float(pc_), float(pw)) for pc_, pw in probs]
+            return binary_readout(engine.token_probs([ids], [pos], cand)[0])  # NaN where not finite
 
         out = []
         t0 = time.perf_counter()
@@ -188,12 +197,12 @@ def readout_scores(critic: str, dtype: str, template: str, jobs: list[ReadoutJob
                 cf_cache[ck] = binary(build_critique_messages(
                     CONTENT_FREE, [CONTENT_FREE] * S, CONTENT_FREE if ck[1] else None, template,
                     reference_solution=CONTENT_FREE if ck[2] else None), S)
-            out.append(([calibrate(p, c) for p, c in zip(raw, cf_cache[ck])], raw, cf_cache[ck]))
+            out.append((calibrated_scores(raw, cf_cache[ck]), raw, cf_cache[ck]))
             if (i + 1) % 16 == 0 or i + 1 == len(jobs):
                 el = time.perf_counter() - t0
                 log.info("[critique] %s: %d/%d solutions (%.0fs elapsed, ~%.0fs left)", label, i + 1, len(jobs),
                          el, el / (i + 1) * (len(jobs) - i - 1))
-        return out, engine.stats.as_dict()
+        return out, {**engine.stats.as_dict(), "nonfinite": sum(q is None for q, _, _ in out)}
     finally:
         engine.close()
 
@@ -201,10 +210,13 @@ def readout_scores(critic: str, dtype: str, template: str, jobs: list[ReadoutJob
 def readout_rows(cfg: CAPOConfig, round_idx: int, inp: "_CritiqueInputs") -> tuple[list[dict], dict]:
     """One ``logprob`` critique row per rollout: the critic's calibrated P(wrong) of every step
     (:func:`readout_scores`) in ``step_scores``, the steps above 0.5 as its list (what the
-    browser shows; the vote applies ``vote.logprob_threshold`` to the scores). Runs the critic's
-    checkpoint with the transformers engine at ``critique.engine.dtype``. Returns the rows and the
-    engine stats (``readout_seconds``, ``prefill_tokens``, ``load_seconds``)."""
-    from pipeline.core.readout import readout_text
+    browser shows; the vote applies ``vote.logprob_threshold`` to the scores). A rollout whose
+    readout is not finite (NaN or inf from the critic) gets a ``readout_nonfinite`` row with null
+    ``step_scores`` (no score in the vote), is named in a warning and counted in the stats
+    (``nonfinite``). Runs the critic's checkpoint with the transformers engine at
+    ``critique.engine.dtype``. Returns the rows and the engine stats (``readout_seconds``,
+    ``prefill_tokens``, ``load_seconds``, ``nonfinite``)."""
+    from pipeline.core.readout import READOUT_NONFINITE, nonfinite_text, readout_text
 
     thr = 0.5
     live = [rid for rid in inp.rollouts if rid not in inp.empty]
@@ -225,7 +237,17 @@ def readout_rows(cfg: CAPOConfig, round_idx: int, inp: "_CritiqueInputs") -> tup
         jobs.append(ReadoutJob(pr["question"], inp.steps[rid], pr["gold_answer"] if gold_on else None,
                                pr["gold_solution"] if cfg.critique.include_reference else None))
     results, stats = readout_scores(inp.critic, cfg.critique.engine.dtype, cfg.critique.template, jobs)
+    bad = [rid for rid, (scores, _, _) in zip(live, results) if scores is None]
+    if bad:
+        log.warning("[critique] round %d: the log-prob readout of %d rollouts is not finite (%s%s); recorded as %s, "
+                    "no score", round_idx, len(bad), ", ".join(bad[:10]), " ..." if len(bad) > 10 else "",
+                    READOUT_NONFINITE)
     for rid, job, (scores, raw, cf) in zip(live, jobs, results):
+        if scores is None:
+            rows.append({**base, "rollout_id": rid, "n_steps": len(job.steps), "raw_text": nonfinite_text(raw, cf),
+                         "wrong_steps": None, "steps_judged": None, "step_scores": None,
+                         "parse_status": READOUT_NONFINITE})
+            continue
         rows.append({**base, "rollout_id": rid, "n_steps": len(job.steps), "raw_text": readout_text(scores, raw, cf, thr),
                      "wrong_steps": [s for s, q in enumerate(scores) if q > thr], "steps_judged": list(range(len(job.steps))),
                      "step_scores": scores, "parse_status": "complete"})

@@ -98,6 +98,99 @@ def test_the_critique_stage_writes_and_votes_the_readout(tmp_path, monkeypatch, 
     assert res.critic_calls == len(RIDS) - 1
 
 
+class _CharTokenizer:
+    """One token per character (id = code point; the two verdict words one token each, 1 and 2),
+    with a chat template that joins the messages."""
+
+    def encode(self, text, add_special_tokens=False):
+        return {" correct": [1], " wrong": [2]}.get(text) or [ord(c) for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return self.encode("\n".join(m["content"] for m in messages) + "\nassistant:")
+
+
+class _OverflowingCritic:
+    """Stands in for the critic's forward pass (TransformersEngine.token_probs): P(correct) 0.6,
+    P(wrong) 0.2 at every step, except NaN at step 1 of rollout ``r5`` (an fp16 overflow, say)."""
+
+    def __init__(self, model, cfg):
+        from pipeline.engines.base import EngineStats
+
+        self.tokenizer, self.stats = _CharTokenizer(), EngineStats()
+
+    def token_probs(self, ids, positions, candidates):
+        import numpy as np
+
+        out = []
+        for seq, pos in zip(ids, positions):
+            probs = np.tile([0.6, 0.2], (len(pos), 1))
+            if "step 1 of r5" in "".join(map(chr, seq)):
+                probs[1] = [np.nan, np.nan]
+            out.append(probs)
+        return out
+
+    def close(self):
+        pass
+
+
+def test_a_nonfinite_readout_is_recorded_not_a_failed_round(tmp_path, monkeypatch):
+    """A NaN from the critic's readout of one rollout: that rollout's ``logprob`` row is
+    ``readout_nonfinite`` with no step scores (the raw text shows the NaN), the other rollouts are
+    scored, the manifest counts it, and the vote gives it no score (weight 0, logprob_score null)."""
+    import pipeline.engines.transformers_engine as te
+    import pipeline.stages.critique as sg
+    from pipeline.stages.vote import vote_stage
+    from tests.flows.test_fanout import EMPTY, RIDS, FakeCritic, _cfg, _write_round
+
+    monkeypatch.setattr(sg, "make_engine", FakeCritic)  # the sampled critiques: not what this test is about
+    monkeypatch.setattr(te, "TransformersEngine", _OverflowingCritic)
+    cfg = _cfg(tmp_path, "critique.engine.type=transformers", "critique.logprob_readout=true", "vote.sources=[logprob]")
+    _write_round(cfg)
+    sg.critique_stage(cfg, 1)
+    p = round_paths(cfg, 1)
+    rows = {r["rollout_id"]: r for r in storage.read_table(p["critiques"], "critiques").to_pylist() if r["source"] == "logprob"}
+    assert sorted(rows) == sorted(RIDS)
+    bad = rows["r5"]
+    assert (bad["parse_status"], bad["step_scores"], bad["wrong_steps"]) == ("readout_nonfinite", None, None)
+    assert "Step 1: raw P(wrong) nan, content-free 0.250 (not finite)" in bad["raw_text"]
+    for rid in set(RIDS) - {"r5", EMPTY}:  # binary 0.2 / 0.8 = 0.25 on the input and the content-free one: q = 0.5
+        assert rows[rid]["parse_status"] == "complete" and rows[rid]["step_scores"] == pytest.approx([0.5, 0.5])
+    assert storage.read_manifest(p["critiques"])["readout"]["nonfinite"] == 1
+    vote_stage(cfg, 1)
+    sv = [v for v in storage.read_table(p["step_verdicts"], "step_verdicts").to_pylist() if v["rollout_id"] == "r5"]
+    assert sv and all(v["logprob_score"] is None and v["weight"] == 0 for v in sv)
+
+
+def test_critic_eval_records_a_nonfinite_readout_as_no_score(tmp_path, monkeypatch, data_dir):
+    """critic-eval's readout setup: the item whose readout is NaN gets a ``readout_nonfinite`` row
+    with no step scores; it counts as a parse failure and the scores are still written."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    import pipeline.engines.transformers_engine as te
+    from critic_eval import stages as ces
+
+    monkeypatch.setattr(te, "TransformersEngine", _OverflowingCritic)
+    items = [{"id": f"q{i}", "problem": f"Problem {i}?", "steps": [f"step 0 of r{i}", f"step 1 of r{i}"],
+              "label": -1 if i % 2 else 1, "step_labels": [0, 0] if i % 2 else [0, 1]} for i in (4, 5)]
+    bench = tmp_path / "pb.jsonl"
+    bench.write_text("\n".join(json.dumps(it) for it in items))
+    conf = tmp_path / "ce.yaml"
+    conf.write_text(json.dumps({"name": "ro", "runs_dir": str(tmp_path / "runs"), "benchmark": {"source": str(bench)},
+                                "critics": [{"name": "ro", "source": "logprob", "model": "hand-critic"}],
+                                "include_gold_answer": [False], "n_values": [1]}))
+    cfg = ces.load_eval_config(conf, [f"data_dir={data_dir}"])
+    ces.benchmark_stage(cfg)
+    (setup,) = cfg.setups()
+    rows = {r["item_id"]: r for r in pq.read_table(ces.critique_stage(cfg, setup).path).to_pylist()}
+    assert (rows["q5"]["parse_status"], rows["q5"]["step_scores"]) == ("readout_nonfinite", None)
+    assert rows["q4"]["parse_status"] == "complete" and rows["q4"]["step_scores"] == pytest.approx([0.5, 0.5])
+    ces.score_stage(cfg)
+    scores = pq.read_table(cfg.run_dir() / "scores.parquet").to_pylist()
+    assert {s["parse_failure_rate"] for s in scores if s["subset"] == "all"} == {0.5}
+
+
 def test_the_readout_needs_a_local_critic(tmp_path):
     from tests.flows.test_fanout import _cfg
 

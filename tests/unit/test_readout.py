@@ -4,7 +4,16 @@ import math
 
 import pytest
 
-from pipeline.core.readout import binary_wrong, calibrate, forced_answer, readout_text, verdict_token_ids
+from pipeline.core.readout import (
+    binary_readout,
+    binary_wrong,
+    calibrate,
+    calibrated_scores,
+    forced_answer,
+    nonfinite_text,
+    readout_text,
+    verdict_token_ids,
+)
 
 
 class CharTokenizer:
@@ -54,3 +63,14 @@ def test_readout_text_lists_the_steps_above_the_threshold():
     text = readout_text([0.2, 0.9], [0.3, 0.7], [0.4, 0.4])
     assert text.splitlines() == ["Step 0: P(wrong) 0.200 (raw 0.300, content-free 0.400)",
                                  "Step 1: P(wrong) 0.900 (raw 0.700, content-free 0.400)", "Wrong step list: [1]"]
+
+
+def test_a_nonfinite_readout_gives_no_scores_instead_of_an_error():
+    raw = binary_readout([(0.3, 0.1), (math.nan, 0.2), (0.1, math.inf), (-0.1, 0.2)])
+    assert raw[0] == pytest.approx(0.25) and all(math.isnan(x) for x in raw[1:])
+    assert calibrated_scores([0.5, 0.3], [0.2, 0.6]) == pytest.approx([0.8, 0.5 / 2.25])
+    assert calibrated_scores([0.5, math.nan], [0.2, 0.6]) is None
+    assert calibrated_scores([0.5, 0.3], [0.2, math.inf]) is None  # the content-free input counts too
+    assert nonfinite_text([0.25, math.nan], [0.5, 0.5]) == (
+        "Step 0: raw P(wrong) 0.250, content-free 0.500\n"
+        "Step 1: raw P(wrong) nan, content-free 0.500 (not finite)\nReadout not finite: no step scores")
