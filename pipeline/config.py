@@ -454,7 +454,10 @@ class RatioTraceConfig(Strict):
     """gamma * lambda, the trace's decay per token (the paper's lambda 0.99 with gamma 1)."""
     style: Literal["recent", "both"] = "recent"
     """``recent``: weight kappa^l on the token l positions back (the classic trace); ``both``:
-    max(kappa^l, kappa^(t-l)), which also weighs the response's first tokens."""
+    max(kappa^l, kappa^(t-l)), which also weighs the response's first tokens: the first token's
+    log-ratio enters every token's trace at full weight, so at the first step its credit is T times
+    the advantage on a response of T tokens (``recent`` caps a token's at 1/(1-kappa) times;
+    docs/method.md, "GRPO-λ")."""
 
 
 class FutureKLConfig(Strict):
