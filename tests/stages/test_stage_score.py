@@ -680,3 +680,51 @@ def test_a_prompt_table_with_repeated_ids_names_them(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows, schema=PROMPTS_SCHEMA), tmp_path / "t.parquet")
     with pytest.raises(ValueError, match=r"prompt_id values are not unique: 2 repeat, e\.g\. \['p1', 'p3'\]"):
         read_prompts(tmp_path / "t.parquet")
+
+
+def test_the_shipped_default_votes_the_check_and_the_readout_into_token_rewards_by_hand(tmp_path):
+    """configs/default.yaml (variant ``capo-readout``): no sampled critique votes; a step is
+    penalized when the arithmetic check flags it or the readout's calibrated P(wrong) is above 0.8
+    (``majority``), the larger of the two weights. Toy round: the check flags B's step 2; the
+    readout gives A [0.1, 0.85, 0.75] and B [0.9, 0.2, 0.3]. Weights: A [0, 1, 0], B [1, 0, 1]
+    (under ``average``: A [0.1, 0.85, 0.75], B [0.9, 0.2, 1]). Rewards C*r_v - P*w with C = 2,
+    P = 1: A (right, 11 tokens, step 1 = token 4) [2, 2, 2, 2, 1, 2, 2, 2, 2, 2, 2]; B (wrong,
+    7 tokens, steps 0 and 2 cover every token) [-1] * 7. Over the group's 18 tokens: mean 14/18 =
+    7/9, sum of squares about it 10 (11/9)^2 + (2/9)^2 + 7 (16/9)^2 = 3006/81, variance (ddof 1)
+    3006/1377 = 334/153, std 1.47750; advantages (2 - 7/9)/std = 0.82722, (1 - 7/9)/std = 0.15040,
+    (-1 - 7/9)/std = -1.20323."""
+    from pipeline.config import load_config
+    from tests.conftest import REPO
+    from tests.toy_round import critique_row
+
+    toy = toy_config(tmp_path)  # writes the toy prompt file
+    cfg = load_config(REPO / "configs" / "default.yaml", [f"runs_dir={toy.runs_dir}", f"data_dir={toy.data_dir}",
+                                                          "run_id=toy", f"data.train_prompts={toy.data.train_prompts}"])
+    assert (cfg.variant, cfg.vote.sources, cfg.vote.rule, cfg.vote.logprob_threshold) == (
+        "capo-readout", ["arithmetic", "logprob"], "majority", 0.8)
+    assert (cfg.critique.num_critiques, cfg.reward.correct_weight, cfg.reward.process_weight) == (0, 2.0, 1.0)
+    _write_round(cfg)
+    checks = [{**critique_row(rid, 0, wrong, 3), "source": "arithmetic", "parse_status": "complete"}
+              for rid, wrong in (("A", []), ("B", [2]))]
+    readout = [{**critique_row(rid, 0, [i for i, q in enumerate(qs) if q > 0.5], 3), "source": "logprob",
+                "parse_status": "complete", "step_scores": qs}
+               for rid, qs in (("A", [0.1, 0.85, 0.75]), ("B", [0.9, 0.2, 0.3]))]
+    _write(cfg, "critiques", checks + readout, "critique")
+    vote_stage(cfg, 1)
+    sv = storage.read_table(round_paths(cfg, 1)["step_verdicts"], "step_verdicts").to_pylist()
+    weights = {(v["rule"], v["rollout_id"]): [] for v in sv}
+    for v in sorted(sv, key=lambda v: v["step_idx"]):
+        weights[(v["rule"], v["rollout_id"])].append(v["weight"])
+    assert weights[("majority", "A")] == [0, 1, 0] and weights[("majority", "B")] == [1, 0, 1]
+    assert weights[("average", "A")] == pytest.approx([0.1, 0.85, 0.75])
+    assert weights[("average", "B")] == pytest.approx([0.9, 0.2, 1.0])
+    assert {v["n_valid"] for v in sv} == {0}  # no sampled critique voted
+    reward_stage(cfg, 1)
+    got = _read_rewards(cfg)
+    assert got["A"]["rewards"] == [2, 2, 2, 2, 1, 2, 2, 2, 2, 2, 2] and got["B"]["rewards"] == [-1] * 7
+    std = math.sqrt(334 / 153)
+    assert std == pytest.approx(1.47750, abs=1e-5)
+    a_right, a_flag, b = (2 - 7 / 9) / std, (1 - 7 / 9) / std, (-1 - 7 / 9) / std
+    assert (round(a_right, 5), round(a_flag, 5), round(b, 5)) == (0.82722, 0.15040, -1.20323)
+    assert got["A"]["advantages"] == pytest.approx([a_right] * 4 + [a_flag] + [a_right] * 6, abs=1e-5)
+    assert got["B"]["advantages"] == pytest.approx([b] * 7, abs=1e-5)
