@@ -3,6 +3,8 @@ advantages are sequence-level GRPO, and the rule verifier's result is still reco
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -59,8 +61,8 @@ def test_genorm_outcome_overrides_the_rule_verifier_where_they_disagree(tmp_path
     assert (got["A"]["outcome_correct"], got["B"]["outcome_correct"]) == (True, False)
     assert got["A"]["rewards"] == [0.0] * 11 and got["B"]["rewards"] == [2.0] * 7
     # sequence rewards [0, 2]: mean 1, std (ddof=1) sqrt(2) -> A -1/(sqrt(2) + 1e-6) = -0.70711, B +0.70711
-    np.testing.assert_allclose(got["A"]["advantages"], [-0.7071065] * 11, rtol=1e-5)
-    np.testing.assert_allclose(got["B"]["advantages"], [0.7071065] * 7, rtol=1e-5)
+    np.testing.assert_allclose(got["A"]["advantages"], [-1 / (math.sqrt(2) + cfg.reward.eps)] * 11, rtol=1e-6)
+    np.testing.assert_allclose(got["B"]["advantages"], [1 / (math.sqrt(2) + cfg.reward.eps)] * 7, rtol=1e-6)
     man = storage.read_manifest(round_paths(cfg, 1)["token_rewards"])
     assert man["genorm_agreement_with_rule"] == pytest.approx(0.0)
 

@@ -321,7 +321,7 @@ def test_future_kl_weights_by_hand():
     assert future_kl_weights(lr, mask, neg, half_life=1.0, safety=1.3)[0, 2] == 1.0
     # participation: a ratio above c = 1.2 (log 0.182 < 0.3) adds nothing: F2 = 0, F1 = -0.2, F0 = 0.1 - 0.1 = 0
     f = future_kl_weights(lr, mask, pos, half_life=1.0, clip_high_only=False, participation_c=1.2)
-    torch.testing.assert_close(f, torch.tensor([[1.0, 0.8187307530779818, 1.0, 1.0]], dtype=torch.float64))
+    torch.testing.assert_close(f, torch.tensor([[1.0, math.exp(-0.2), 1.0, 1.0]], dtype=torch.float64))
     with pytest.raises(ValueError, match=r"half_life=0.0 \(valid: > 0\)"):
         future_kl_weights(lr, mask, pos, half_life=0.0)
     with pytest.raises(ValueError, match=r"participation_c=0.5 \(valid: > 1\)$"):  # only the bad one named

@@ -311,3 +311,18 @@ def test_trace_credit_is_the_traced_loss_gradient_at_ratio_1():
         trace_credit(A, off, 0.5, "old")
     with pytest.raises(ValueError, match=r"offsets must rise from 0 to 14 \(the number of advantages\), got \[0, 5\]"):
         trace_credit(A, np.array([0, 5]), 0.5)
+
+
+def test_group_run_advantages_by_hand():
+    """Runs (value, length) (2, 1), (1, 3), (0, 2), (7, 0) in one group: 6 tokens, mean 5/6; squares
+    about it (7/6)^2 + 3 (1/6)^2 + 2 (5/6)^2 = 102/36, variance (ddof 1) 102/180 = 17/30, std
+    0.752773. Advantages (2 - 5/6)/std = 1.54983, (1 - 5/6)/std = 0.22140, (0 - 5/6)/std = -1.10702;
+    the empty run weighs nothing in the mean and std but gets (7 - 5/6)/std = 8.19193. A second group
+    of one token has std 0: its advantage is 0."""
+    from pipeline.core.rewards import group_run_advantages
+
+    got = group_run_advantages(np.array([2.0, 1.0, 0.0, 7.0, 5.0]), np.array([1, 3, 2, 0, 1]),
+                               np.array(["g", "g", "g", "g", "h"]))
+    std = math.sqrt(17 / 30)
+    assert round(std, 6) == 0.752773
+    np.testing.assert_allclose(got, [1.54983, 0.22140, -1.10702, 8.19193, 0.0], atol=1e-5)
