@@ -81,9 +81,16 @@ def test_every_table_has_the_expected_rows(tiny_round):
         if c["parse_status"] != "skipped_empty_response":
             assert tuple(c["wrong_steps"]) == critique_steps(texts[rid]).wrong_steps
     assert len({(c["rollout_id"], c["critique_idx"]) for c in crit}) == len(crit)
+    from pipeline.core.critique import parse_critique
+
     for c in crit:
         assert c["parse_status"] in PARSE_STATUSES + ("skipped_empty_response",)
         assert (c["wrong_steps"] is not None) == (c["parse_status"] in VERDICT_STATUSES)
+        if c["parse_status"] != "skipped_empty_response":  # the row is the parser's reading of the stored reply
+            parsed = parse_critique(c["raw_text"], c["n_steps"])
+            assert (c["parse_status"], c["steps_judged"], c["steps_wrong_lines"]) == (
+                parsed.status, list(parsed.judged), list(parsed.wrong_by_lines))
+            assert c["wrong_steps"] == (None if parsed.wrong_steps is None else list(parsed.wrong_steps))
         assert set(c["steps_wrong_lines"] or []) <= set(c["steps_judged"] or []) <= set(range(c["n_steps"]))
         assert all(0 <= s < c["n_steps"] for s in c["wrong_steps"] or [])
         assert c["template_version"] and c["critic_model"].endswith("smollm2-135m-instruct")
