@@ -376,3 +376,7 @@ def test_eval_has_every_round_and_the_report_exists(two_runs):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
     html = (rep / "report.html").read_text()
     assert "<table" in html and "GSM8K" in html and html.count("<tr") >= 4  # header + rounds 0, 1, 2
+    for k, path in rounds.items():  # each round's row holds its greedy accuracy, computed from its table
+        greedy = [r["correct"] for r in pq.read_table(path).to_pylist() if r["decoding"] == "greedy"]
+        acc = 100 * sum(greedy) / len(greedy)
+        assert f"<td>{k}</td><td>{acc:.1f}</td>" in html, (k, acc)
