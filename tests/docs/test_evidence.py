@@ -405,8 +405,8 @@ RIVAL_ARMS = ("grpo-lambda", "fipo", "vineppo", "densr")
 def rivals_result_sentence(lines: list[dict]) -> str:
     """What the rivals' table reads, as docs/benchmarks.md states it under the table: the methods
     whose sampled change's interval starts above the noise floor's spread (the matrix's
-    ``sampled_beyond_noise`` criterion, here on one seed), and the arms whose sampled result differs
-    from GRPO's with an interval that excludes 0."""
+    ``sampled_beyond_noise`` criterion, here on one seed), the arms whose sampled result differs
+    from GRPO's with an interval that excludes 0, and those whose greedy change's interval excludes 0."""
     last = next(r for r in reversed(lines) if "run_ids" in r)
     summary = {r["summary"]: r for r in lines if "summary" in r}
     done = [a for a in last["arms"] if a in summary]
@@ -425,8 +425,15 @@ def rivals_result_sentence(lines: list[dict]) -> str:
     out = (f"{WORDS[len(ran)].capitalize()} of the {WORDS[len(RIVAL_ARMS)]} rivals finished ({_and([RIVAL_TITLES[a] for a in ran])}). "
            f"Sampled accuracy rose with an interval starting above the noise floor's {100 * spread:.1f} points under "
            f"{_and(above) if above else 'no arm'}" + (f"; not under {_and(below)}. " if below else ". "))
-    return out + ("The sampled result differs from GRPO's with an interval excluding 0 for "
-                  + (_and(apart) if apart else "no arm") + " on this seed.")
+    greedy = {a: summary[a]["pooled_change_from_round0"]["greedy"] for a in done}
+    fell = [a for a in done if greedy[a]["hi"] < 0]
+    rose = [RIVAL_TITLES[a] for a in done if greedy[a]["lo"] > 0]
+    out += ("The sampled result differs from GRPO's with an interval excluding 0 for "
+            + (_and(apart) if apart else "no arm") + " on this seed. ")
+    changes = [_pts(greedy[a]["diff"]) + " " + _iv(greedy[a]) for a in fell]
+    said = f"{_and([RIVAL_TITLES[a] for a in fell])} ({_and(changes)} points)" if fell else "no arm"
+    return out + ("Greedy accuracy fell with an interval below 0 under " + said
+                  + (f" and rose with one above 0 under {_and(rose)}." if rose else "; no arm's rose with one above 0."))
 
 
 def test_rivals_learning_table():
@@ -449,6 +456,10 @@ def test_rivals_learning_table():
     assert set(last["arms"]) >= {"grpo", "capo", "random-credit", "grpo-lambda", "fipo", "vineppo", "densr"}
     # a rival still to run keeps its command among the figures awaiting evidence, and only then
     assert (command in raw.split("## The scripts", 1)[0]) == bool(missing), missing
+    # the runs trained on two machines start from one round-0 eval: every arm's, item by item
+    start = [(r["ids"], r["greedy"], r["samples"]) for r in lines if "items" in r and r["round"] == 0]
+    assert len(start) == len(last["arms"]) - len(missing) and all(x == start[0] for x in start)
+    assert "their round-0 evals agree item by item" in " ".join(raw.split())
 
 
 def test_generation_precision_figures():
