@@ -417,24 +417,30 @@ def test_judged_text_never_raises_and_keeps_one_block(text, step):
     assert user["content"].count("\n</solution>") == 1
 
 
-@pytest.mark.parametrize("text", [
-    "Wrong step list: [" + " " * 100_000 + "1]", "Wrong step list: [" + "9" * 50_000 + "]",
-    "Wrong step list: " + "[1, " * 30_000, "Wrong step list:" * 30_000, "Step 1: " * 30_000,
-    "step" + " " * 100_000 + "1: wrong", "Step 1: not" + " " * 100_000 + "correct", "[" * 100_000,
-    "Wrong step list: [1" + ", " * 50_000 + "]", ("<" + " " * 19) * 20_000, "&lt;" * 50_000,
+@pytest.mark.parametrize("text, status", [
+    # the final-list marker with no list the bounded patterns accept: not_a_list
+    ("Wrong step list: [" + " " * 100_000 + "1]", "not_a_list"), ("Wrong step list: [" + "9" * 50_000 + "]", "not_a_list"),
+    ("Wrong step list: " + "[1, " * 30_000, "not_a_list"), ("Wrong step list:" * 30_000, "not_a_list"),
+    ("Wrong step list: [1" + ", " * 50_000 + "]", "not_a_list"),
+    # no marker at all: no_verdict
+    ("Step 1: " * 30_000, "no_verdict"), ("step" + " " * 100_000 + "1: wrong", "no_verdict"),
+    ("Step 1: not" + " " * 100_000 + "correct", "no_verdict"), ("[" * 100_000, "no_verdict"),
+    (("<" + " " * 19) * 20_000, "no_verdict"), ("&lt;" * 50_000, "no_verdict"),
 ])
-def test_adversarial_critiques_and_steps_take_linear_time(text):
-    """No input raises or takes more than linear time (the regexes have bounded repeats); 10 ms of
-    work per 100 kB here, so 1 s is a wide margin on any machine that runs the suite."""
+def test_adversarial_critiques_and_steps_take_linear_time(text, status):
+    """No input raises or takes more than linear time (the regexes have bounded repeats; 10 ms of
+    work per 100 kB here, so 1 s is a wide margin on any machine that runs the suite), and each gets
+    the status its shape calls for, no list of wrong steps, and no outcome verdict."""
     import time
 
     from pipeline.core.critique import as_data
 
     t0 = time.perf_counter()
     parsed = parse_critique(text, 5)
-    parse_outcome_verdict(text)
+    verdict = parse_outcome_verdict(text)
     as_data(text, 0)
-    assert time.perf_counter() - t0 < 1.0 and parsed.status in PARSE_STATUSES
+    assert time.perf_counter() - t0 < 1.0
+    assert (parsed.status, parsed.wrong_steps, verdict) == (status, None, (None, "no_verdict"))
 
 
 # --- structured output (critique.structured_output) ---------------------------------------------
