@@ -430,3 +430,22 @@ def test_loss_normalizer_by_hand_and_an_unknown_mode_named():
     assert loss_normalizer("seq-mean-token-sum-norm", mb, 5) == 2 * 5.0  # responses x the global length
     with pytest.raises(ValueError, match="unknown loss aggregation mode 'sum'; valid: \\['token-mean'"):
         loss_normalizer("sum", mb, 5)
+
+
+@pytest.mark.parametrize("mode, want", [
+    ("token-mean", (1 - math.log(2)) / 3),  # one k3 of 1 - ln 2 over 3 tokens: 0.102284
+    ("seq-mean-token-mean", ((1 - math.log(2)) / 1 + 0 / 2) / 2),  # mean of the rows' means: 0.153426
+    ("seq-mean-token-sum-norm", (1 - math.log(2)) / (2 * 2)),  # over B x T = 2 x 2: 0.076713
+])
+def test_kl_to_the_reference_aggregates_over_uneven_rows_by_hand(mode, want):
+    """Row 0 has one token whose reference log-prob is ln 2 above the policy's: k3 = e^(ln 2) - ln 2 - 1
+    = 1 - ln 2 = 0.306853; row 1 has two tokens equal to the reference (k3 0) and no padding; row 0's
+    padding holds a log-prob difference that must not count."""
+    logp = torch.tensor([[-1.0, -5.0], [-0.5, -0.7]], dtype=torch.float64)
+    ref = torch.tensor([[-1.0 + math.log(2), 3.0], [-0.5, -0.7]], dtype=torch.float64)
+    mask = torch.tensor([[True, False], [True, True]])
+    out = ppo_clip_loss(logp, logp.detach(), torch.zeros_like(logp), mask, loss_agg_mode=mode, ref_logprobs=ref,
+                        kl_coef=0.1)
+    assert round(1 - math.log(2), 6) == 0.306853
+    assert float(out.kl_ref) == pytest.approx(want, abs=1e-12)
+    assert float(out.loss) == pytest.approx(0.1 * want, abs=1e-12)  # zero advantages: the loss is the KL term
