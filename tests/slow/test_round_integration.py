@@ -134,6 +134,7 @@ def test_votes_rewards_and_advantages_are_consistent(tiny_round):
     tr = _t(cfg, "token_rewards")
     assert len(tr) == len(n_tok)
     groups: dict[str, list] = {}
+    rewards: dict[str, list] = {}
     for r in tr:
         assert len(r["rewards"]) == len(r["advantages"]) == n_tok[r["rollout_id"]]
         expected = np.zeros(n_tok[r["rollout_id"]])
@@ -141,8 +142,12 @@ def test_votes_rewards_and_advantages_are_consistent(tiny_round):
             expected[s["token_start"]:s["token_end"]] = C * correct[r["rollout_id"]] - P * w[(r["rollout_id"], s["step_idx"], cfg.vote.rule)]
         np.testing.assert_allclose(r["rewards"], expected, rtol=0, atol=1e-6)
         groups.setdefault(r["prompt_id"], []).extend(r["advantages"])
-    for adv in groups.values():
-        assert abs(np.mean(adv)) < 1e-4  # advantages are centred over all tokens of the group
+        rewards.setdefault(r["prompt_id"], []).extend(r["rewards"])
+    assert cfg.reward.estimator == "capo-token-group" and cfg.reward.scale_by_std
+    for pid, adv in groups.items():  # each token's reward less the group's token mean, over its token std (ddof 1)
+        rew = np.asarray(rewards[pid], dtype=np.float64)
+        std = rew.std(ddof=1) if rew.size > 1 else 0.0
+        np.testing.assert_allclose(adv, (rew - rew.mean()) / (std + cfg.reward.eps), rtol=0, atol=1e-5)
 
 
 def test_training_wrote_a_new_policy(tiny_round, data_dir):
