@@ -643,16 +643,6 @@ REPORT_MARKER = ".capo-report"
 REPORT_FILES = ("report.md", "report.html", "table.md", "accuracy.json")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file renamed into place (an open report is
-    never half-written)."""
-    import os
-
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> dict[str, Path]:
     """Write the plots, ``report.md``, ``report.html``, ``table.md`` and ``accuracy.json`` of a run.
 
@@ -696,10 +686,10 @@ def write_report(runs_dir: Path, run_id: str, out_dir: Path | None = None) -> di
     browsers = write_browsers(run_dir, out, notes)
     files = {"report_md": out / "report.md", "report_html": out / "report.html", "table_md": out / "table.md",
              "accuracy_json": out / "accuracy.json"}
-    _write_atomic(files["report_md"], _report_markdown(run_id, table_md, browsers, plots, notes))
-    _write_atomic(files["table_md"], table_md + "\n")
-    _write_atomic(files["accuracy_json"], json.dumps(raw, indent=1))
-    _write_atomic(files["report_html"], _html(run_id, sections, plots, notes, browsers))
+    storage._atomic_write_text(files["report_md"], _report_markdown(run_id, table_md, browsers, plots, notes))
+    storage._atomic_write_text(files["table_md"], table_md + "\n")
+    storage._atomic_write_text(files["accuracy_json"], json.dumps(raw, indent=1))
+    storage._atomic_write_text(files["report_html"], _html(run_id, sections, plots, notes, browsers))
     log.info("report of run %s: %s", run_id, out)
     return {**files, **plots}
 
