@@ -55,6 +55,10 @@ def toy_config(tmp_path: Path, *overrides: str):
                               "reward.process_weight=1", *overrides])
 
 
+def _table(cfg, name: str) -> list[dict]:
+    return storage.read_table(round_paths(cfg, 1)[name], name).to_pylist()
+
+
 def write_rows(cfg, name: str, rows: list[dict], stage: str) -> None:
     table = pa.Table.from_pylist([{"run_id": cfg.run_id, "round": 1, **r} for r in rows], schema=SCHEMAS[name])
     storage.write_table(table, round_paths(cfg, 1)[name], name, stage=stage, key={"hand": name})
@@ -147,3 +151,75 @@ def write_train_round(cfg, tiny_model) -> None:
                         stage="rollout", key={"hand": "rollouts"})
     storage.write_table(pa.Table.from_pylist(tr, schema=SCHEMAS["token_rewards"]), p["token_rewards"], "token_rewards",
                         stage="reward", key={"hand": "token_rewards"})
+
+
+# --------------------------------------------------------------------------- the rivals' credit
+def rival_credit_by_hand(cfg, estimator: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Each rollout's token rewards and advantages under the rival ``estimator`` (``reward.estimator``:
+    grpo-lambda, fipo, vineppo or densr), recomputed from round 1's tables as written, not through the
+    reward stage's readers (tests/slow/test_round_integration.py checks a real round's ``token_rewards``
+    against it, tests/stages/test_rival_credit.py a hand-built one).
+
+    Rewards: ``C * r_v`` on every token (process weight 0, no overlong penalty). GRPO's sequence
+    advantage ``A_i = (C r_i - mean_g) / (std_g + eps)`` (ddof 1, over the group's responses) by hand;
+    grpo-lambda: ``max(A_i, -0.1)`` on every token (its credit over tokens is the traced ratio in the
+    loss, docs/method.md); fipo: ``A_i`` unchanged (its future-KL weights act in the loss); vineppo:
+    :func:`pipeline.core.mc.mc_step_advantages` of ``V(S_0)`` (the group's other outcomes), the
+    ``mc_values`` table's ``V(S_1 .. S_{M-1})`` and ``r_v``, each step's over its tokens, whitened over
+    the round's tokens (:func:`pipeline.core.mc.whiten_runs`); densr: ``A_i`` times
+    :func:`pipeline.core.densr.densr_weights` of the ``token_divergence`` table's divergences.
+    """
+    from pipeline.core.densr import densr_weights
+    from pipeline.core.mc import leave_one_out_means, mc_step_advantages, whiten_runs
+
+    rc = cfg.reward
+    assert rc.process_weight == 0 and rc.overlong_buffer == 0 and rc.outcome == "rule" and rc.scale_by_std
+    ro = _table(cfg, "rollouts")
+    rids = [r["rollout_id"] for r in ro]
+    n_tok = np.array([r["num_tokens"] for r in ro], np.int64)
+    correct = {o["rollout_id"]: o["outcome_correct"] for o in _table(cfg, "outcomes")}
+    r_v = np.array([float(correct[rid]) for rid in rids])
+    pids = [r["prompt_id"] for r in ro]
+    grpo = np.zeros(len(ro))
+    for pid in set(pids):
+        idx = [i for i, q in enumerate(pids) if q == pid]
+        x = rc.correct_weight * r_v[idx]
+        std = x.std(ddof=1) if len(x) > 1 else 0.0
+        grpo[idx] = (x - x.mean()) / (std + rc.eps)
+    rewards = {rid: np.full(n, rc.correct_weight * r_v[i]) for i, (rid, n) in enumerate(zip(rids, n_tok))}
+    if estimator in ("grpo-lambda", "fipo"):
+        seq = np.maximum(grpo, -0.1) if estimator == "grpo-lambda" else grpo
+        return rewards, {rid: np.full(n, seq[i]) for i, (rid, n) in enumerate(zip(rids, n_tok))}
+    if estimator == "densr":
+        div = {r["rollout_id"]: r for r in _table(cfg, "token_divergence")}
+        assert {r["layer"] for r in div.values()} == {cfg.densr.layer}
+        d = np.concatenate([np.full(n, np.nan) if div[rid]["divergence"] is None else np.asarray(div[rid]["divergence"])
+                            for rid, n in zip(rids, n_tok)])
+        off = np.r_[0, np.cumsum(n_tok)]
+        w = densr_weights(d, off, cfg.densr.mix)
+        return rewards, {rid: grpo[i] * w[off[i]:off[i + 1]] for i, rid in enumerate(rids)}
+    assert estimator == "vineppo"
+    steps: dict[str, list] = {}
+    for s in sorted(_table(cfg, "steps"), key=lambda s: (s["rollout_id"], s["step_idx"])):
+        steps.setdefault(s["rollout_id"], []).append(s)
+    mc: dict[str, dict[int, float]] = {}
+    for row in _table(cfg, "mc_values"):
+        mc.setdefault(row["rollout_id"], {})[row["state_idx"]] = row["value"]
+    groups = np.unique(pids, return_inverse=True)[1]
+    v0 = leave_one_out_means(r_v, groups)
+    values, n_states, n_steps, lengths = [], [], [], []
+    for i, rid in enumerate(rids):
+        st = steps[rid]
+        m = min(len(st), cfg.mc.max_states) if len(st) >= 2 else 1  # valued states, S_0 included
+        have = mc.pop(rid, {})
+        assert sorted(have) == list(range(1, m)), (rid, sorted(have), m)
+        values += [v0[i]] + [have[k] for k in range(1, m)]
+        n_states.append(m)
+        n_steps.append(len(st))
+        lengths += [s["token_end"] - s["token_start"] for s in st]
+    assert not mc  # no values of other rollouts
+    step_adv = whiten_runs(mc_step_advantages(np.array(values), np.array(n_states), np.array(n_steps), r_v),
+                           np.array(lengths), rc.eps)
+    tok = np.repeat(step_adv, lengths)
+    off = np.r_[0, np.cumsum(n_tok)]
+    return rewards, {rid: tok[off[i]:off[i + 1]] for i, rid in enumerate(rids)}

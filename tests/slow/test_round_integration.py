@@ -24,6 +24,7 @@ import pytest
 from pipeline.config import load_config
 from pipeline.core.critique import PARSE_STATUSES, VERDICT_STATUSES
 from pipeline.stages.base import round_paths
+from tests.toy_round import rival_credit_by_hand
 
 pytestmark = pytest.mark.slow
 
@@ -370,6 +371,32 @@ def test_each_rival_method_retrains_the_cached_round_through_the_flow(tiny_round
         assert storage.read_manifest(p[{"mc": "mc_values", "densr": "token_divergence"}[own]]) is not None
     summary = json.loads(p["run_summary"].read_text())
     assert summary["critic_calls"] == 0 and summary["variant"] == preset
+    # the credit the reward stage wrote is the estimator's, recomputed here from the tables as written
+    want_r, want_a = rival_credit_by_hand(vcfg, preset)
+    assert set(rewards) == set(want_a)
+    for rid, r in rewards.items():
+        np.testing.assert_allclose(r["rewards"], want_r[rid], rtol=0, atol=1e-6, err_msg=f"{preset} {rid}")
+        np.testing.assert_allclose(r["advantages"], want_a[rid], rtol=1e-6, atol=1e-6, err_msg=f"{preset} {rid}")
+    if preset == "vineppo":  # each Monte Carlo grade is its state's text plus the continuation, graded anew
+        _regrade_mc_values(vcfg)
+
+
+def _regrade_mc_values(cfg) -> None:
+    """Every continuation of the round's ``mc_values``, graded again (its state's decoded text, then the
+    continuation, against the problem's gold answer, the verify stage's rules) equals its stored grade."""
+    from pipeline.core.tokenization import decode_with_bytes
+    from pipeline.engines.base import load_tokenizer
+    from pipeline.stages.base import policy_for_round, prompts_path
+    from tests.stages.test_mc import regrade
+
+    tok = load_tokenizer(policy_for_round(cfg, 1))
+    ro = {r["rollout_id"]: r for r in _t(cfg, "rollouts")}
+    gold = {r["prompt_id"]: r["gold_answer"] for r in pq.read_table(prompts_path(cfg)).to_pylist()}
+    for m in _t(cfg, "mc_values"):  # (the tiny policy's are nearly all wrong: tests/stages/test_mc.py has right ones)
+        r = ro[m["rollout_id"]]
+        head = decode_with_bytes(tok, r["response_token_ids"][:m["token_end"]])[0]
+        assert m["correct"] == regrade(cfg, m, head, gold[r["prompt_id"]]), m
+        assert m["value"] == pytest.approx(sum(m["correct"]) / m["n_continuations"])
 
 
 def test_noise_floor_of_a_real_round(tiny_round, repo):
