@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -214,6 +215,94 @@ def test_eval_stage_round0_skip_rerun_and_round1(scripted, tmp_path, data_dir, r
     assert "<td>start policy</td><td>0</td>" in html and f"<td>{cfg.variant}</td><td>1</td>" in html
 
 
+# the graded problems: (question, gold, greedy reply, three sampled replies); a reply is (text, finish_reason)
+_GRADED = [
+    ("Ann has 10 apples and eats 2. How many apples are left?", "8",
+     ("10 - 2 = 8, so \\boxed{8}.", "stop"),
+     [("\\boxed{9}", "stop"), ("She has \\boxed{8} left.", "stop"), ("8 apples.", "stop")]),
+    ("Bob reads 4 pages a day for 5 days. How many pages does he read?", "20",
+     ("4 * 5 = 21, so \\boxed{21}.", "stop"),
+     [("\\boxed{9}", "stop"), ("\\boxed{45}", "stop"), ("20", "stop")]),
+    ("A pen costs 3 dollars. What do 6 pens cost?", "18",
+     ("6 * 3 = 18 dollars.", "stop"),  # the right number, not boxed: no answer
+     [("\\boxed{18}", "stop"), ("So \\boxed{18} dollars.", "stop"), ("\\boxed{18.0}", "stop")]),
+    ("Cara has 100 stamps and gives 40 away. How many stamps are left?", "60",
+     ("100 - 40 = 60, \\boxed{60}", "length"),  # cut at the budget: wrong however right its answer
+     [("\\boxed{60}", "stop"), ("\\boxed{60}", "length"), ("\\boxed{40}", "stop")]),
+    ("Half of a cake is eaten. What fraction of the cake is left?", "0.5",
+     ("\\boxed{\\frac{1}{2}}", "stop"),  # another form of the gold answer
+     [("one half", "stop"), ("1/2", "stop"), ("0.5", "stop")]),
+]
+
+
+class GradedEngine:
+    """Answers each question of :data:`_GRADED` with its scripted reply: greedy (temperature 0) or sampled."""
+
+    def __init__(self):
+        self.calls, self.tokenizer, self.stats = [], None, EngineStats()
+
+    def generate(self, convs, n, sampling):
+        self.calls.append((len(convs), n, sampling.temperature))
+        out = []
+        for conv in convs:
+            (item,) = [g for g in _GRADED if conv[-1]["content"].startswith(g[0] + "\n\n")]
+            replies = [item[2]] if sampling.temperature == 0 else item[3][:n]
+            assert len(replies) == n
+            out.append(Generation([0], [Sample(text, [1, 2, 3], None, fin) for text, fin in replies]))
+        return out
+
+    def close(self):
+        pass
+
+
+def test_eval_stage_grades_right_wrong_unboxed_and_cut_replies_by_hand(monkeypatch, tmp_path, repo):
+    """Scripted replies at the engine boundary, through the eval stage and read back from its table:
+    a boxed gold answer (also in another form: 1/2 for 0.5, 18.0 for 18) is right; a boxed wrong
+    answer is wrong (status ok); an unboxed right number has no answer; a reply cut at the token
+    budget is wrong with status truncated, its answer kept. The flags, the accuracy, pass@3 and the
+    sampled accuracy are counted by hand, in the table as written and in its manifest's summary."""
+    from pipeline.assets.prompts import PROMPTS_SCHEMA
+    from pipeline.stages.base import round_paths
+
+    rows = [{"prompt_id": f"gsm8k-test-{i:05d}", "source": "gsm8k", "split": "test", "question": q, "gold_answer": gold,
+             "gold_solution": None} for i, (q, gold, _, _) in enumerate(_GRADED)]
+    (tmp_path / "data" / "eval").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=PROMPTS_SCHEMA), tmp_path / "data" / "eval" / "gsm8k.parquet")
+    engine = GradedEngine()
+    monkeypatch.setattr(pipeline.engines, "make_engine", lambda model, cfg, seed=0: engine)
+    cfg = load_config(repo / "configs" / "tiny.yaml", [f"runs_dir={tmp_path / 'runs'}", f"data_dir={tmp_path / 'data'}",
+                                                       "run_id=graded", "eval.benchmarks=[gsm8k]", "eval.sample_size=null",
+                                                       "eval.pass_k=3"])
+    ckpt = round_paths(cfg, 1)["checkpoint"]  # round 1's policy: a stand-in checkpoint (the engine is scripted)
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text("{}")
+    storage.commit_manifest(ckpt, stage="train", key={}, rows=None)
+    res = eval_stage(cfg, 1)
+    assert engine.calls == [(5, 1, 0.0), (5, 3, 1.0)]
+    t = pq.read_table(res.path)
+    got = {(r["prompt_id"][-1], r["decoding"], r["sample_idx"]): (r["correct"], r["verify_status"], r["extracted_answer"])
+           for r in t.to_pylist()}
+    assert t.num_rows == len(got) == 5 + 5 * 3
+    assert {k: v for k, v in got.items() if k[1] == "greedy"} == {
+        ("0", "greedy", 0): (True, "ok", "8"),
+        ("1", "greedy", 0): (False, "ok", "21"),
+        ("2", "greedy", 0): (False, "no_answer", None),
+        ("3", "greedy", 0): (False, "truncated", "60"),
+        ("4", "greedy", 0): (True, "ok", "\\frac{1}{2}"),
+    }
+    right = {k for k, v in got.items() if k[1] == "sample" and v[0]}
+    assert right == {("0", "sample", 1), ("2", "sample", 0), ("2", "sample", 1), ("2", "sample", 2), ("3", "sample", 0)}
+    assert got[("3", "sample", 1)] == (False, "truncated", "60") and got[("4", "sample", 2)] == (False, "no_answer", None)
+    stored = {r["prompt_id"][-1] + r["decoding"] + str(r["sample_idx"]): (r["response_text"], r["gold_answer"])
+              for r in t.to_pylist()}
+    assert stored["4greedy0"] == ("\\boxed{\\frac{1}{2}}", "0.5") and stored["1sample2"] == ("20", "20")
+    by_hand = {"n_problems": 5, "accuracy": 2 / 5, "pass_k": 3, "pass_at_k": 3 / 5, "sampled_accuracy": (1 / 3 + 0 + 1 + 1 / 3 + 0) / 5}
+    (s,) = summarize_eval(t).to_pylist()
+    (m,) = storage.read_manifest(Path(res.path))["summary"]
+    for summary in (s, m):
+        assert {k: summary[k] for k in by_hand} == pytest.approx(by_hand)
+
+
 def test_eval_config_names_valid_benchmarks():
     from pydantic import ValidationError
 
@@ -237,8 +326,13 @@ def one_torch_thread():
 
 
 def test_evaluate_policy_real_tiny_model(data_dir, one_torch_thread):
-    """SmolLM2-135M through the transformers engine: 2 GSM8K problems, 16 greedy tokens."""
+    """SmolLM2-135M through the transformers engine: 2 GSM8K problems, 16 greedy tokens. Every row is
+    graded again here by the project's checker (:func:`pipeline.grading.verify_answer`) on its stored
+    text and gold (the benchmark's), and the accuracy is the mean of those flags. At 16 tokens the
+    model is likely wrong on both: the scripted test above grades right, wrong, unboxed and cut
+    replies by hand."""
     from pipeline.assets.models import ensure_model
+    from pipeline.grading import verify_answer
 
     model = str(ensure_model("smollm2-135m-instruct", root=data_dir / "models"))
     t = evaluate_policy(model, ["gsm8k"], 2, 0, TransformersEngineConfig(dtype="float32", batch_size=2), 16,
@@ -257,3 +351,15 @@ def test_evaluate_policy_real_tiny_model(data_dir, one_torch_thread):
     assert s["mean_response_tokens"] == (rows[0]["num_tokens"] + rows[1]["num_tokens"]) / 2
     assert s["share_truncated"] == sum(r["finish_reason"] == "length" for r in rows) / 2
     assert np.isclose(s["accuracy"], np.mean([r["correct"] for r in rows]))
+    # graded again: the stored gold is the benchmark's, and each stored flag, status and extracted
+    # answer is the checker's on the stored text under the default rule (boxed; a cut reply is wrong)
+    golds = {r["prompt_id"]: r["gold_answer"] for r in pq.read_table(data_dir / "eval" / "gsm8k.parquet").to_pylist()}
+    regraded = []
+    for r in rows:
+        assert r["gold_answer"] == golds[r["prompt_id"]]
+        ext, ok, status = verify_answer(r["gold_answer"], r["response_text"], "boxed")
+        if r["finish_reason"] == "length":
+            ok, status = False, "truncated"
+        assert (r["extracted_answer"], r["correct"], r["verify_status"]) == (ext, ok, status), r["response_text"]
+        regraded.append(ok)
+    assert s["accuracy"] == sum(regraded) / len(regraded)

@@ -78,10 +78,19 @@ def test_learning_rate_zero_runs_no_backward_and_moves_no_weight(tiny):
     assert all(x["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and x["clip_frac"] == 0.0 for x in metrics)
 
 
-def test_lora_trains_adapters_and_merges_into_plain_weights(tiny):
+def test_lora_trains_adapters_and_its_export_reloaded_from_disk_is_the_merged_model(tiny, tmp_path, tiny_model):
+    """LoRA trains only its adapters; the checkpoint the train stage exports (``save_checkpoint``, the
+    adapters merged) reloaded from disk in fp32 is a plain model whose logits on a fixed input equal
+    the trained model's, with the adapters as trained (unmerged) and merged in memory, and differ from
+    the starting model's: an export that wrote the base weights or dropped the adapters fails. In
+    the file only the targeted projections moved; every other tensor is the start's, bit for bit."""
     from accelerate import Accelerator
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from train.state import save_checkpoint
 
     lc = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
     m = get_peft_model(copy.deepcopy(tiny), PeftLoraConfig(r=lc.r, lora_alpha=lc.alpha, target_modules=lc.target_modules,
@@ -92,12 +101,32 @@ def test_lora_trains_adapters_and_merges_into_plain_weights(tiny):
     cfg = TrainConfig(micro_batch_size=2, num_mini_batches=2, lora=lc)
     metrics = ppo_update(m, opt, _examples(), cfg, pad_id=0, seed=0, accelerator=Accelerator(cpu=True))
     assert len(metrics) == 2 and all(np.isfinite(x["loss"]) for x in metrics)
-    merged = m.merge_and_unload()
-    q0 = dict(tiny.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
-    q1 = dict(merged.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
-    k0 = dict(tiny.named_parameters())["model.layers.0.self_attn.k_proj.weight"]
-    k1 = dict(merged.named_parameters())["model.layers.0.self_attn.k_proj.weight"]
-    assert not torch.equal(q0, q1) and torch.equal(k0, k1)  # only targeted modules moved
+
+    ids = torch.tensor([np.random.default_rng(2).integers(10, 2000, 24).tolist()])  # a fixed input
+    m.eval()
+    with torch.no_grad():
+        adapters = m(input_ids=ids).logits  # the model as trained: base weights plus the adapters' path
+        merged = copy.deepcopy(m).merge_and_unload()(input_ids=ids).logits  # merged in memory
+        start = tiny.eval()(input_ids=ids).logits
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(m, AutoTokenizer.from_pretrained(tiny_model), ckpt, "float32")  # merges, as the train stage exports
+    saved, start_file = load_file(str(ckpt / "model.safetensors")), load_file(f"{tiny_model}/model.safetensors")
+    assert not (ckpt / "adapter_config.json").exists() and not (ckpt / "adapter_model.safetensors").exists()
+    assert set(saved) == set(start_file) and {t.dtype for t in saved.values()} == {torch.float32}  # plain weights
+    targeted = {k for k in saved if k.endswith(("q_proj.weight", "v_proj.weight"))}
+    assert len(targeted) == 2 * tiny.config.num_hidden_layers
+    for k, v in saved.items():  # only the targeted projections moved, every one of them
+        assert torch.equal(v, start_file[k].to(v.dtype)) != (k in targeted), k
+
+    reloaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = reloaded(input_ids=ids).logits
+    # fp32 file: the same weights as the in-memory merge, so the same logits up to kernel order; the
+    # unmerged adapters' path differs from the merged weights by fp32 rounding only
+    torch.testing.assert_close(got, merged, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, adapters, atol=1e-3, rtol=1e-4)
+    moved = float((got - start).abs().max())
+    assert moved > 1e-2, f"the reloaded export's logits are within {moved:.1e} of the starting model's"
 
 
 def _accelerator(mixed_precision: str = "no"):
