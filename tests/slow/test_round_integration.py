@@ -316,7 +316,8 @@ def test_retraining_a_cached_round_under_another_preset_calls_no_critic(tiny_rou
     from flows.round import capo_round
 
     cfg = tiny_round[0]
-    over = [f"runs_dir={cfg.runs_dir}", f"data_dir={cfg.data_dir}"]
+    # no eval: nothing here reads it, and it is a vLLM engine start (variant_summary does not join it)
+    over = [f"runs_dir={cfg.runs_dir}", f"data_dir={cfg.data_dir}", "eval.enabled=false"]
     res = {r["stage"]: r for r in capo_round(round=1, config=str(repo / "configs" / "tiny.yaml"),
                                               overrides=over, preset="capo-union")}
     assert all(res[s]["skipped"] for s in ("rollout", "verify", "segment", "critique"))
