@@ -8,8 +8,9 @@ with nothing (it runs a zero-weighted dummy) and the micro-batches have differen
 
 The train stage runs through :func:`flows.runner.run_stage`, as a round runs it: once with no
 launcher (one child process) and once with ``train.launcher = [accelerate, launch, --config_file,
-configs/accelerate/cpu_2proc.yaml]``. Both checkpoints must agree tensor by tensor (float32,
-no autocast) and differ from the starting weights; the logged loss and token counts must agree.
+configs/accelerate/cpu_2proc.yaml]``, the two at the same time (independent runs, one intra-op
+thread per process in both). Both checkpoints must agree tensor by tensor (float32, no autocast)
+and differ from the starting weights; the logged loss and token counts must agree.
 
 Fast tests below: the mini-batch schedule does not depend on the number of processes, and the
 FSDP / ZeRO-3 save path (a gathered state dict) writes the same checkpoint as the plain one.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -44,8 +46,8 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _train(tmp_path, tiny_model, repo, mode: str, launcher: list[str]):
-    """Run the train stage of a fresh round through the runner; return (cfg, result, logged lines, seconds)."""
+def _round(tmp_path, tiny_model, mode: str, launcher: list[str]):
+    """The config of a fresh round (its own runs dir per launcher) with its rollouts and token rewards written."""
     name = "w2" if launcher else "w1"
     cfg = load_config(None, [f"runs_dir={tmp_path / name}", f"data_dir={tmp_path / 'data'}", "run_id=dist",
                              f"rollout.policy={tiny_model}", f"train.loss_agg_mode={mode}", f"train.learning_rate={LR}",
@@ -54,13 +56,19 @@ def _train(tmp_path, tiny_model, repo, mode: str, launcher: list[str]):
                              f"train.launcher={launcher!r}".replace("'", "")])
     assert cfg.train.launcher == launcher
     write_train_round(cfg, tiny_model)
+    return cfg
+
+
+def _train(cfg, mode: str):
+    """Run the train stage of ``cfg``'s round through the runner; return (result, logged lines, seconds)."""
+    name = "w2" if cfg.train.launcher else "w1"
     logger = logging.getLogger(f"capo.test.dist.{name}.{mode}")
     logger.setLevel(logging.INFO)
     h = _Lines()
     logger.addHandler(h)
     t0 = time.perf_counter()
     res = run_stage("train", cfg, 1, logger=logger)
-    return cfg, res, h.lines, time.perf_counter() - t0
+    return res, h.lines, time.perf_counter() - t0
 
 
 def _weights(path) -> dict[str, torch.Tensor]:
@@ -88,9 +96,15 @@ def test_two_cpu_processes_equal_one(tmp_path, tiny_model, repo, mode, monkeypat
     # started a vLLM engine in-process (which sets OMP_NUM_THREADS to the core count for both runs).
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     launcher = ["accelerate", "launch", "--config_file", str(repo / "configs/accelerate/cpu_2proc.yaml")]
-    cfg1, res1, _, s1 = _train(tmp_path, tiny_model, repo, mode, [])
-    cfg2, res2, lines2, s2 = _train(tmp_path, tiny_model, repo, mode, launcher)
-    print(f"{mode}: 1 process {s1:.1f}s, 2 processes {s2:.1f}s")
+    cfg1 = _round(tmp_path, tiny_model, mode, [])
+    cfg2 = _round(tmp_path, tiny_model, mode, launcher)
+    # The two runs are independent (own runs dir, own children) and each process computes at one
+    # thread whatever else runs: started together they keep both cores busy (the lone 1-thread
+    # process alone left one idle) and their results are those of runs started one after the other.
+    with ThreadPoolExecutor(2) as pool:
+        one, two = pool.submit(_train, cfg1, mode), pool.submit(_train, cfg2, mode)
+        (res1, _, s1), (res2, lines2, s2) = one.result(), two.result()
+    print(f"{mode}: 1 process {s1:.1f}s, 2 processes {s2:.1f}s (run at the same time)")
 
     # both ranks ran to the end; rank 0 alone wrote the result line the runner parsed
     out = "\n".join(lines2)

@@ -25,6 +25,22 @@ def _by_output(findings):
     return {f.output: f for f in findings}
 
 
+def _start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
+    """What ``subprocess.run(..., capture_output=True, text=True, timeout=timeout)`` returns, for a
+    process started by :func:`_start` (killed after ``timeout`` seconds, as ``run`` does)."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 def test_check_finds_each_kind_of_damage_and_names_the_fix(tmp_path, data_dir):
     data = tmp_path / "data"
     data.mkdir()
@@ -62,19 +78,25 @@ def test_check_finds_each_kind_of_damage_and_names_the_fix(tmp_path, data_dir):
     assert found["round_001/critiques.parts/part-00000.parquet"].status == "torn"
     assert found["round_001/.outcomes.parquet.x1.tmp"].status == "leftover"
 
-    # the command: exit status 1, one line per finding with its fix
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "check", "toy", f"runs_dir={cfg.runs_dir}",
-                          f"data_dir={cfg.data_dir}", f"data.train_prompts={cfg.data.train_prompts}",
-                          "critique.enabled=true", "reward.correct_weight=2", "reward.process_weight=1",
-                          f"critique.critic={TINY}"],
-                         capture_output=True, text=True, timeout=120)
+    # the command: exit status 1, one line per finding with its fix; as text and as JSON, the two
+    # started together (`capo check` only reads the run: neither sees the other)
+    text = _start([sys.executable, "-m", "flows.cli", "check", "toy", f"runs_dir={cfg.runs_dir}",
+                   f"data_dir={cfg.data_dir}", f"data.train_prompts={cfg.data.train_prompts}",
+                   "critique.enabled=true", "reward.correct_weight=2", "reward.process_weight=1",
+                   f"critique.critic={TINY}"])
+    as_json = _start([sys.executable, "-m", "flows.cli", "check", "toy", "--json", f"runs_dir={cfg.runs_dir}",
+                      f"data_dir={cfg.data_dir}", f"data.train_prompts={cfg.data.train_prompts}",
+                      f"critique.critic={TINY}"])
+    try:
+        out, js = _finish(text), _finish(as_json)
+    finally:  # neither left running when the other failed
+        for proc in (text, as_json):
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert out.returncode == 1, out.stderr[-2000:]
     assert "MODIFIED" in out.stdout and "TORN" in out.stdout and "fix: capo round --round 1" in out.stdout
     assert "1 modified" in out.stdout and "1 torn" in out.stdout and "1 leftover" in out.stdout
-    js = subprocess.run([sys.executable, "-m", "flows.cli", "check", "toy", "--json", f"runs_dir={cfg.runs_dir}",
-                         f"data_dir={cfg.data_dir}", f"data.train_prompts={cfg.data.train_prompts}",
-                         f"critique.critic={TINY}"],
-                        capture_output=True, text=True, timeout=120)
     rows = [json.loads(line) for line in js.stdout.splitlines()]
     assert {r["status"] for r in rows} >= {"modified", "torn", "leftover", "uncommitted", "missing"}
 

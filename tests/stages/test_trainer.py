@@ -372,9 +372,48 @@ def test_train_stage_lets_the_precision_change_before_it_builds_its_accelerator(
     assert calls == [("allow", "no"), ("Accelerator", "no")]
 
 
-def test_default_precision_checkpoint_reloaded_from_disk_is_the_master_and_carries_the_whole_update(tmp_path, tiny_model):
+_TRAIN_RUNS = (("plain", []), ("k0", ["train.ratio_trace.kappa=0"]), ("k09", ["train.ratio_trace.kappa=0.9"]),
+               ("fipo", ["train.future_kl.half_life=32"]))
+"""The train-stage runs of :func:`train_rounds`: configs/default.yaml as shipped ("plain"), GRPO-λ at
+kappa 0 and 0.9, FIPO."""
+
+
+@pytest.fixture(scope="module")
+def train_rounds(module_tmp, tiny_model) -> dict:
+    """Round 1 of configs/default.yaml with the tiny policy, trained by the real train stage as a round
+    runs it (:func:`flows.runner.run_stage`: a child process) under each setting of :data:`_TRAIN_RUNS`,
+    on the toy round of :func:`tests.toy_round.write_train_round`. Returns ``{name: (cfg, result)}``.
+
+    One real run per setting, shared: the defaults' precision test reads the "plain" run (the
+    shipped defaults), the GRPO-λ / FIPO test all four. The children run two at a time with one
+    intra-op thread each (``OMP_NUM_THREADS=1``): on 2 cores that keeps both busy through the
+    single-threaded parts (imports, loading, saving, hashing) that one 2-thread child after another
+    leaves half idle; every run has the same thread count, so the bit-for-bit comparison of two runs
+    (kappa 0 against plain) compares the same float sums."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flows.runner import run_stage
+    from pipeline.config import load_config
+    from tests.toy_round import write_train_round
+
+    tmp = module_tmp("train-rounds")
+    cfgs = {}
+    for name, over in _TRAIN_RUNS:
+        cfgs[name] = load_config(DEFAULT, [f"runs_dir={tmp / 'runs'}", f"data_dir={tmp / 'data'}", f"run_id={name}",
+                                           f"rollout.policy={tiny_model}", *over])
+        write_train_round(cfgs[name], tiny_model)
+    with pytest.MonkeyPatch.context() as mp, ThreadPoolExecutor(2) as pool:
+        mp.setenv("OMP_NUM_THREADS", "1")  # read by each child when it starts (this process keeps its threads)
+        running = {name: pool.submit(run_stage, "train", cfg, 1) for name, cfg in cfgs.items()}
+        done = {name: f.result() for name, f in running.items()}
+    return {name: (cfgs[name], done[name]) for name in cfgs}
+
+
+def test_default_precision_checkpoint_reloaded_from_disk_is_the_master_and_carries_the_whole_update(train_rounds,
+                                                                                                     tiny_model):
     """configs/default.yaml's precision (``rollout.engine.dtype: float32``, ``train.mixed_precision:
-    no``, ``train.save_dtype: auto``) with the tiny policy, one train stage run as a round runs it:
+    no``, ``train.save_dtype: auto``) with the tiny policy, one train stage run as a round runs it
+    (the "plain" run of :func:`train_rounds`):
 
     - the engine checkpoint, reloaded from disk, is bit for bit the training state's fp32 master
       weights, so it carries the round's whole update (``export_update_share`` 1; under the old
@@ -383,25 +422,20 @@ def test_default_precision_checkpoint_reloaded_from_disk_is_the_master_and_carri
     - tokens with a positive advantage gained log-prob under the reloaded checkpoint and tokens with
       a negative one lost it (the sign test of the bf16 export above, on the defaults' artifact).
 
-    In the fast suite on purpose (20 s on 2 cores, one 135M train stage): it guards the shipped defaults.
+    In the fast suite on purpose (one 135M train stage, shared with the GRPO-λ / FIPO test): it
+    guards the shipped defaults.
     """
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from flows.runner import run_stage
     from pipeline import storage
-    from pipeline.config import load_config
     from pipeline.stages.base import round_paths
-    from tests.toy_round import write_train_round
     from pipeline.stages.train import load_examples
     from train.examples import collate
     from train.logprobs import token_logprobs
 
-    cfg = load_config(DEFAULT, [f"runs_dir={tmp_path / 'runs'}", f"data_dir={tmp_path / 'data'}", "run_id=defaults",
-                                f"rollout.policy={tiny_model}"])
+    cfg, res = train_rounds["plain"]
     assert (cfg.rollout.engine.dtype, cfg.train.mixed_precision, cfg.train.save_dtype) == ("float32", "no", "auto")
-    write_train_round(cfg, tiny_model)
-    res = run_stage("train", cfg, 1)
     assert not res.skipped
     p = round_paths(cfg, 1)
     prec = storage.read_manifest(p["checkpoint"])["precision"]
@@ -433,29 +467,23 @@ def test_default_precision_checkpoint_reloaded_from_disk_is_the_master_and_carri
     assert agree > 0.7, f"only {agree:.0%} of the tokens moved with their advantage"
 
 
-def test_grpo_lambda_and_fipo_reach_the_update(tmp_path, tiny_model):
+def test_grpo_lambda_and_fipo_reach_the_update(train_rounds):
     """The train stage under ``train.ratio_trace`` (GRPO-λ) and ``train.future_kl`` (FIPO) on the real
-    tiny model and a toy round: kappa 0 is the plain per-token ratio (the same checkpoint, bit for
-    bit); kappa 0.9 and FIPO start from the plain loss (every ratio is exp(0) = 1 and every FIPO weight
-    1 before the first step) and end at other weights (GRPO-λ: earlier tokens get later tokens'
-    advantages through the trace; FIPO: the second step's advantages are weighted by the first
-    step's future shift)."""
+    tiny model and a toy round (the runs of :func:`train_rounds`): kappa 0 is the plain per-token
+    ratio (the same checkpoint, bit for bit); kappa 0.9 and FIPO start from the plain loss (every
+    ratio is exp(0) = 1 and every FIPO weight 1 before the first step) and end at other weights
+    (GRPO-λ: earlier tokens get later tokens' advantages through the trace; FIPO: the second step's
+    advantages are weighted by the first step's future shift)."""
     from safetensors.torch import load_file
 
-    from flows.runner import run_stage
     from pipeline import storage
-    from pipeline.config import load_config
     from pipeline.stages.base import round_paths
-    from tests.toy_round import write_train_round
 
     out, credits = {}, {}
-    for name, trace in (("plain", []), ("k0", ["train.ratio_trace.kappa=0"]), ("k09", ["train.ratio_trace.kappa=0.9"]),
-                        ("fipo", ["train.future_kl.half_life=32"])):
-        cfg = load_config(DEFAULT, [f"runs_dir={tmp_path / 'runs'}", f"data_dir={tmp_path / 'data'}", f"run_id={name}",
-                                    f"rollout.policy={tiny_model}", *trace])
+    for name, _ in _TRAIN_RUNS:
+        cfg, res = train_rounds[name]
         assert (cfg.train.ratio_trace is None) == (name in ("plain", "fipo"))
-        write_train_round(cfg, tiny_model)
-        assert not run_stage("train", cfg, 1).skipped
+        assert not res.skipped
         p = round_paths(cfg, 1)
         loss0 = [m["value"] for m in storage.read_table(p["train_metrics"], "train_metrics").to_pylist()
                  if m["name"] == "loss" and m["step"] == 0]
