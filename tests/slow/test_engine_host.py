@@ -52,7 +52,7 @@ def perturbed_checkpoint(data_dir, module_tmp) -> tuple[str, str]:
     return src, str(out)
 
 
-def test_host_reloads_weights_in_place_and_matches_a_fresh_engine(repo, data_dir, tmp_path, perturbed_checkpoint):
+def test_host_reloads_weights_in_place_matches_a_fresh_engine_and_survives_a_bad_checkpoint(repo, data_dir, tmp_path, perturbed_checkpoint):
     from pipeline.engines.host import (
         ADDRESS_ENV,
         RemoteEngine,
@@ -85,25 +85,21 @@ def test_host_reloads_weights_in_place_and_matches_a_fresh_engine(repo, data_dir
     assert again == before
     assert after != before  # the perturbation changes the greedy answers
 
+    # a fresh host at the moved weights gives the reloaded host's answers; then (the same host, one
+    # engine start less than a session of its own) a checkpoint that does not load is reported as the
+    # host's failure and the host keeps serving the weights it had
     with policy_engine_session(_tiny(repo, data_dir, tmp_path / "fresh")):
         fresh = RemoteEngine(moved, ecfg, seed=3)
         assert fresh.stats.extra["host_action"] == "started"
         expected = [g.samples[0].token_ids for g in fresh.generate(CONVS, 1, GREEDY)]
+        fresh.close()
+        with pytest.raises(RuntimeError, match="policy engine host failed on 'load'"):
+            RemoteEngine(str(tmp_path / "no-such-checkpoint"), ecfg)
+        e = RemoteEngine(moved, ecfg)
+        assert len(e.generate(CONVS[:1], 2, SamplingConfig(max_tokens=4))[0].samples) == 2
+        e.close()
     assert after == expected
     assert "reloaded" in (tmp_path / "tiny" / "policy_engine.log").read_text()
-
-
-def test_host_reports_a_bad_checkpoint_and_keeps_serving(repo, data_dir, tmp_path, perturbed_checkpoint):
-    from pipeline.engines.host import RemoteEngine, policy_engine_session
-
-    base, _ = perturbed_checkpoint
-    cfg = _tiny(repo, data_dir, tmp_path)
-    with policy_engine_session(cfg):
-        RemoteEngine(base, cfg.rollout.engine).close()
-        with pytest.raises(RuntimeError, match="policy engine host failed on 'load'"):
-            RemoteEngine(str(tmp_path / "no-such-checkpoint"), cfg.rollout.engine)
-        e = RemoteEngine(base, cfg.rollout.engine)
-        assert len(e.generate(CONVS[:1], 2, SamplingConfig(max_tokens=4))[0].samples) == 2
 
 
 def test_capo_run_flow_keeps_one_host_for_its_rounds(repo, data_dir, tmp_path, harness):
