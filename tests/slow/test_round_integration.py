@@ -128,10 +128,11 @@ _JOBS: dict = {}  # name -> Future of round_jobs' background jobs, while the mod
 
 
 @pytest.fixture(scope="module")
-def round_jobs(tiny_round, repo, module_tmp):
-    """The subprocess tests of the finished round, started at once, one after another on a worker
-    thread, each on its own copy of what it reads (made here, before any test of this module writes
-    into the shared run): ``{name: Future}`` of what each left for its test to check.
+def round_jobs(request, tiny_round, repo, module_tmp):
+    """The subprocess tests of the finished round (those of this session's selection), started at
+    once, one after another on a worker thread, each on its own copy of what it reads (made here,
+    before any test of this module writes into the shared run): ``{name: (..., Future)}`` of what each
+    left for its test to check.
 
     The killed critique and the noise floor run their stage children on one thread: their tests
     count rows and compare tables written by the same run. The killed eval keeps this process's
@@ -145,33 +146,37 @@ def round_jobs(tiny_round, repo, module_tmp):
     one_thread = {**env, "OMP_NUM_THREADS": "1"}
     data_dir = Path(src_cfg.data_dir)
     jobs: dict = {}
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-jobs") as pool:
         # the eval killed while it commits: a copy of the whole round (hard links) without round 1's eval
-        runs = module_tmp("kill-eval") / "runs"
-        _clone_run(src_cfg.run_dir(), runs / src_cfg.run_id)
-        cfg = tiny_cfg(repo, data_dir, runs)
-        ev = round_paths(cfg, 1)["eval"]
-        ev.unlink()
-        ev.with_name(ev.name + ".manifest.json").unlink()
-        cmd = [sys.executable, "-m", "flows.cli", "round", "--config", str(repo / "configs" / "tiny.yaml"),
-               "--round", "1", f"runs_dir={runs}", f"data_dir={data_dir}"]
-        jobs["kill_eval"] = (cfg, ev, pool.submit(_kill_at_eval_write, repo, cmd, ev, env))
+        if "test_killed_while_the_vllm_eval_commits_resumes_to_the_uninterrupted_table" in selected:
+            runs = module_tmp("kill-eval") / "runs"
+            _clone_run(src_cfg.run_dir(), runs / src_cfg.run_id)
+            cfg = tiny_cfg(repo, data_dir, runs)
+            ev = round_paths(cfg, 1)["eval"]
+            ev.unlink()
+            ev.with_name(ev.name + ".manifest.json").unlink()
+            cmd = [sys.executable, "-m", "flows.cli", "round", "--config", str(repo / "configs" / "tiny.yaml"),
+                   "--round", "1", f"runs_dir={runs}", f"data_dir={data_dir}"]
+            jobs["kill_eval"] = (cfg, ev, pool.submit(_kill_at_eval_write, repo, cmd, ev, env))
         # the critique killed mid-stage: the round's rollouts, outcomes and steps only, one rollout a shard
-        runs = module_tmp("kill-critique") / "runs"
-        cfg = tiny_cfg(repo, data_dir, runs, **{"critique.batch_rollouts": 1})
-        src, dst = round_paths(src_cfg, 1), round_paths(cfg, 1)
-        dst["round_dir"].mkdir(parents=True)
-        for name in ("rollouts", "outcomes", "steps"):
-            for f in (src[name], src[name].with_name(src[name].name + ".manifest.json")):
-                shutil.copy2(f, dst[name].parent / f.name)
-        args = ["--config", str(repo / "configs" / "tiny.yaml"), "--round", "1", f"runs_dir={runs}",
-                f"data_dir={data_dir}", "critique.batch_rollouts=1"]
-        jobs["kill_critique"] = (cfg, pool.submit(_kill_mid_critique, repo, cfg, args, one_thread))
+        if "test_killed_mid_critique_resumes_without_lost_or_doubled_rows" in selected:
+            runs = module_tmp("kill-critique") / "runs"
+            cfg = tiny_cfg(repo, data_dir, runs, **{"critique.batch_rollouts": 1})
+            src, dst = round_paths(src_cfg, 1), round_paths(cfg, 1)
+            dst["round_dir"].mkdir(parents=True)
+            for name in ("rollouts", "outcomes", "steps"):
+                for f in (src[name], src[name].with_name(src[name].name + ".manifest.json")):
+                    shutil.copy2(f, dst[name].parent / f.name)
+            args = ["--config", str(repo / "configs" / "tiny.yaml"), "--round", "1", f"runs_dir={runs}",
+                    f"data_dir={data_dir}", "critique.batch_rollouts=1"]
+            jobs["kill_critique"] = (cfg, pool.submit(_kill_mid_critique, repo, cfg, args, one_thread))
         # the noise floor: a copy of the whole round (it writes its arms and the report into the run)
-        runs = module_tmp("noise-floor") / "runs"
-        _clone_run(src_cfg.run_dir(), runs / src_cfg.run_id)
-        cfg = tiny_cfg(repo, data_dir, runs)
-        jobs["noise_floor"] = (cfg, pool.submit(_noise_floor, repo, cfg, one_thread))
+        if "test_noise_floor_of_a_real_round" in selected:
+            runs = module_tmp("noise-floor") / "runs"
+            _clone_run(src_cfg.run_dir(), runs / src_cfg.run_id)
+            cfg = tiny_cfg(repo, data_dir, runs)
+            jobs["noise_floor"] = (cfg, pool.submit(_noise_floor, repo, cfg, one_thread))
         _JOBS.update({k: v[-1] for k, v in jobs.items()})
         try:
             yield jobs
