@@ -7,8 +7,7 @@ process, on a hand-built round of 7 rollouts with a fake critic engine; the miss
 Slow tests (a local Dask cluster and a local Ray instance, SmolLM2-135M as policy and critic, about
 5 minutes on 2 CPU cores): the critique stage of a real tiny round fanned out over 2 workers,
 through vLLM (the engine configs/tiny.yaml names) on Dask and through the transformers engine on
-Ray; a fan-out that resumes a shard committed by ``capo stage critique --shards``. That last one runs
-``capo`` in subprocesses only, so it runs beside the other two (:func:`resumed_cli_job`).
+Ray; a fan-out that resumes a shard committed by ``capo stage critique --shards``.
 """
 
 from __future__ import annotations
@@ -449,9 +448,8 @@ def _env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def dask_vllm(resumed_cli_job, harness, inputs, repo, data_dir, module_tmp):
-    """Fan-out on a local Dask cluster (2 workers) through the engine the config names (vLLM).
-    (``resumed_cli_job``: the CLI's fan-out runs beside it, in subprocesses of its own.)"""
+def dask_vllm(harness, inputs, repo, data_dir, module_tmp):
+    """Fan-out on a local Dask cluster (2 workers) through the engine the config names (vLLM)."""
     from flows.runner import run_stage
 
     runs = module_tmp("dask")
@@ -487,7 +485,7 @@ def test_dask_fanout_through_vllm(dask_vllm, repo, data_dir):
 
 
 @pytest.fixture(scope="module")
-def ray_transformers(resumed_cli_job, harness, inputs, repo, data_dir, module_tmp):
+def ray_transformers(harness, inputs, repo, data_dir, module_tmp):
     from flows.runner import run_stage
 
     runs = module_tmp("ray")
@@ -513,53 +511,26 @@ def test_ray_fanout_through_transformers(ray_transformers, repo, data_dir):
     assert second.skipped
 
 
-def _resume_through_the_cli(repo: Path, cfg, base: list[str], over: list[str], env: dict):
-    """The job of :func:`resumed_cli_job`: ``--shards 1`` alone, then the fan-out, then the fan-out again."""
-    pre = subprocess.run([*base, "--shards", "1", *over], cwd=repo, capture_output=True, text=True, timeout=600, env=env)
-    assert pre.returncode == 0, pre.stderr[-3000:]
-    part = round_paths(cfg, 1)["critiques"].with_suffix(".parts") / "part-00001.parquet"
-    before = pq.read_table(part).to_pylist()
-    fan = [*over, "scale.critique.runner=dask", "scale.critique.workers=2"]
-    out = subprocess.run([*base, *fan], cwd=repo, capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    again = subprocess.run([*base, *fan], cwd=repo, capture_output=True, text=True, timeout=600, env=env)
-    assert again.returncode == 0, again.stderr[-3000:]
-    return before, out, again
-
-
 @pytest.fixture(scope="module")
-def resumed_cli_job(request, inputs, repo, data_dir, module_tmp):
+def resumed_cli(inputs, repo, data_dir, module_tmp):
     """``capo stage critique --shards 1`` (here, no cluster), then ``capo stage critique`` with
     runner=dask: the fan-out must compute shards 0 and 2 only. Both through the CLI, which runs
-    Prefect on its ephemeral server.
-
-    Subprocesses only, on their own copy of the inputs: started here on a worker thread, so that they
-    run while :func:`dask_vllm` and :func:`ray_transformers` fan out in this process (they start it),
-    with the environment this process had before either (a cluster's thread settings, which the
-    fan-outs leave in ``os.environ`` while they run, never reach them). ``(cfg, Future)``; the Future
-    is None when no test of the selection reads it.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    readers = {"test_fanout_resumes_a_shard_committed_by_the_cli", "test_transformers_critiques_do_not_depend_on_the_runner"}
-    if not readers & {item.originalname for item in request.session.items if item.module is request.module}:
-        yield None, None
-        return
+    Prefect on its ephemeral server."""
     runs = module_tmp("resume")
     cfg = _tiny(repo, data_dir, runs, **TRANSFORMERS_CRITIC)
     _copy_inputs(inputs, runs, cfg)
     base = [sys.executable, "-m", "flows.cli", "stage", "critique", "--config", str(repo / "configs" / "tiny.yaml"),
             "--round", "1"]
     over = _overrides(runs, data_dir, **TRANSFORMERS_CRITIC)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="resumed-cli") as pool:
-        yield cfg, pool.submit(_resume_through_the_cli, repo, cfg, base, over, dict(os.environ))
-
-
-@pytest.fixture(scope="module")
-def resumed_cli(resumed_cli_job):
-    """What :func:`resumed_cli_job` left: ``(cfg, shard 1 before the fan-out, the fan-out, the fan-out again)``."""
-    cfg, job = resumed_cli_job
-    before, out, again = job.result()
+    pre = subprocess.run([*base, "--shards", "1", *over], cwd=repo, capture_output=True, text=True, timeout=600)
+    assert pre.returncode == 0, pre.stderr[-3000:]
+    part = round_paths(cfg, 1)["critiques"].with_suffix(".parts") / "part-00001.parquet"
+    before = pq.read_table(part).to_pylist()
+    fan = [*over, "scale.critique.runner=dask", "scale.critique.workers=2"]
+    out = subprocess.run([*base, *fan], cwd=repo, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    again = subprocess.run([*base, *fan], cwd=repo, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
     return cfg, before, out, again
 
 
