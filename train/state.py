@@ -76,8 +76,10 @@ def export_checkpoint(model, tok, out: Path, dtype: str, state_dict: dict | None
     ``model`` is the unwrapped model. ``state_dict`` (from ``accelerator.get_state_dict`` under
     FSDP / ZeRO-3, where ``model`` holds only shards) replaces the model's own weights, cast to
     ``dtype``: the pattern of Accelerate's docs, ``unwrap_model(model).save_pretrained(...,
-    state_dict=accelerator.get_state_dict(model))``. Without it a LoRA model is merged first. The
-    model is cast in place: export after the training state is saved.
+    state_dict=accelerator.get_state_dict(model))``. Without it a LoRA model is merged first, with
+    PEFT's ``merge_and_unload``, which adds the adapters into the base weights in place: afterwards
+    ``model``'s base layers hold the merged weights. The model is also cast to ``dtype`` in place.
+    So export last, after the training state is saved.
     """
     if state_dict is not None:
         torch_dtype = getattr(torch, dtype)
