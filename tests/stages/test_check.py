@@ -25,22 +25,6 @@ def _by_output(findings):
     return {f.output: f for f in findings}
 
 
-def _start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
-    """What ``subprocess.run(..., capture_output=True, text=True, timeout=timeout)`` returns, for a
-    process started by :func:`_start` (killed after ``timeout`` seconds, as ``run`` does)."""
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-
 def test_check_finds_each_kind_of_damage_and_names_the_fix(tmp_path, data_dir):
     data = tmp_path / "data"
     data.mkdir()
@@ -80,20 +64,17 @@ def test_check_finds_each_kind_of_damage_and_names_the_fix(tmp_path, data_dir):
 
     # the command: exit status 1, one line per finding with its fix; as text and as JSON, the two
     # started together (`capo check` only reads the run: neither sees the other)
-    text = _start([sys.executable, "-m", "flows.cli", "check", "toy", f"runs_dir={cfg.runs_dir}",
-                   f"data_dir={cfg.data_dir}", f"data.train_prompts={cfg.data.train_prompts}",
-                   "critique.enabled=true", "reward.correct_weight=2", "reward.process_weight=1",
-                   f"critique.critic={TINY}"])
-    as_json = _start([sys.executable, "-m", "flows.cli", "check", "toy", "--json", f"runs_dir={cfg.runs_dir}",
-                      f"data_dir={cfg.data_dir}", f"data.train_prompts={cfg.data.train_prompts}",
-                      f"critique.critic={TINY}"])
-    try:
-        out, js = _finish(text), _finish(as_json)
-    finally:  # neither left running when the other failed
-        for proc in (text, as_json):
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    from concurrent.futures import ThreadPoolExecutor
+
+    cmds = ([sys.executable, "-m", "flows.cli", "check", "toy", f"runs_dir={cfg.runs_dir}",
+             f"data_dir={cfg.data_dir}", f"data.train_prompts={cfg.data.train_prompts}",
+             "critique.enabled=true", "reward.correct_weight=2", "reward.process_weight=1",
+             f"critique.critic={TINY}"],
+            [sys.executable, "-m", "flows.cli", "check", "toy", "--json", f"runs_dir={cfg.runs_dir}",
+             f"data_dir={cfg.data_dir}", f"data.train_prompts={cfg.data.train_prompts}",
+             f"critique.critic={TINY}"])
+    with ThreadPoolExecutor(2) as pool:
+        out, js = pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=120), cmds)
     assert out.returncode == 1, out.stderr[-2000:]
     assert "MODIFIED" in out.stdout and "TORN" in out.stdout and "fix: capo round --round 1" in out.stdout
     assert "1 modified" in out.stdout and "1 torn" in out.stdout and "1 leftover" in out.stdout
